@@ -1,0 +1,141 @@
+"""The ``levanter`` command line.
+
+Exit status: 0 on success, 2 on a bad config or bad input (the message says
+what and where; no traceback), 1 on any other failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Annotated, Optional
+
+import click
+import typer
+import typer.core
+
+from levanter_core.errors import UserError
+
+app = typer.Typer(
+    name="levanter",
+    help="Train language models in JAX. Architectures, trackers, data sources, optimizers and "
+    "checkpointers come from plugins: see `levanter plugins`.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+class _TrainCommand(typer.core.TyperCommand):
+    """`levanter train --help` ends with the reference of every config field."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from levanter_core.config.reference import field_reference
+        from levanter_core.config.train import TrainConfig
+
+        formatter.write_paragraph()
+        formatter.write("Config fields (YAML sections; override any with --section.field VALUE):\n\n")
+        formatter.write(field_reference(TrainConfig) + "\n")
+
+
+@app.command(
+    cls=_TrainCommand,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def train(
+    ctx: typer.Context,
+    config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Train a model from a YAML config, resuming the run if it already has a checkpoint.
+
+    Any config field can be overridden after the file name, with its dotted
+    path: --trainer.num_train_steps 100, --data.train_urls '["a.jsonl"]'.
+    The run directory ({trainer.log_dir}/{run id}) is printed at start; it gets
+    metrics.jsonl, the resolved config.yaml, run.json and requirements.txt.
+    """
+    from levanter_core.config.train import load_train_config
+    from levanter_core.trainer.run import run_training
+
+    train_config, _ = load_train_config(config, list(ctx.args))
+    result = run_training(train_config, config_path=config, progress=progress)
+    parts = [f"done: step {result.final_step}"]
+    if result.last_loss is not None:
+        parts.append(f"train loss {result.last_loss:.4f}")
+    if result.final_eval_loss is not None:
+        parts.append(f"eval loss {result.final_eval_loss:.4f}")
+    if result.tokens_per_second:
+        parts.append(f"{result.tokens_per_second:,.0f} tokens/s")
+    parts.append(f"{result.wall_seconds:.1f} s")
+    print(", ".join(parts))
+
+
+@app.command()
+def plugins(
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """List installed plugins: distribution, version, hooks, and the type names each registers."""
+    from levanter_core.plugins import get_manager
+
+    manager = get_manager()
+    registry_error = None
+    try:
+        manager.registries()
+    except UserError as e:  # e.g. a duplicate type name: still show what is installed
+        registry_error = str(e)
+    infos = list(manager.plugins.values())
+    if as_json:
+        payload = {"plugins": [i.as_dict() for i in infos], "error": registry_error}
+        print(json.dumps(payload, indent=2))
+    else:
+        for info in infos:
+            where = f"{info.distribution} {info.version}" if info.distribution else "(in-process)"
+            print(f"{info.name}  [{where}]")
+            if info.error:
+                print(f"    FAILED: {info.error}")
+                continue
+            print(f"    hooks: {', '.join(info.hooks) or '-'}")
+            for kind, names in sorted(info.types.items()):
+                print(f"    {kind}: {', '.join(names)}")
+        if registry_error:
+            print(f"error: {registry_error}", file=sys.stderr)
+    if registry_error or any(i.error for i in infos):
+        raise typer.Exit(code=1)
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("LEVANTER_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("levanter_core").setLevel(level)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point: run the app, turning errors into messages and exit codes."""
+    _setup_logging()
+    from levanter_core.plugins import get_manager
+
+    try:
+        get_manager().hook().register_commands(app=app)
+    except Exception as e:  # a broken command plugin must not break the CLI
+        print(f"warning: a plugin's register_commands failed: {e}", file=sys.stderr)
+    try:
+        # Without standalone mode click returns the exit code of typer.Exit instead of exiting.
+        code = app(args=argv, standalone_mode=False)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,121 @@
+"""Base classes for configuration sections, and the polymorphic ``type`` field.
+
+Every section is a frozen pydantic model that rejects unknown keys. A
+polymorphic section (``model``, ``optimizer``, ``data``, each tracker, the
+checkpointer) is a :class:`TypedConfig`: its ``type`` names an entry in the
+matching plugin registry, and the rest of the section is validated by that
+entry's config class. Field docstrings are the reference documentation: they
+become ``levanter train --help`` and ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+
+class ConfigModel(BaseModel):
+    """A configuration section: frozen, hashable, unknown keys are errors."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+        arbitrary_types_allowed=True,
+        validate_default=True,
+    )
+
+
+class TypedConfig(ConfigModel):
+    """A section whose ``type`` selects an implementation from a plugin registry."""
+
+    type: str = ""
+    """The registered type name (see ``levanter plugins``)."""
+
+
+def _fail(loc: tuple, kind: str, message: str, value: Any) -> ValidationError:
+    return ValidationError.from_exception_data(
+        "config",
+        [{"type": PydanticCustomError(kind, message), "loc": loc, "input": value}],
+    )
+
+
+def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = ()) -> TypedConfig:
+    from levanter_core.plugins import KINDS, registry
+
+    base = KINDS[kind].base_class()
+    if isinstance(value, base):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise _fail(loc, "typed_section", f"expected a mapping with a `type` field, got {value!r}", value)
+    reg = registry(kind)
+    name = value.get("type", default_type)
+    if name is None:
+        raise _fail(loc + ("type",), "missing_type", f"a {kind} `type` is required; installed: {reg.describe_choices()}", value)
+    if not isinstance(name, str) or name not in reg:
+        raise _fail(loc + ("type",), "unknown_type", reg.describe_unknown(str(name)), name)
+    cls = reg.get(name).config_cls
+    try:
+        return cls.model_validate({**value, "type": name})
+    except ValidationError as e:
+        if not loc:
+            raise
+        errors = [{**err, "loc": loc + tuple(err["loc"])} for err in e.errors()]
+        raise ValidationError.from_exception_data("config", errors) from None
+
+
+def _serialize(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_serialize(v) for v in value]
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def _tagged(func, kind: str, default_type: str | None):
+    # Lets tools that walk the schema (error hints, --help) find which registry a field uses.
+    func.__levanter_kind__ = kind
+    func.__levanter_default__ = default_type
+    return func
+
+
+def Typed(kind: str, default_type: str | None = None) -> Any:
+    """Annotation for a field holding one ``kind`` section chosen by its ``type``."""
+
+    def validate(value: Any) -> TypedConfig:
+        return _validate_one(kind, default_type, value)
+
+    return Annotated[
+        Any,
+        PlainValidator(_tagged(validate, kind, default_type)),
+        PlainSerializer(_serialize),
+        WithJsonSchema({"type": "object", "description": f"a {kind} section selected by `type`"}),
+    ]
+
+
+def TypedList(kind: str, default_type: str | None = None) -> Any:
+    """Like :func:`Typed`, but the field may also hold a list of sections; it is
+    always stored as a tuple."""
+
+    def validate(value: Any) -> tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_validate_one(kind, default_type, v, (i,)) for i, v in enumerate(value))
+        return (_validate_one(kind, default_type, value),)
+
+    return Annotated[
+        Any,
+        PlainValidator(_tagged(validate, kind, default_type)),
+        PlainSerializer(_serialize),
+        WithJsonSchema({"type": "array", "description": f"one or more {kind} sections selected by `type`"}),
+    ]
+
+
+def typed_field_kind(field: Any) -> tuple[str, str | None] | None:
+    """``(kind, default type)`` if the pydantic ``field`` is :func:`Typed`/:func:`TypedList`."""
+    for meta in getattr(field, "metadata", ()):
+        func = getattr(meta, "func", None)
+        if hasattr(func, "__levanter_kind__"):
+            return func.__levanter_kind__, func.__levanter_default__
+    return None

@@ -1,0 +1,104 @@
+"""The field reference: every config field with its type, default and docstring.
+
+It is generated from the pydantic models (core sections and every installed
+plugin type), so ``levanter train --help`` and ``docs/configuration.md`` always
+match the code.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Iterator
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from levanter_core.config.base import ConfigModel, typed_field_kind
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is None or annotation is type(None):
+        return "null"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    text = repr(annotation).replace("typing.", "")
+    return text.replace("NoneType", "null")
+
+
+def _default(field) -> str:
+    if field.default is not PydanticUndefined:
+        value = field.default
+        if isinstance(value, BaseModel):
+            return "(section)"
+        if hasattr(value, "total_seconds"):
+            from levanter_core.config.types import format_duration
+
+            return format_duration(value)
+        return repr(value)
+    if field.default_factory is not None:
+        try:
+            value = field.default_factory()
+        except TypeError:
+            return "(computed)"
+        if isinstance(value, BaseModel):
+            return "(section)"
+        return "" if value == {} and typed_field_kind(field) else repr(value)
+    return "required"
+
+
+def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
+    """Yield ``(dotted name, type, default, description)`` for ``cls`` and its nested sections."""
+    from levanter_core.plugins import registry
+
+    for name, field in cls.model_fields.items():
+        dotted = f"{prefix}{name}"
+        doc = " ".join((field.description or "").split())
+        typed = typed_field_kind(field)
+        annotation = field.annotation
+        if typed is not None:
+            kind, default = typed
+            reg = registry(kind)
+            choices = ", ".join(reg.names()) or "none installed"
+            default_text = f"type {default}" if default else "required"
+            yield dotted, f"{kind} section", default_text, f"{doc} Types: {choices}."
+            for entry in reg:
+                yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")
+            continue
+        nested = _nested_model(annotation)
+        if nested is not None:
+            yield dotted, "section", "", doc
+            yield from iter_fields(nested, dotted + ".")
+            continue
+        if name == "type" and prefix.endswith("].") :
+            continue
+        yield dotted, _type_name(annotation), _default(field), doc
+
+
+def _nested_model(annotation: Any) -> type[ConfigModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, ConfigModel):
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], ConfigModel):
+        return args[0]
+    return None
+
+
+def field_reference(cls: type[ConfigModel]) -> str:
+    """Plain-text reference, one field per entry."""
+    lines = []
+    for dotted, type_name, default, doc in iter_fields(cls):
+        head = f"  {dotted}"
+        meta = ", ".join(p for p in (type_name, f"default {default}" if default else "") if p)
+        lines.append(f"{head}  ({meta})")
+        if doc:
+            lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def markdown_reference(cls: type[ConfigModel]) -> str:
+    """The same reference as a Markdown table (for docs/)."""
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    for dotted, type_name, default, doc in iter_fields(cls):
+        cells = [f"`{dotted}`", type_name, f"`{default}`" if default else "", doc]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

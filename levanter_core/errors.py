@@ -1,0 +1,33 @@
+"""Errors meant for people.
+
+Every error that is the user's to fix (a bad config, a missing file, a bad data
+line, a checkpoint that does not fit) is a :class:`UserError`. The CLI prints
+its message, with no traceback, and exits with status 2. Anything else is a
+bug or an environment failure and exits with status 1.
+"""
+
+
+class LevanterError(Exception):
+    """Base class of the errors levanter raises on purpose."""
+
+
+class UserError(LevanterError):
+    """Something the user can fix: the message says what, where, and how."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A configuration that cannot be loaded or validated."""
+
+
+class PluginError(UserError):
+    """A plugin that cannot be used (duplicate type name, bad registration)."""
+
+
+class DataError(UserError):
+    """Input data that cannot be read or tokenized."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be found, read, or does not fit the model."""

@@ -1,0 +1,157 @@
+"""What the core expects of a language model, and the loss it trains with.
+
+An architecture plugin provides two things:
+
+* a config class, subclass of :class:`LmConfig`, registered under a ``type``
+  name through the ``register_models`` hook;
+* the model it builds, an Equinox module following :class:`LmHeadModel`.
+
+The trainer only ever calls ``config.build(Vocab, key=...)``, ``model(...)``
+(through :func:`next_token_loss`) and ``config.flops_per_token(...)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol, runtime_checkable
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+
+from levanter_core.config.base import TypedConfig
+
+
+class LmConfig(TypedConfig, abc.ABC):
+    """Base class of every model config (the ``model:`` section)."""
+
+    seq_len: int = 1024
+    """Length of the training sequences (the ``position`` axis)."""
+
+    cross_entropy_block_size: int | None = None
+    """Compute the loss over the vocabulary in blocks of this many entries instead of
+    materializing all logits at once. ``None`` computes it in one piece."""
+
+    @property
+    def Pos(self) -> Axis:
+        return Axis("position", self.seq_len)
+
+    @property
+    def KeyPos(self) -> Axis:
+        return self.Pos.alias("key_position")
+
+    @property
+    @abc.abstractmethod
+    def Embed(self) -> Axis:
+        """The model's hidden axis."""
+
+    @abc.abstractmethod
+    def build(self, Vocab: Axis, *, key) -> "LmHeadModel":
+        """A freshly initialized model with this config and vocabulary."""
+
+    def flops_per_token(self, vocab_size: int) -> float | None:
+        """Training FLOPs per token (forward and backward), for MFU; None if unknown."""
+        return None
+
+
+@runtime_checkable
+class LmHeadModel(Protocol):
+    """A causal language model over named axes.
+
+    ``input_ids`` has a ``position`` axis (``config.Pos``) and any batch axes;
+    the result keeps them and adds ``Vocab``.
+    """
+
+    @property
+    def Vocab(self) -> Axis: ...
+
+    @property
+    def config(self) -> LmConfig: ...
+
+    def activations(self, input_ids: NamedArray, *, key=None) -> NamedArray:
+        """Final hidden states, axes ``(..., position, embed)``."""
+        ...
+
+    def get_lm_head(self) -> NamedArray:
+        """The output projection, axes ``(embed, vocab)``."""
+        ...
+
+    def __call__(self, input_ids: NamedArray, *, key=None) -> NamedArray:
+        """Logits, axes ``(..., position, vocab)``."""
+        ...
+
+
+def next_token_loss(
+    model: LmHeadModel,
+    input_ids: NamedArray,
+    loss_mask: NamedArray | None = None,
+    *,
+    key=None,
+    reduction: str = "mean",
+) -> jnp.ndarray:
+    """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``.
+
+    The last position has no target and is excluded. ``loss_mask`` (same axes as
+    ``input_ids``, 1 where a position's *next* token counts) narrows it further.
+    The loss is computed in float32 whatever the compute precision.
+    """
+    Pos = input_ids.resolve_axis("position")
+    hidden = model.activations(input_ids, key=key)
+    head = model.get_lm_head()
+    targets = hax.roll(input_ids, -1, Pos)
+    mask = (hax.arange(Pos) < Pos.size - 1).astype(jnp.float32)
+    if loss_mask is not None:
+        mask = mask * loss_mask.astype(jnp.float32)
+    block = getattr(model.config, "cross_entropy_block_size", None)
+    per_token = _cross_entropy(hidden, head, targets, model.Vocab, block)
+    total = hax.sum(per_token * mask).scalar()
+    if reduction == "sum":
+        return total
+    return total / jnp.maximum(hax.sum(mask).scalar(), 1.0)
+
+
+def _cross_entropy(hidden: NamedArray, head: NamedArray, targets: NamedArray, Vocab: Axis, block: int | None):
+    """Per-position cross-entropy in float32; blockwise over the vocabulary if ``block`` is set."""
+    if block is None or block >= Vocab.size:
+        logits = hax.dot(hidden, head, axis="embed").astype(jnp.float32)
+        log_z = hax.nn.logsumexp(logits, axis=Vocab)
+        target_logit = hax.take(logits, Vocab, targets)
+        return log_z - target_logit
+    return _blockwise_cross_entropy(hidden, head, targets, Vocab, block)
+
+
+def _blockwise_cross_entropy(hidden, head, targets, Vocab: Axis, block: int):
+    """Streaming log-sum-exp over vocabulary blocks: never holds more than one block of logits."""
+    num_blocks = -(-Vocab.size // block)
+    padded = num_blocks * block
+    head_arr = head.rearrange(("embed", Vocab.name)).array
+    if padded != Vocab.size:
+        head_arr = jnp.pad(head_arr, ((0, 0), (0, padded - Vocab.size)))
+    head_blocks = head_arr.reshape(head_arr.shape[0], num_blocks, block).transpose(1, 0, 2)
+    h = hidden.rearrange((..., "embed"))
+    h_arr = h.array
+    tgt = targets.rearrange(h.axes[:-1]).array
+
+    def body(carry, xs):
+        running_max, running_sum, target_logit = carry
+        i, w = xs
+        logits = jnp.einsum("...e,ev->...v", h_arr, w).astype(jnp.float32)
+        ids = i * block + jnp.arange(block)
+        logits = jnp.where(ids < Vocab.size, logits, -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(jnp.exp(logits - new_max[..., None]), -1)
+        in_block = (tgt >= i * block) & (tgt < (i + 1) * block)
+        picked = jnp.take_along_axis(logits, jnp.clip(tgt - i * block, 0, block - 1)[..., None], -1)[..., 0]
+        target_logit = jnp.where(in_block, picked, target_logit)
+        return (new_max, running_sum, target_logit), None
+
+    init_shape = tgt.shape
+    init = (
+        jnp.full(init_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(init_shape, jnp.float32),
+        jnp.zeros(init_shape, jnp.float32),
+    )
+    (m, s, t), _ = jax.lax.scan(body, init, (jnp.arange(num_blocks), head_blocks))
+    return hax.named(m + jnp.log(s) - t, h.axes[:-1])
+

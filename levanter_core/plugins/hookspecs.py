@@ -1,0 +1,79 @@
+"""The hooks a levanter plugin can implement.
+
+A plugin is any module (usually named by an entry point in the ``levanter``
+group) that defines functions decorated with :data:`hookimpl` whose names match
+the specs below. An implementation may accept a subset of a spec's arguments.
+
+The registration hooks all work the same way: they receive a ``register``
+callback and call it once per type name they provide::
+
+    from levanter_core.plugins import hookimpl
+
+    @hookimpl
+    def register_trackers(register):
+        register("csv", CsvTrackerConfig)
+
+``register(name, config_cls)`` takes the type name users write as ``type:`` in
+their YAML and a pydantic config class (a subclass of the kind's base class,
+e.g. :class:`levanter_core.tracker.TrackerConfig`). The config class both
+validates the section and builds the object (``build``/``init``/``create``, see
+each base class).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT_NAME = "levanter"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[[str, type], None]
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model types. ``register(name, cls)`` with ``cls`` a subclass of
+    :class:`levanter_core.models.LmConfig`; ``type: name`` under ``model:`` selects it."""
+
+
+@hookspec
+def register_data_sources(register: Register) -> None:
+    """Register data sources. ``cls`` subclasses
+    :class:`levanter_core.data.DataSourceConfig`; selected by ``data.type``."""
+
+
+@hookspec
+def register_optimizers(register: Register) -> None:
+    """Register optimizers. ``cls`` subclasses
+    :class:`levanter_core.optim.OptimizerConfig`; selected by ``optimizer.type``."""
+
+
+@hookspec
+def register_trackers(register: Register) -> None:
+    """Register trackers. ``cls`` subclasses
+    :class:`levanter_core.tracker.TrackerConfig`; selected by ``trainer.tracker.type``
+    (or each item's ``type`` when ``trainer.tracker`` is a list)."""
+
+
+@hookspec
+def register_checkpointers(register: Register) -> None:
+    """Register checkpointers. ``cls`` subclasses
+    :class:`levanter_core.checkpoint.CheckpointerConfig`; selected by
+    ``trainer.checkpointer.type``."""
+
+
+@hookspec
+def register_commands(app: Any) -> None:
+    """Add sub-commands to the ``levanter`` CLI. ``app`` is the root
+    :class:`typer.Typer`; use ``@app.command()`` on your functions."""
+
+
+@hookspec(firstresult=True)
+def model_type_for_hf_config(hf_config: dict) -> str | None:
+    """Map a Hugging Face ``config.json`` (as a dict, with ``model_type`` and
+    ``architectures``) to one of our registered model type names, or return
+    ``None`` if this plugin does not handle it. The first non-None answer wins."""

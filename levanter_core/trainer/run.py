@@ -1,0 +1,318 @@
+"""The path of one training run, from a validated config to the final checkpoint.
+
+``run_training`` is what ``levanter train`` calls:
+
+config -> JAX set-up -> run directory -> data (tokenized cache) -> mesh ->
+model and optimizer -> fresh or resumed state -> trackers -> train loop
+(log, eval, checkpoint) -> final checkpoint and summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from levanter_core import __version__
+from levanter_core.config.train import TrainConfig
+from levanter_core.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run reports back (also written to ``summary.json`` by the json tracker)."""
+
+    run_id: str
+    run_dir: str
+    start_step: int
+    final_step: int
+    first_loss: float | None = None
+    last_loss: float | None = None
+    initial_eval_loss: float | None = None
+    final_eval_loss: float | None = None
+    tokens_per_second: float | None = None
+    wall_seconds: float = 0.0
+    checkpoint: str | None = None
+
+
+# -- identity and the run record ---------------------------------------------------------------
+
+
+def resolved_config(config: TrainConfig) -> dict:
+    """The config with every default filled in, as JSON-able data."""
+    return config.model_dump(mode="json")
+
+
+def derive_run_id(config: TrainConfig, config_path: str | None) -> str:
+    """``trainer.id`` if set; else ``{config file stem}-{hash of the resolved config}``, so the
+    same command (same config, same overrides) names the same run and resumes it."""
+    if config.trainer.id:
+        return config.trainer.id
+    data = resolved_config(config)
+    data["trainer"].pop("id", None)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
+    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    return f"{stem}-{digest}"
+
+
+def plugin_versions() -> dict[str, str | None]:
+    from levanter_core.plugins import get_manager
+
+    return {
+        info.distribution or info.name: info.version
+        for info in get_manager().plugins.values()
+        if not info.error
+    }
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def write_run_record(run_dir: str, config: TrainConfig, config_path: str | None) -> None:
+    """Save the resolved config, the code version and the installed packages in the run directory."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(resolved_config(config), f, sort_keys=False)
+    record = {
+        "config_file": os.path.abspath(config_path) if config_path else None,
+        "command": sys.argv,
+        "git_sha": _git_sha(),
+        "levanter_core": __version__,
+        "plugins": plugin_versions(),
+        "python": sys.version.split()[0],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    with open(os.path.join(run_dir, "run.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    with open(os.path.join(run_dir, "requirements.txt"), "w", encoding="utf-8") as f:
+        f.write("\n".join(packages) + "\n")
+
+
+# -- JAX set-up ----------------------------------------------------------------------------
+
+
+def configure_jax(config: TrainConfig) -> None:
+    import jax
+
+    trainer = config.trainer
+    for name, value in trainer.jax_config.items():
+        try:
+            jax.config.update(name, value)
+        except (AttributeError, ValueError, TypeError) as e:
+            raise ConfigError(f"trainer.jax_config.{name}: JAX does not accept {value!r}: {e}") from None
+    if trainer.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", trainer.jax_compilation_cache_dir)
+    dist = trainer.distributed
+    if dist.requested:
+        jax.distributed.initialize(
+            coordinator_address=dist.coordinator_address,
+            num_processes=dist.num_processes,
+            process_id=dist.process_id,
+            local_device_ids=dist.local_device_ids,
+        )
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def run_training(config: TrainConfig, *, config_path: str | None = None, progress: bool = True) -> RunResult:
+    """Train as ``config`` says; resume if this run already has a checkpoint."""
+    configure_jax(config)
+
+    import jax
+    from haliax import Axis
+
+    from levanter_core.data import build_lm_data
+    from levanter_core.models.lm import next_token_loss
+    from levanter_core.trainer.mesh import make_mesh
+    from levanter_core.trainer.trainer import Trainer
+
+    wall_start = time.perf_counter()
+    trainer_cfg = config.trainer
+    run_id = derive_run_id(config, config_path)
+    run_dir = os.path.join(trainer_cfg.log_dir, run_id)
+    write_run_record(run_dir, config, config_path)
+    logger.info("run %s: run directory %s", run_id, run_dir)
+    print(f"run directory: {run_dir}", flush=True)
+
+    data = build_lm_data(config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, progress=progress)
+    Vocab = Axis("vocab", data.tokenizer.vocab_size)
+
+    mesh = make_mesh(trainer_cfg)
+    num_steps = trainer_cfg.num_train_steps
+    optimizer = config.optimizer.build(num_steps)
+    trainer = Trainer(trainer_cfg, optimizer, next_token_loss, mesh=mesh)
+
+    def model_init(key):
+        return config.model.build(Vocab, key=key)
+
+    key = jax.random.PRNGKey(trainer_cfg.seed)
+    checkpointer = trainer_cfg.checkpointer.create(
+        run_id, metadata={"config": resolved_config(config), "plugins": plugin_versions(), "run_id": run_id}
+    )
+    state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key)
+    start_step = int(state.step)
+    if resumed_from:
+        print(f"resumed from {resumed_from} at step {start_step}", flush=True)
+
+    tracker = _make_tracker(config, run_id, run_dir, start_step if resumed_from else None)
+    result = RunResult(run_id, run_dir, start_step, start_step)
+    try:
+        tracker.log_hyperparameters(resolved_config(config))
+        loop = _TrainLoop(config, trainer, data, tracker, checkpointer, progress=progress)
+        state = loop.run(state, result)
+        checkpointer.on_step(state, int(state.step), force=True)
+        checkpointer.wait_until_finished()
+        result.checkpoint = checkpointer.latest()
+        result.wall_seconds = time.perf_counter() - wall_start
+        tracker.log_summary({k: v for k, v in dataclasses.asdict(result).items() if v is not None})
+    finally:
+        tracker.finish()
+    return result
+
+
+def _initial_state(trainer, cfg, checkpointer, model_init, key):
+    """Fresh, or loaded from this run's latest checkpoint, or from ``initialize_from``."""
+    from levanter_core.checkpoint import discover_latest
+
+    if cfg.load_checkpoint is not False:
+        where = cfg.load_checkpoint_path or checkpointer.path
+        found = discover_latest(where)
+        if found is not None:
+            return checkpointer.load(trainer.state_template(model_init, key), found), found
+        if cfg.load_checkpoint:
+            raise CheckpointError(
+                f"trainer.load_checkpoint is true but there is no complete checkpoint under {where}"
+            )
+    if cfg.initialize_from:
+        found = discover_latest(cfg.initialize_from)
+        if found is None:
+            raise CheckpointError(f"trainer.initialize_from: no complete checkpoint under {cfg.initialize_from}")
+        return checkpointer.load(trainer.state_template(model_init, key), found), found
+    return trainer.init_state(model_init, key), None
+
+
+def _make_tracker(config: TrainConfig, run_id: str, run_dir: str, resume_step: int | None):
+    from levanter_core.tracker import CompositeTracker, RunInfo
+
+    info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved_config(config), resume_step=resume_step)
+    trackers = [t.init(info) for t in config.trainer.tracker]
+    return trackers[0] if len(trackers) == 1 else CompositeTracker(trackers)
+
+
+class _TrainLoop:
+    """Steps, logging, evaluation and checkpoints; metrics are fetched one step late."""
+
+    def __init__(self, config: TrainConfig, trainer, data, tracker, checkpointer, *, progress: bool):
+        self.config = config
+        self.trainer = trainer
+        self.data = data
+        self.tracker = tracker
+        self.checkpointer = checkpointer
+        self.progress = progress
+        self.num_steps = config.trainer.num_train_steps
+        self.lr = config.optimizer.lr_scheduler(self.num_steps)
+        self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
+        flops = config.model.flops_per_token(data.tokenizer.vocab_size)
+        self.flops_per_step = flops * self.tokens_per_step if flops else None
+
+    def evaluate(self, model) -> float | None:
+        validation = self.data.validation
+        if validation is None:
+            return None
+        cfg = self.trainer.config
+        return self.trainer.evaluate(model, validation.eval_batches(self.trainer.plan.eval_batch_size, cfg.max_eval_batches))
+
+    def run(self, state, result: RunResult):
+        from tqdm.auto import tqdm
+
+        from levanter_core.trainer.trainer import Prefetcher, Throughput
+
+        start = int(state.step)
+        if start >= self.num_steps:
+            print(f"run already complete: step {start} of {self.num_steps}", flush=True)
+            return state
+        if start == 0:
+            result.initial_eval_loss = self.evaluate(state.model)
+            if result.initial_eval_loss is not None:
+                self.tracker.log({"eval/loss": result.initial_eval_loss}, step=0)
+
+        batch_size = self.trainer.plan.batch_size
+        prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size), start, self.num_steps)
+        throughput = Throughput(self.tokens_per_step)
+        bar = tqdm(
+            total=self.num_steps,
+            initial=start,
+            unit="step",
+            disable=not self.progress,
+            mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            dynamic_ncols=True,
+        )
+        pending: dict[str, Any] | None = None
+        steps_per_eval = self.trainer.config.steps_per_eval
+        try:
+            for _ in range(start, self.num_steps):
+                index, tokens = prefetch.get()
+                state, metrics = self.trainer.train_step(state, tokens)
+                if pending is not None:
+                    self._finish(pending, throughput, bar, result)
+                step = index + 1
+                pending = {"step": step, "device": metrics}
+                if step % steps_per_eval == 0 or step == self.num_steps:
+                    eval_loss = self.evaluate(state.model)
+                    if eval_loss is not None:
+                        pending["eval/loss"] = eval_loss
+                        result.final_eval_loss = eval_loss
+                if step < self.num_steps:  # the final save is forced by the caller
+                    self.checkpointer.on_step(state, step)
+            if pending is not None:
+                self._finish(pending, throughput, bar, result)
+        finally:
+            prefetch.close()
+            bar.close()
+        if throughput.step_times:
+            times = sorted(throughput.step_times)
+            result.tokens_per_second = self.tokens_per_step / times[len(times) // 2]
+        return state
+
+    def _finish(self, pending: dict, throughput, bar, result: RunResult) -> None:
+        step = pending["step"]
+        metrics = {name: float(value) for name, value in pending["device"].items()}
+        self.trainer.check_finite(metrics["train/loss"], step)
+        metrics["optim/learning_rate"] = float(self.lr(step - 1))
+        rate = throughput.tick()
+        if rate is not None:
+            metrics["throughput/tokens_per_second"] = rate
+            if self.flops_per_step:
+                metrics["throughput/model_gflops_per_second"] = rate / self.tokens_per_step * self.flops_per_step / 1e9
+        if "eval/loss" in pending:
+            metrics["eval/loss"] = pending["eval/loss"]
+        self.tracker.log(metrics, step=step)
+        if result.first_loss is None:
+            result.first_loss = metrics["train/loss"]
+        result.last_loss = metrics["train/loss"]
+        result.final_step = step
+        postfix = {"loss": f"{metrics['train/loss']:.3f}"}
+        if rate is not None:
+            postfix["tok/s"] = f"{rate:,.0f}"
+        if "eval/loss" in metrics:
+            postfix["eval"] = f"{metrics['eval/loss']:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(step - bar.n)

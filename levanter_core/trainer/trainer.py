@@ -1,0 +1,253 @@
+"""The Trainer: a jit-compiled training step, evaluation, and the loop around them.
+
+One step takes the global batch, splits it into microbatches when
+``per_device_parallelism`` asks for fewer sequences per device than the batch
+holds (gradient accumulation), computes the loss in the compute precision of
+``trainer.mp``, and applies the optimizer. The state is donated to the step, so
+its buffers are reused in place. Metrics of step N are fetched from the device
+only after step N+1 has been dispatched, so the host never stalls the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from haliax import Axis, NamedArray
+from jax.sharding import Mesh
+
+from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.trainer.config import TrainerConfig
+from levanter_core.trainer.mesh import data_axis_size
+from levanter_core.trainer.state import TrainerState
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[..., jax.Array]
+"""``loss_fn(model, input_ids, *, key) -> scalar``: mean loss of a batch."""
+
+
+class NonFiniteLossError(LevanterError):
+    """The loss became NaN or infinite and ``crash_on_nan``/``crash_on_inf`` asked to stop."""
+
+    exit_code = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is cut up across devices and microbatches."""
+
+    batch_size: int
+    microbatch_size: int
+    eval_batch_size: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batch_size // self.microbatch_size
+
+    @staticmethod
+    def from_config(config: TrainerConfig, data_size: int) -> "BatchPlan":
+        batch = config.train_batch_size
+        if batch % data_size:
+            raise ConfigError(
+                f"trainer.train_batch_size ({batch}) must be a multiple of the {data_size} data-parallel device(s)"
+            )
+        per_device = config.per_device_parallelism
+        micro = batch if per_device == -1 else per_device * data_size
+        if micro > batch or batch % micro:
+            raise ConfigError(
+                f"trainer.train_batch_size ({batch}) must be a multiple of per_device_parallelism ({per_device}) "
+                f"x {data_size} data-parallel device(s) = {micro}"
+            )
+        per_device_eval = config.per_device_eval_parallelism
+        if per_device_eval == -1:
+            per_device_eval = micro // data_size
+        return BatchPlan(batch, micro, per_device_eval * data_size)
+
+
+class Trainer:
+    """Owns the compiled train and eval steps for one model/optimizer/mesh."""
+
+    def __init__(self, config: TrainerConfig, optimizer: optax.GradientTransformation, loss_fn: LossFn, *, mesh: Mesh):
+        self.config = config
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.mp: jmp.Policy = jmp.get_policy(config.mp)
+        self.compute_mapping = config.compute_axis_mapping()
+        self.parameter_mapping = config.parameter_axis_mapping()
+        self.plan = BatchPlan.from_config(config, data_axis_size(mesh))
+        self.Batch = Axis(config.batch_axis, self.plan.batch_size)
+        self.EvalBatch = Axis(config.batch_axis, self.plan.eval_batch_size)
+        self._train_step = hax.named_jit(
+            self._step,
+            axis_resources=self.compute_mapping,
+            out_axis_resources=self.parameter_mapping,
+            donate_args=(True, False),
+        )
+        self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
+
+    # -- state ---------------------------------------------------------------------------
+    def _initializer(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> Callable[[], TrainerState]:
+        model_key, training_key = jax.random.split(key)
+
+        def init() -> TrainerState:
+            model = self.mp.cast_to_param(model_init(model_key))
+            opt_state = self.optimizer.init(trainable(model))
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, training_key)
+
+        return init
+
+    def init_state(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
+        """A fresh state, created directly with the parameter sharding."""
+        with hax.partitioning.set_mesh(self.mesh):
+            return hax.named_jit(self._initializer(model_init, key), axis_resources=self.parameter_mapping)()
+
+    def state_template(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
+        """Shapes, dtypes and shardings of :meth:`init_state`'s result, without computing it."""
+        shapes = eqx.filter_eval_shape(self._initializer(model_init, key))
+        with hax.partitioning.set_mesh(self.mesh):
+            shardings = hax.partitioning.infer_resource_partitions(shapes, self.parameter_mapping)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            shardings,
+            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+        )
+
+    # -- compiled pieces -------------------------------------------------------------------
+    def _compute_loss(self, model, input_ids: NamedArray, key) -> jax.Array:
+        return self.loss_fn(self.mp.cast_to_compute(model), input_ids, key=key)
+
+    def _loss_and_grad(self, model, batch: NamedArray, key):
+        grad_fn = eqx.filter_value_and_grad(self._compute_loss)
+        n = self.plan.num_microbatches
+        if n == 1:
+            return grad_fn(model, batch, key)
+        Micro = self.Batch.resize(self.plan.microbatch_size)
+        Steps = Axis("microbatch", n)
+        rest = tuple(ax for ax in batch.axes if ax.name != self.Batch.name)
+        stacked = batch.unflatten_axis(self.Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest)).array
+
+        def accumulate(carry, xs):
+            loss_sum, grad_sum = carry
+            tokens, mb_key = xs
+            microbatch = hax.shard(hax.named(tokens, (Micro, *rest)), self.compute_mapping)
+            loss, grads = grad_fn(model, microbatch, mb_key)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable(model))
+        init = (jnp.zeros((), jnp.float32), zeros)
+        (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
+        return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+
+    def _step(self, state: TrainerState, batch: NamedArray):
+        key, next_key = jax.random.split(state.training_key)
+        loss, grads = self._loss_and_grad(state.model, batch, key)
+        params = trainable(state.model)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        metrics = {"train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
+        return TrainerState(state.step + 1, model, opt_state, next_key), metrics
+
+    def _eval_loss(self, model, batch: NamedArray):
+        return self._compute_loss(model, batch, None)
+
+    # -- host side ---------------------------------------------------------------------------
+    def to_device(self, tokens: np.ndarray, Batch: Axis) -> NamedArray:
+        named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), (Batch, Axis("position", tokens.shape[1])))
+        return hax.shard(named, self.compute_mapping, mesh=self.mesh)
+
+    def train_step(self, state: TrainerState, tokens: np.ndarray | NamedArray):
+        """One optimizer step on a global batch ``[batch, seq_len]``; returns (state, metrics)."""
+        batch = tokens if isinstance(tokens, NamedArray) else self.to_device(tokens, self.Batch)
+        with hax.partitioning.set_mesh(self.mesh):
+            return self._train_step(state, batch)
+
+    def evaluate(self, model, batches: Iterator[np.ndarray]) -> float | None:
+        """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]``); None if there are none."""
+        losses = []
+        with hax.partitioning.set_mesh(self.mesh):
+            for tokens in batches:
+                losses.append(self._eval_step(model, self.to_device(tokens, self.EvalBatch)))
+        if not losses:
+            return None
+        return float(np.mean([float(x) for x in losses]))
+
+    def check_finite(self, loss: float, step: int) -> None:
+        if math.isnan(loss) and self.config.crash_on_nan:
+            raise NonFiniteLossError(f"the training loss became NaN at step {step} (trainer.crash_on_nan is true)")
+        if math.isinf(loss) and self.config.crash_on_inf:
+            raise NonFiniteLossError(f"the training loss became infinite at step {step} (trainer.crash_on_inf is true)")
+
+
+def trainable(model):
+    """The parameters the optimizer updates: every floating-point array."""
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+class Prefetcher:
+    """Builds the next batches on a background thread while the device trains."""
+
+    def __init__(self, make_batch: Callable[[int], np.ndarray], start: int, stop: int, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, args=(make_batch, start, stop), daemon=True)
+        self._stopped = threading.Event()
+        self._thread.start()
+
+    def _run(self, make_batch, start, stop):
+        for step in range(start, stop):
+            if self._stopped.is_set():
+                return
+            try:
+                item = (step, make_batch(step), None)
+            except BaseException as e:  # surfaced to the training thread by get()
+                item = (step, None, e)
+            while not self._stopped.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def get(self) -> tuple[int, np.ndarray]:
+        step, batch, error = self._queue.get()
+        if error is not None:
+            raise error
+        return step, batch
+
+    def close(self) -> None:
+        self._stopped.set()
+
+
+class Throughput:
+    """Tokens per second over the steps since the first one (which includes compilation)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self._last: float | None = None
+        self.step_times: list[float] = []
+
+    def tick(self) -> float | None:
+        now = time.perf_counter()
+        rate = None
+        if self._last is not None:
+            dt = now - self._last
+            self.step_times.append(dt)
+            rate = self.tokens_per_step / dt
+        self._last = now
+        return rate

@@ -1,0 +1,17 @@
+"""Entry point of the GPT-2 plugin: registers ``type: gpt2``."""
+
+from levanter_core.plugins import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    from levanter_model_gpt2.gpt2 import Gpt2Config
+
+    register("gpt2", Gpt2Config)
+
+
+@hookimpl
+def model_type_for_hf_config(hf_config):
+    if hf_config.get("model_type") == "gpt2":
+        return "gpt2"
+    return None

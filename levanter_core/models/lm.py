@@ -100,7 +100,7 @@ def next_token_loss(
     hidden = model.activations(input_ids, key=key)
     head = model.get_lm_head()
     targets = hax.roll(input_ids, -1, Pos)
-    mask = (hax.arange(Pos) < Pos.size - 1).astype(jnp.float32)
+    mask = hax.broadcast_to((hax.arange(Pos) < Pos.size - 1).astype(jnp.float32), input_ids.axes)
     if loss_mask is not None:
         mask = mask * loss_mask.astype(jnp.float32)
     block = getattr(model.config, "cross_entropy_block_size", None)

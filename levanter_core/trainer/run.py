@@ -275,6 +275,7 @@ class _TrainLoop:
                     self._finish(pending, throughput, bar, result)
                 step = index + 1
                 pending = {"step": step, "device": metrics}
+                side_start = time.perf_counter()
                 if step % steps_per_eval == 0 or step == self.num_steps:
                     eval_loss = self.evaluate(state.model)
                     if eval_loss is not None:
@@ -282,6 +283,7 @@ class _TrainLoop:
                         result.final_eval_loss = eval_loss
                 if step < self.num_steps:  # the final save is forced by the caller
                     self.checkpointer.on_step(state, step)
+                throughput.exclude(time.perf_counter() - side_start)
             if pending is not None:
                 self._finish(pending, throughput, bar, result)
         finally:

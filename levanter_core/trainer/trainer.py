@@ -120,11 +120,14 @@ class Trainer:
         shapes = eqx.filter_eval_shape(self._initializer(model_init, key))
         with hax.partitioning.set_mesh(self.mesh):
             shardings = hax.partitioning.infer_resource_partitions(shapes, self.parameter_mapping)
+
+        def with_sharding(shape, sharding):
+            if isinstance(shape, NamedArray):  # infer_resource_partitions gives one sharding per NamedArray
+                return NamedArray(jax.ShapeDtypeStruct(shape.array.shape, shape.array.dtype, sharding=sharding), shape.axes)
+            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
         return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            shapes,
-            shardings,
-            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+            with_sharding, shapes, shardings, is_leaf=lambda x: isinstance(x, (NamedArray, jax.ShapeDtypeStruct))
         )
 
     # -- compiled pieces -------------------------------------------------------------------
@@ -241,6 +244,11 @@ class Throughput:
         self.tokens_per_step = tokens_per_step
         self._last: float | None = None
         self.step_times: list[float] = []
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of non-training work (evaluation, saving) out of the current step."""
+        if self._last is not None:
+            self._last += seconds
 
     def tick(self) -> float | None:
         now = time.perf_counter()

@@ -1,0 +1,338 @@
+"""The reference speed benchmark: GPT-2 (hidden 256, 4 layers) on the Python standard library.
+
+Runs, in one process, the work that /work/shared/bench/REFERENCE.md defines and the peer
+(Levanter) was measured on: train a byte-level BPE tokenizer (8,192 tokens) on the standard
+library's ``.py`` files, tokenize them into the cache, and train the model through the real
+training path (``validate_train_config`` -> ``run_training``). An f32 2048x2048 matmul is
+timed through ``jax.jit`` before and after training, so that throughput can be compared
+across machines as tokens/s per matmul GFLOP/s.
+
+    .venv/bin/python bench/reference_gpt2.py [--steps 60] [--out bench/last.json] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+"""When this script started: the whole command's wall time counts from here."""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+
+MATMUL_SIZE = 2048
+MATMUL_RUNS = 10
+WARMUP_STEPS = 5
+"""Steps left out of the steady state: the first includes compilation, the next few settle."""
+VOCAB_SIZE = 8192
+EOS = "<|endoftext|>"
+
+
+# -- the tokenizer -------------------------------------------------------------------------
+
+
+def train_tokenizer(source, path: str) -> None:
+    """Train a byte-level BPE tokenizer with ``VOCAB_SIZE`` tokens on the training split of
+    ``source`` and save it to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((doc.text for doc in source.documents("train")), trainer=trainer)
+    tokenizer.save(path)
+
+
+# -- the matmul yardstick ------------------------------------------------------------------
+
+
+def matmul_gflops(size: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -> dict:
+    """GFLOP/s of one f32 ``size x size`` matmul through ``jax.jit``: best and median of ``runs``
+    timed calls, after warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(ka, (size, size), jnp.float32)
+    b = jax.random.normal(kb, (size, size), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    for _ in range(3):
+        matmul(a, b).block_until_ready()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    flops = 2.0 * size**3
+    return {"best": flops / min(times) / 1e9, "median": flops / statistics.median(times) / 1e9}
+
+
+# -- watching the run ----------------------------------------------------------------------
+
+
+class MetricsWatcher(threading.Thread):
+    """Notes when each step's line appears in ``metrics.jsonl``, so the time to the first
+    finished training step can be told apart from the steady state."""
+
+    def __init__(self, path: str, interval: float = 0.05):
+        super().__init__(daemon=True)
+        self.path = path
+        self.interval = interval
+        self.first_seen: dict[int, float] = {}
+        self._finished = threading.Event()
+
+    def run(self) -> None:
+        while not self._finished.is_set():
+            self._scan()
+            self._finished.wait(self.interval)
+        self._scan()
+
+    def stop(self) -> None:
+        self._finished.set()
+        self.join()
+
+    def _scan(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        now = time.perf_counter()
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line being written
+                    continue
+                if "train/loss" in record:
+                    self.first_seen.setdefault(record["step"], now)
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def train_config(workdir: str, tokenizer_path: str, steps: int, run_id: str) -> dict:
+    """The reference run as a config dict, in the shape of a YAML config file."""
+    return {
+        "data": {
+            "type": "python_stdlib",
+            "tokenizer": tokenizer_path,
+            "cache_dir": os.path.join(workdir, "cache"),
+        },
+        "model": {
+            "type": "gpt2",
+            "hidden_dim": 256,
+            "num_layers": 4,
+            "num_heads": 4,
+            "seq_len": 256,
+            "gradient_checkpointing": False,
+        },
+        "trainer": {
+            "mp": "p=f32",
+            "train_batch_size": 16,
+            "num_train_steps": steps,
+            # Evaluate only before the first step and after the last, as the peer did.
+            "steps_per_eval": steps,
+            "max_eval_batches": 2,
+            "log_dir": os.path.join(workdir, "logs"),
+            "id": run_id,
+            "tracker": {"type": "json"},
+            "checkpointer": {"base_path": os.path.join(workdir, "checkpoints")},
+        },
+        "optimizer": {"type": "adam", "learning_rate": 1e-3, "weight_decay": 0.1},
+    }
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def machine() -> dict:
+    import jax
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def benchmark(steps: int, workdir: str) -> dict:
+    """Run the reference work in ``workdir`` and return every figure as JSON-able data."""
+    from levanter_core.config.loader import Sources
+    from levanter_core.config.train import validate_train_config
+    from levanter_core.data.cache import build_or_load_cache
+    from levanter_core.data.source import PythonStdlibSourceConfig
+    from levanter_core.data.tokenizer import load_tokenizer
+    from levanter_core.trainer.run import run_training
+
+    # Other processes on a 2-core machine skew every figure: record how busy it was.
+    load_before = os.getloadavg()
+    matmul_before = matmul_gflops()
+
+    source = PythonStdlibSourceConfig()
+    files = {split: len(source.files(split)) for split in ("train", "validation")}
+    tokenizer_path = os.path.join(workdir, "tokenizer.json")
+    start = time.perf_counter()
+    train_tokenizer(source, tokenizer_path)
+    tokenizer_seconds = time.perf_counter() - start
+
+    run_id = "reference-gpt2-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
+    config = validate_train_config(train_config(workdir, tokenizer_path, steps, run_id), Sources("bench"))
+
+    # Build the caches here, through the same code, so their time is known; the run reuses them.
+    tokenizer = load_tokenizer(tokenizer_path)
+    start = time.perf_counter()
+    caches = {split: build_or_load_cache(config.data, split, tokenizer, progress=False) for split in files}
+    cache_seconds = time.perf_counter() - start
+
+    run_dir = os.path.join(config.trainer.log_dir, run_id)
+    watcher = MetricsWatcher(os.path.join(run_dir, "metrics.jsonl"))
+    watcher.start()
+    training_start = time.perf_counter()
+    try:
+        result = run_training(config, progress=False)
+    finally:
+        watcher.stop()
+    training_seconds = time.perf_counter() - training_start
+
+    matmul_after = matmul_gflops()
+    load_after = os.getloadavg()
+    wall_seconds = time.perf_counter() - STARTED
+
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        metrics = [json.loads(line) for line in f]
+    train = [m for m in metrics if "train/loss" in m]
+    # The step that also ran the final evaluation is slower by that evaluation: not steady state.
+    steady = [
+        m for m in train
+        if m["step"] > WARMUP_STEPS and "throughput/tokens_per_second" in m and "eval/loss" not in m
+    ]
+    if not steady:
+        raise SystemExit(f"too few steps for a steady state: run more than {WARMUP_STEPS + 1} steps")
+    tokens_per_step = config.trainer.train_batch_size * config.model.seq_len
+    rates = [m["throughput/tokens_per_second"] for m in steady]
+    step_times = [tokens_per_step / r for r in rates]
+
+    tokens_per_second = statistics.median(rates)
+    flops_per_token = config.model.flops_per_token(tokenizer.vocab_size)
+    model_gflops = tokens_per_second * flops_per_token / 1e9
+    matmul = {k: (matmul_before[k] + matmul_after[k]) / 2 for k in ("best", "median")}
+    evals = {m["step"]: m["eval/loss"] for m in metrics if "eval/loss" in m}
+    first_step_seen = watcher.first_seen.get(train[0]["step"]) if train else None
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "machine": machine(),
+        "load_average_1_5_15min": {"before": load_before, "after": load_after},
+        "workdir": workdir,
+        "run_dir": run_dir,
+        "corpus": {
+            "files": files,
+            "tokens": {split: cache.num_tokens for split, cache in caches.items()},
+            "vocab_size": tokenizer.vocab_size,
+        },
+        "steps": len(train),
+        "steady_state_steps": len(steady),
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_second": summarize(rates),
+        "step_seconds": summarize(step_times),
+        "flops_per_token": flops_per_token,
+        "model_gflops_per_second": model_gflops,
+        "matmul_gflops": {"before": matmul_before, "after": matmul_after, "mean": matmul},
+        "mfu": model_gflops / matmul["median"],
+        "tokens_per_second_per_matmul_gflops": tokens_per_second / matmul["median"],
+        "loss": {
+            "first_step": train[0]["train/loss"],
+            "last_step": train[-1]["train/loss"],
+            "eval_first": evals.get(0),
+            "eval_last": evals.get(train[-1]["step"]),
+        },
+        "seconds": {
+            "tokenizer_training": tokenizer_seconds,
+            "cache_build": cache_seconds,
+            "run_training": training_seconds,
+            "run_training_to_first_step_logged": (
+                first_step_seen - training_start if first_step_seen is not None else None
+            ),
+            "wall": wall_seconds,
+        },
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "final_checkpoint": result.checkpoint,
+    }
+
+
+def print_table(r: dict) -> None:
+    tps, step, mm, s = r["tokens_per_second"], r["step_seconds"], r["matmul_gflops"], r["seconds"]
+    first = s["run_training_to_first_step_logged"]
+    rows = [
+        ("machine", f"{r['machine']['nproc']} x {r['machine']['cpu']}, jax {r['machine']['jax']}"),
+        ("load average (1 min) before/after", "{:.2f} / {:.2f}".format(
+            r["load_average_1_5_15min"]["before"][0], r["load_average_1_5_15min"]["after"][0])),
+        ("corpus", f"{r['corpus']['files']['train']} train + {r['corpus']['files']['validation']} validation files, "
+                   f"{r['corpus']['tokens']['train']:,} train tokens"),
+        ("steps", f"{r['steps']} ({r['steady_state_steps']} in the steady state)"),
+        ("tokens/s", f"{tps['median']:,.0f} median ({tps['min']:,.0f} to {tps['max']:,.0f})"),
+        ("step time", f"{step['median']:.3f} s median ({step['min']:.3f} to {step['max']:.3f})"),
+        ("model FLOPs/token", f"{r['flops_per_token'] / 1e6:.2f} M"),
+        ("model GFLOP/s", f"{r['model_gflops_per_second']:.1f}"),
+        ("matmul GFLOP/s (median)", f"{mm['mean']['median']:.1f} "
+                                    f"(before {mm['before']['median']:.1f}, after {mm['after']['median']:.1f})"),
+        ("matmul GFLOP/s (best)", f"{mm['mean']['best']:.1f}"),
+        ("MFU", f"{r['mfu']:.1%}"),
+        ("tokens/s per matmul GFLOP/s", f"{r['tokens_per_second_per_matmul_gflops']:.1f} (peer: 17.9)"),
+        ("loss first -> last step", f"{r['loss']['first_step']:.3f} -> {r['loss']['last_step']:.3f}"),
+        ("tokenizer training", f"{s['tokenizer_training']:.1f} s"),
+        ("cache build", f"{s['cache_build']:.1f} s"),
+        ("run_training start -> step 1 logged", f"{first:.1f} s" if first is not None else "n/a"),
+        ("run_training", f"{s['run_training']:.1f} s"),
+        ("wall, whole command", f"{s['wall']:.1f} s"),
+        ("peak host memory", f"{r['peak_rss_mib']:,.0f} MiB"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--workdir", default=None, help="where the tokenizer, cache, logs and checkpoints go "
+                                                        "(default: a new directory under the system temp dir)")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="reference-gpt2-")
+    os.makedirs(workdir, exist_ok=True)
+
+    results = benchmark(args.steps, workdir)
+    print_table(results)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

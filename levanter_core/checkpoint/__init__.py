@@ -1,0 +1,30 @@
+"""Checkpoints: the ``trainer.checkpointer`` section, the save policy, and the
+built-in TensorStore checkpointer (``type: tensorstore``)."""
+
+from levanter_core.checkpoint.config import (
+    CheckpointerConfig,
+    CheckpointInterval,
+    Checkpointer,
+    TensorStoreCheckpointerConfig,
+)
+from levanter_core.checkpoint.tensorstore import (
+    COMMIT_MARKER,
+    METADATA_FILE,
+    TensorStoreCheckpointer,
+    discover_latest,
+    load_checkpoint,
+    read_metadata,
+)
+
+__all__ = [
+    "COMMIT_MARKER",
+    "METADATA_FILE",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "CheckpointInterval",
+    "TensorStoreCheckpointer",
+    "TensorStoreCheckpointerConfig",
+    "discover_latest",
+    "load_checkpoint",
+    "read_metadata",
+]

@@ -1,0 +1,214 @@
+"""The ``trainer.checkpointer`` section, and the save policy every checkpointer follows.
+
+A checkpointer plugin provides a config class (subclass of
+:class:`CheckpointerConfig`, registered with the ``register_checkpointers``
+hook) whose :meth:`CheckpointerConfig.create` returns a :class:`Checkpointer`.
+The policy that decides *when* to save lives here, in :meth:`Checkpointer.on_step`;
+an implementation only says *how*: :meth:`~Checkpointer.save`,
+:meth:`~Checkpointer.load`, :meth:`~Checkpointer.latest` and
+:meth:`~Checkpointer.delete`.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import json
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+from pydantic import Field, field_validator
+
+from levanter_core.config.base import ConfigModel, TypedConfig
+from levanter_core.config.types import Duration
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointInterval(ConfigModel):
+    """One item of ``trainer.checkpointer.keep``: save a permanent checkpoint every
+    ``every`` steps, up to and including step ``until``."""
+
+    every: int = Field(ge=1)
+    """Save a permanent checkpoint at every step that is a multiple of this."""
+    until: int | None = Field(None, ge=1)
+    """The last step this interval applies to; the next interval takes over after it.
+    None: forever (only the last interval may leave it unset)."""
+
+
+class CheckpointerConfig(TypedConfig, abc.ABC):
+    """Base class of checkpointer configs (``trainer.checkpointer``)."""
+
+    base_path: str = "checkpoints/"
+    """Where checkpoints go. Each is a directory ``step-N`` under
+    ``{base_path}/{run_id}`` (or under ``base_path`` itself, see ``append_run_id_to_base_path``)."""
+    save_interval: Duration | None = "15m"
+    """Save a temporary checkpoint when this much time (``'30s'``, ``'15m'``, ``'1h'``) has passed
+    since the last save. The previous temporary checkpoint is deleted once the next checkpoint
+    is complete. None: no time-based checkpoints."""
+    keep: list[CheckpointInterval] = Field(default_factory=lambda: [CheckpointInterval(every=10000)])
+    """Which steps get a permanent checkpoint, never deleted. Intervals apply in order: a step is
+    kept when it is a multiple of ``every`` of the first interval whose ``until`` it has not passed.
+    ``[{every: 1000, until: 10000}, {every: 5000}]`` keeps 1000, 2000, ..., 10000, 15000, 20000, ..."""
+    append_run_id_to_base_path: bool = True
+    """Put this run's checkpoints in ``{base_path}/{run_id}`` rather than in ``base_path``."""
+    delete_old_temp_checkpoints: bool = True
+    """If the latest checkpoint from a prior attempt at this run is a temporary one, delete it once
+    this attempt has saved a checkpoint. False: keep it."""
+
+    @field_validator("keep")
+    @classmethod
+    def _intervals_in_order(cls, keep: list[CheckpointInterval]) -> list[CheckpointInterval]:
+        for i, interval in enumerate(keep[:-1]):
+            if interval.until is None:
+                raise ValueError(
+                    f"keep[{i}] has no `until`, so keep[{i + 1}] would never apply: "
+                    "only the last interval may omit `until`"
+                )
+            following = keep[i + 1].until
+            if following is not None and following <= interval.until:
+                raise ValueError(
+                    f"keep[{i + 1}].until ({following}) must be after keep[{i}].until ({interval.until}): "
+                    "list the intervals in the order they apply"
+                )
+        return keep
+
+    def expanded_path(self, run_id: str) -> str:
+        """The directory this run's checkpoints go to (``~`` expanded)."""
+        path = os.path.join(self.base_path, run_id) if self.append_run_id_to_base_path else self.base_path
+        return os.path.expanduser(path)
+
+    @abc.abstractmethod
+    def create(self, run_id: str, *, metadata: dict | None = None) -> Checkpointer:
+        """The checkpointer for run ``run_id``. ``metadata`` (JSON-able: the resolved config,
+        plugin versions) is stored in every checkpoint it saves."""
+
+
+class TensorStoreCheckpointerConfig(CheckpointerConfig):
+    """``type: tensorstore``: every array of the training state as a zarr array, via TensorStore."""
+
+    def create(self, run_id: str, *, metadata: dict | None = None) -> Checkpointer:
+        from levanter_core.checkpoint.tensorstore import TensorStoreCheckpointer
+
+        return TensorStoreCheckpointer(
+            self.expanded_path(run_id),
+            save_interval=self.save_interval,
+            keep=self.keep,
+            delete_old_temp_checkpoints=self.delete_old_temp_checkpoints,
+            metadata=metadata,
+        )
+
+
+class Checkpointer(abc.ABC):
+    """Saves the training state under :attr:`path` as directories ``step-N``, following
+    the save policy, and loads it back.
+
+    There are two kinds of checkpoint. *Permanent* ones are saved at the steps ``keep`` asks
+    for (and at the end of training) and never deleted. *Temporary* ones are saved when
+    ``save_interval`` has passed since the last save; each is deleted once the next checkpoint,
+    of either kind, is complete, so at most one temporary checkpoint exists at a time.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        save_interval: datetime.timedelta | None = datetime.timedelta(minutes=15),
+        keep: Sequence[CheckpointInterval] = (CheckpointInterval(every=10000),),
+        delete_old_temp_checkpoints: bool = True,
+        metadata: dict | None = None,
+        now: Callable[[], datetime.datetime] = datetime.datetime.now,
+    ):
+        """``now`` is the clock the time policy reads (tests pass a fake one). This calls
+        :meth:`latest` and :meth:`is_temporary`, so a subclass must be able to answer them
+        before it calls ``super().__init__``."""
+        self.path = path
+        self.save_interval = save_interval
+        self.keep = list(keep)
+        self.metadata = dict(metadata or {})
+        json.dumps(self.metadata)  # fail now, not at the first save hours into the run
+        self._now = now
+        self._last_save_time = now()
+        self._last_save_step: int | None = None
+        self._last_temporary: str | None = None
+        if delete_old_temp_checkpoints:
+            self._last_temporary = self._prior_temporary_checkpoint()
+
+    # -- what an implementation provides ---------------------------------------------------
+    @abc.abstractmethod
+    def save(
+        self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None
+    ) -> str:
+        """Save ``state`` as the checkpoint of ``step`` and return its path. ``on_commit`` is
+        called with that path once the checkpoint is complete on disk (which may be after
+        this returns)."""
+
+    @abc.abstractmethod
+    def load(self, template: Any, path: str) -> Any:
+        """Load the checkpoint at ``path`` (or the latest one under it) into the structure of
+        ``template``; raise :class:`~levanter_core.errors.CheckpointError` if it does not fit."""
+
+    @abc.abstractmethod
+    def latest(self) -> str | None:
+        """The newest complete checkpoint under :attr:`path`, or None."""
+
+    @abc.abstractmethod
+    def is_temporary(self, checkpoint_path: str) -> bool:
+        """Whether the complete checkpoint at ``checkpoint_path`` was saved as temporary."""
+
+    @abc.abstractmethod
+    def mark_permanent(self, checkpoint_path: str) -> None:
+        """Record that the temporary checkpoint at ``checkpoint_path`` is now permanent."""
+
+    @abc.abstractmethod
+    def delete(self, checkpoint_path: str) -> None:
+        """Delete the checkpoint at ``checkpoint_path``."""
+
+    def wait_until_finished(self) -> None:
+        """Block until every save started so far is complete (and its ``on_commit`` has run).
+        Nothing to wait for in a checkpointer whose :meth:`save` finishes before returning."""
+
+    # -- the policy --------------------------------------------------------------------------
+    def on_step(self, state: Any, step: int, *, force: bool = False) -> None:
+        """Called after each training step: save ``state`` if the policy asks for it.
+        ``force`` saves a permanent checkpoint whatever the policy says (the end of training).
+        Step 0, the untrained state, is saved only when forced."""
+        step = int(step)
+        if step == self._last_save_step:
+            if force and self._last_temporary is not None:
+                self.mark_permanent(self._last_temporary)
+                self._last_temporary = None
+            return
+        permanent = force or self.keeps_step(step)
+        if not permanent:
+            due = self.save_interval is not None and self._now() - self._last_save_time >= self.save_interval
+            if step == 0 or not due:
+                return
+
+        superseded = self._last_temporary
+
+        def delete_superseded(committed: str) -> None:
+            if superseded is not None and superseded != committed:
+                self.delete(superseded)
+
+        saved = self.save(state, step, temporary=not permanent, on_commit=delete_superseded)
+        self._last_temporary = None if permanent else saved
+        self._last_save_step = step
+        self._last_save_time = self._now()
+
+    def keeps_step(self, step: int) -> bool:
+        """Whether ``keep`` asks for a permanent checkpoint at ``step``."""
+        if step <= 0:
+            return False
+        for interval in self.keep:
+            if interval.until is None or step <= interval.until:
+                return step % interval.every == 0
+        return False
+
+    def _prior_temporary_checkpoint(self) -> str | None:
+        latest = self.latest()
+        if latest is not None and self.is_temporary(latest):
+            logger.info("the latest checkpoint %s is temporary: it will be deleted after the next save", latest)
+            return latest
+        return None

@@ -1,0 +1,203 @@
+"""The ``optimizer:`` section: what every optimizer shares.
+
+An optimizer plugin subclasses :class:`OptimizerConfig`, registers it with the
+``register_optimizers`` hook, and implements :meth:`OptimizerConfig.build`. The
+base class provides the learning-rate schedule (:meth:`lr_scheduler`) and the
+weight-decay mask (:meth:`build_weight_decay_mask`), so every optimizer reads
+the same fields the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Annotated, Any, Callable
+
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import optax
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+
+from levanter_core.config.base import TypedConfig
+from levanter_core.errors import ConfigError
+from levanter_core.optim.schedule import DecayShape, learning_rate_schedule
+
+PyTree = Any
+
+# Layers whose `weight` is a matrix multiplied into the activations: the parameters
+# weight decay is meant for. Biases, norms and embeddings are left alone.
+_LINEAR_LAYERS = (hnn.Linear, hnn.MoELinear)
+
+
+def _check_fraction_or_steps(value: int | float, info: ValidationInfo) -> int | float:
+    if value < 0:
+        raise ValueError(f"{info.field_name} must be a fraction (a float below 1) or a number of steps, not negative")
+    if isinstance(value, float) and value >= 1 and not value.is_integer():
+        raise ValueError(
+            f"{info.field_name}={value}: a value of 1 or more is a number of steps and must be whole; "
+            "write a fraction below 1 for a share of the cycle"
+        )
+    return value
+
+
+FractionOrSteps = Annotated[int | float, AfterValidator(_check_fraction_or_steps)]
+
+
+def parameter_path(key_path: tuple) -> str:
+    """The dotted name of a parameter, e.g. ``transformer.blocks.stacked.attn.c_attn.weight``,
+    from a JAX key path (as ``jax.tree_util.tree_flatten_with_path`` gives it, with
+    NamedArrays treated as leaves)."""
+    parts = []
+    for key in key_path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        else:  # DictKey, FlattenedIndexKey
+            parts.append(str(key.key))
+    return ".".join(parts)
+
+
+class OptimizerConfig(TypedConfig, abc.ABC):
+    """Base class of optimizer configs (the ``optimizer:`` section): learning rate and its
+    schedule, weight decay and which parameters it applies to."""
+
+    learning_rate: float = Field(6e-4, ge=0)
+    """The peak learning rate, reached at the end of warmup."""
+    weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay (as in AdamW), scaled by the learning rate. 0 turns it off."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The learning rate decays to ``min_lr_ratio * learning_rate`` at the end of each cycle."""
+    warmup: FractionOrSteps = 0.01
+    """Linear warmup from 0 at the start of training: a fraction of the (first) cycle if below 1,
+    else a number of steps. 0 means no warmup."""
+    decay: FractionOrSteps | None = None
+    """Length of the decay phase at the end of each cycle: a fraction of the cycle if below 1, else a
+    number of steps. None decays over everything after the (re)warmup, leaving no stable phase;
+    anything shorter leaves a stable phase at the peak learning rate in between."""
+    rewarmup: FractionOrSteps = 0.0
+    """With several cycles, the linear ramp at the start of each later cycle, from the previous
+    cycle's final learning rate back to the peak: a fraction of the cycle if below 1, else a number
+    of steps. 0 jumps straight back to the peak."""
+    cycle_length: int | float | list[int] | None = None
+    """Length of each cycle: a number of steps, a float up to 1 for a fraction of the run, or a list
+    of lengths. None means a single cycle. Cannot be combined with ``cycles``."""
+    cycles: int | list[int] | None = None
+    """The number of (equal) cycles, or a list of the steps where cycles end. None means a single
+    cycle. Cannot be combined with ``cycle_length``."""
+    lr_schedule: DecayShape = "cosine"
+    """Shape of the decay phase: ``constant`` (no decay), ``linear``, ``cosine``, ``inv_sqrt``
+    (``1/sqrt``) or ``inv`` (``1/x``). Each goes from the peak to exactly the minimum learning rate;
+    ``inv_sqrt`` and ``inv`` pick their timescale to land there and need ``min_lr_ratio > 0``."""
+    weight_decay_modules: list[str] | str | None = None
+    """Which parameters get weight decay: a regular expression, or a list of them, searched for in
+    each parameter's dotted path (e.g. ``transformer.blocks.stacked.attn.c_attn.weight``); a plain
+    name such as ``attn`` matches every path containing it. For GPT-2 style models, for example:
+    ``.*attn.*weight|.*mlp.*weight|.*token_embeddings``."""
+    default_weight_decay_mask: bool | None = None
+    """Decay the weights of linear layers (not biases, norms or embeddings). None: only when
+    ``weight_decay_modules`` is unset. True: also when it is set, in addition to its matches.
+    False: never; with ``weight_decay_modules`` unset, every parameter is decayed."""
+
+    @field_validator("cycle_length")
+    @classmethod
+    def _check_cycle_length(cls, value):
+        lengths = value if isinstance(value, list) else [value] if value is not None else []
+        if any(length <= 0 for length in lengths):
+            raise ValueError(f"cycle lengths must be positive, got {value!r}")
+        if isinstance(value, float) and value > 1 and not value.is_integer():
+            raise ValueError(
+                f"cycle_length={value}: a value above 1 is a number of steps and must be whole; "
+                "write a fraction up to 1 for a share of the run"
+            )
+        return value
+
+    @field_validator("cycles")
+    @classmethod
+    def _check_cycles(cls, value):
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"cycles must be at least 1, got {value}")
+        if isinstance(value, list):
+            if any(step < 0 for step in value) or any(b <= a for a, b in zip(value, value[1:])):
+                raise ValueError(f"cycles as a list holds the steps where cycles end, in increasing order; got {value}")
+        return value
+
+    @field_validator("weight_decay_modules")
+    @classmethod
+    def _check_patterns(cls, value):
+        for pattern in [value] if isinstance(value, str) else value or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"invalid regular expression {pattern!r}: {e}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_combination(self):
+        if self.cycles is not None and self.cycle_length is not None:
+            raise ValueError("It is an error to specify both `cycles` and `cycle_length`; keep one of them")
+        if self.lr_schedule in ("inv_sqrt", "inv") and self.min_lr_ratio == 0:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} never reaches 0: set min_lr_ratio above 0")
+        return self
+
+    @abc.abstractmethod
+    def build(self, num_train_steps: int) -> optax.GradientTransformation:
+        """The optimizer for a run of ``num_train_steps`` steps. Its updates are meant to be
+        added to the parameters (``optax.apply_updates``)."""
+
+    def lr_scheduler(self, num_train_steps: int) -> optax.Schedule:
+        """``step -> learning rate`` for a run of ``num_train_steps`` steps. Works on a Python
+        int and on a traced step inside ``jit``.
+
+        Raises :class:`ConfigError` when the cycles or phases do not fit the run.
+        """
+        try:
+            return learning_rate_schedule(
+                learning_rate=self.learning_rate,
+                num_train_steps=num_train_steps,
+                min_lr_ratio=self.min_lr_ratio,
+                warmup=self.warmup,
+                decay=self.decay,
+                rewarmup=self.rewarmup,
+                cycles=self.cycles,
+                cycle_length=self.cycle_length,
+                shape=self.lr_schedule,
+            )
+        except ValueError as e:
+            raise ConfigError(f"optimizer: {e}") from None
+
+    def build_weight_decay_mask(self) -> Callable[[PyTree], PyTree] | None:
+        """A function from parameters to a tree of the same structure with a bool in place of
+        each array (NamedArrays included): True where weight decay applies. None means every
+        parameter is decayed (``default_weight_decay_mask: false`` without
+        ``weight_decay_modules``)."""
+        if self.weight_decay_modules is None and self.default_weight_decay_mask is False:
+            return None
+        use_default = self.default_weight_decay_mask is True or (
+            self.default_weight_decay_mask is None and self.weight_decay_modules is None
+        )
+        patterns = self.weight_decay_modules
+        regexes = [re.compile(p) for p in ([patterns] if isinstance(patterns, str) else patterns or [])]
+
+        def mask(params: PyTree) -> PyTree:
+            linear_weights = set()
+            if use_default:
+                layers, _ = jax.tree_util.tree_flatten_with_path(
+                    params, is_leaf=lambda x: isinstance(x, _LINEAR_LAYERS) or hax.is_named_array(x)
+                )
+                linear_weights = {
+                    path + (jax.tree_util.GetAttrKey("weight"),)
+                    for path, node in layers
+                    if isinstance(node, _LINEAR_LAYERS)
+                }
+
+            def decays(path, _leaf) -> bool:
+                if path in linear_weights:
+                    return True
+                name = parameter_path(path)
+                return any(r.search(name) for r in regexes)
+
+            return jax.tree_util.tree_map_with_path(decays, params, is_leaf=hax.is_named_array)
+
+        return mask

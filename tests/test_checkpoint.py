@@ -1,0 +1,247 @@
+"""TensorStore checkpoints: round trips, discovery, the save policy, and refusing bad loads."""
+
+import datetime
+import json
+import os
+from typing import Any
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from pydantic import ValidationError
+
+from levanter_core.checkpoint import (
+    COMMIT_MARKER,
+    CheckpointInterval,
+    TensorStoreCheckpointer,
+    TensorStoreCheckpointerConfig,
+    discover_latest,
+    load_checkpoint,
+    read_metadata,
+)
+from levanter_core.errors import CheckpointError
+
+In = hax.Axis("In", 3)
+
+
+class TrainerState(eqx.Module):
+    step: jax.Array
+    model: hax.nn.Linear
+    opt_state: Any
+    training_key: jax.Array
+
+
+def make_state(seed: int = 0, out_size: int = 4) -> TrainerState:
+    model_key, training_key = jax.random.split(jax.random.key(seed))
+    model = hax.nn.Linear.init(In, hax.Axis("Out", out_size), key=model_key)
+    optimizer = optax.adam(1e-2)
+    params = eqx.filter(model, eqx.is_array)
+    opt_state = optimizer.init(params)
+    # one update, so that Adam's moments are not all zeros
+    grads = jax.tree.map(lambda p: jnp.full_like(p, seed + 1.0), params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return TrainerState(jnp.array(seed + 1, jnp.int32), eqx.apply_updates(model, updates), opt_state, training_key)
+
+
+def raw_leaves(tree) -> list[np.ndarray]:
+    """Every array leaf as NumPy (typed keys as their key data), for bitwise comparison."""
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x) for x in leaves]
+
+
+def committed_steps(path) -> list[int]:
+    return sorted(int(d.removeprefix("step-")) for d in os.listdir(path) if os.path.exists(path / d / COMMIT_MARKER))
+
+
+def checkpointer(path, **kwargs) -> TensorStoreCheckpointer:
+    kwargs.setdefault("save_interval", None)
+    return TensorStoreCheckpointer(str(path), **kwargs)
+
+
+def test_round_trip_is_bitwise_equal_and_keeps_sharding_and_structure(tmp_path):
+    state = make_state(seed=0)
+    saved = checkpointer(tmp_path).save(state, 7, temporary=False)
+
+    assert saved == str(tmp_path / "step-7")
+    for name in ("step", "model/weight", "model/bias", "opt_state/0/count", "opt_state/0/mu/weight", "training_key"):
+        assert os.path.exists(tmp_path / "step-7" / name / ".zarray"), name
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    template = jax.device_put(make_state(seed=1), NamedSharding(mesh, PartitionSpec()))
+    loaded = load_checkpoint(template, saved)
+
+    assert jax.tree.structure(loaded) == jax.tree.structure(state)
+    assert loaded.training_key.dtype == state.training_key.dtype
+    for want, got in zip(raw_leaves(state), raw_leaves(loaded), strict=True):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    for t, got in zip(jax.tree.leaves(template), jax.tree.leaves(loaded), strict=True):
+        assert got.sharding == t.sharding
+
+    # a template of shapes only (what a resuming trainer has) loads the same values
+    from_shapes = load_checkpoint(eqx.filter_eval_shape(make_state, 1), str(tmp_path))
+    for want, got in zip(raw_leaves(state), raw_leaves(from_shapes), strict=True):
+        assert got.tobytes() == want.tobytes()
+
+
+def test_latest_ignores_uncommitted_and_staging_directories(tmp_path):
+    ckpt = checkpointer(tmp_path)
+    state = make_state()
+    ckpt.save(state, 2, temporary=False)
+    ckpt.save(state, 5, temporary=True)
+    (tmp_path / "step-9").mkdir()  # a save that never committed
+    staging = tmp_path / "step-12.tmp-0000abcd"  # committed but never renamed into place
+    staging.mkdir()
+    (staging / COMMIT_MARKER).write_text("")
+
+    assert ckpt.latest() == str(tmp_path / "step-5")
+    assert discover_latest(str(tmp_path)) == str(tmp_path / "step-5")
+    assert discover_latest(str(tmp_path / "step-2")) == str(tmp_path / "step-2")
+    assert discover_latest(str(tmp_path / "step-9")) is None
+    assert discover_latest(str(tmp_path / "nowhere")) is None
+
+
+def test_keep_intervals_count_multiples_of_every_until_their_until(tmp_path):
+    # The first interval whose `until` a step has not passed decides, by `step % every == 0`
+    # (as in Levanter): every 3 up to 6, then every 5 -> 10, 15, 20 (not 11, 16).
+    keep = [CheckpointInterval(every=3, until=6), CheckpointInterval(every=5)]
+    ckpt = checkpointer(tmp_path, keep=keep)
+    state = make_state()
+    for step in range(0, 21):
+        ckpt.on_step(state, step)
+    assert committed_steps(tmp_path) == [3, 6, 10, 15, 20]
+
+    ckpt.on_step(state, 22, force=True)  # the end of training
+    assert committed_steps(tmp_path) == [3, 6, 10, 15, 20, 22]
+    assert not any(read_metadata(str(tmp_path / f"step-{s}"))["temporary"] for s in committed_steps(tmp_path))
+
+
+class RecordingCheckpointer(TensorStoreCheckpointer):
+    """Records which checkpoint was the latest complete one when each deletion happened."""
+
+    def delete(self, checkpoint_path):
+        self.deletions.append((os.path.basename(checkpoint_path), os.path.basename(self.latest())))
+        super().delete(checkpoint_path)
+
+
+def test_time_policy_saves_temporary_checkpoints_and_deletes_each_after_the_next_commit(tmp_path):
+    clock = [datetime.datetime(2026, 1, 1)]
+    ckpt = RecordingCheckpointer(
+        str(tmp_path),
+        save_interval=datetime.timedelta(minutes=5),
+        keep=[CheckpointInterval(every=6)],
+        now=lambda: clock[0],
+    )
+    ckpt.deletions = []
+    state = make_state()
+    for step in range(1, 9):  # three minutes per step
+        clock[0] += datetime.timedelta(minutes=3)
+        ckpt.on_step(state, step)
+        if step == 2:
+            assert committed_steps(tmp_path) == [2]
+            assert read_metadata(str(tmp_path / "step-2"))["temporary"]
+
+    # temporary at 2, 4 and 8 (5 minutes since the last save), permanent at 6
+    assert committed_steps(tmp_path) == [6, 8]
+    assert ckpt.deletions == [("step-2", "step-4"), ("step-4", "step-6")]
+    assert read_metadata(str(tmp_path / "step-8"))["temporary"]
+
+    # a restarted run deletes the previous attempt's temporary checkpoint after its first save
+    restarted = RecordingCheckpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(every=6)])
+    restarted.deletions = []
+    restarted.on_step(state, 12)
+    assert committed_steps(tmp_path) == [6, 12]
+    assert restarted.deletions == [("step-8", "step-12")]
+
+
+def test_forced_save_at_a_temporary_step_makes_it_permanent(tmp_path):
+    clock = [datetime.datetime(2026, 1, 1)]
+    ckpt = checkpointer(tmp_path, save_interval=datetime.timedelta(seconds=30), now=lambda: clock[0])
+    clock[0] += datetime.timedelta(minutes=1)
+    ckpt.on_step(make_state(), 5)
+    assert read_metadata(str(tmp_path / "step-5"))["temporary"]
+
+    ckpt.on_step(make_state(), 5, force=True)
+    assert not read_metadata(str(tmp_path / "step-5"))["temporary"]
+    # a later run keeps it
+    checkpointer(tmp_path).on_step(make_state(), 10000)
+    assert committed_steps(tmp_path) == [5, 10000]
+
+
+def test_a_failed_save_leaves_no_debris_and_the_previous_checkpoint_latest(tmp_path):
+    ckpt = checkpointer(tmp_path)
+    state = make_state()
+    ckpt.save(state, 1, temporary=False)
+    donated = make_state()
+    donated.model.weight.array.delete()  # what a train step that donated its buffers leaves behind
+
+    with pytest.raises(RuntimeError, match="deleted"):
+        ckpt.save(donated, 2, temporary=False)
+    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+    assert ckpt.latest() == str(tmp_path / "step-1")
+
+
+def test_template_with_a_different_shape_is_refused_naming_every_leaf(tmp_path):
+    saved = checkpointer(tmp_path).save(make_state(out_size=4), 1, temporary=False)
+
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(eqx.filter_eval_shape(make_state, 0, 5), saved)
+    message = str(e.value)
+    assert "model/weight: expected float32[5, 3], found float32[4, 3]" in message
+    assert "opt_state/0/nu/bias: expected float32[5], found float32[4]" in message
+    assert "6 leaves differ" in message
+
+    template = {"model": eqx.filter_eval_shape(make_state, 0, 4).model, "ema": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(template, saved)
+    assert "ema: expected float32[2], missing from the checkpoint" in str(e.value)
+    assert "training_key: found key<fry>[], which the training state does not have" in str(e.value)
+
+
+def test_a_missing_chunk_is_an_error_not_zeros(tmp_path):
+    saved = checkpointer(tmp_path).save(make_state(), 1, temporary=False)
+    weight_dir = os.path.join(saved, "model", "weight")
+    chunks = [f for f in os.listdir(weight_dir) if not f.startswith(".")]
+    assert chunks
+    os.remove(os.path.join(weight_dir, chunks[0]))
+
+    with pytest.raises(CheckpointError, match=r"model/weight: .*missing"):
+        load_checkpoint(eqx.filter_eval_shape(make_state, 0), saved)
+
+
+def test_config_creates_a_checkpointer_whose_metadata_round_trips(tmp_path):
+    config = TensorStoreCheckpointerConfig(base_path=str(tmp_path), save_interval="5m")
+    run_metadata = {"config": {"model": {"type": "gpt2", "hidden_dim": 8}}, "plugins": {"levanter-core": "0.1.0"}}
+    ckpt = config.create("run-1", metadata=run_metadata)
+    assert ckpt.path == str(tmp_path / "run-1")
+
+    ckpt.save(make_state(), 3, temporary=False)
+    metadata = read_metadata(ckpt.latest())
+    assert metadata["metadata"] == run_metadata
+    assert metadata["step"] == 3 and metadata["temporary"] is False and metadata["timestamp"]
+    leaves = {leaf["name"]: leaf for leaf in metadata["leaves"]}
+    assert leaves["model/weight"]["shape"] == [4, 3] and leaves["model/weight"]["dtype"] == "float32"
+    assert leaves["training_key"]["dtype"] == "key<fry>" and leaves["training_key"]["key_impl"] == "threefry2x32"
+    with open(os.path.join(ckpt.latest(), "metadata.json")) as f:
+        assert json.load(f) == metadata
+
+    same_dir = config.model_copy(update={"append_run_id_to_base_path": False})
+    assert same_dir.expanded_path("run-1") == str(tmp_path)
+
+
+def test_checkpointer_config_fields():
+    assert TensorStoreCheckpointerConfig(save_interval="5m").save_interval == datetime.timedelta(minutes=5)
+    assert TensorStoreCheckpointerConfig(save_interval="30s").save_interval == datetime.timedelta(seconds=30)
+    default = TensorStoreCheckpointerConfig()
+    assert default.save_interval == datetime.timedelta(minutes=15)
+    assert default.keep == [CheckpointInterval(every=10000)]
+    assert default.model_dump(mode="json")["save_interval"] == "15m"
+
+    with pytest.raises(ValidationError, match="duration"):
+        TensorStoreCheckpointerConfig(save_interval="soon")
+    with pytest.raises(ValidationError, match="only the last interval may omit `until`"):
+        TensorStoreCheckpointerConfig(keep=[{"every": 100}, {"every": 1000}])

@@ -7,6 +7,8 @@ match the code.
 
 from __future__ import annotations
 
+import textwrap
+import types
 import typing
 from typing import Any, Iterator
 
@@ -17,12 +19,24 @@ from levanter_core.config.base import ConfigModel, typed_field_kind
 
 
 def _type_name(annotation: Any) -> str:
+    """A short readable name: ``int | None``, ``list of str``, ``one of 'a', 'b'``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is None or annotation is type(None):
         return "null"
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin in (list, tuple, set, frozenset):
+        inner = [a for a in args if a is not Ellipsis]
+        return f"list of {_type_name(inner[0])}" if inner else "list"
+    if origin is dict:
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}" if args else "mapping"
     if isinstance(annotation, type):
-        return annotation.__name__
-    text = repr(annotation).replace("typing.", "")
-    return text.replace("NoneType", "null")
+        return {"timedelta": "duration"}.get(annotation.__name__, annotation.__name__)
+    return repr(annotation).replace("typing.", "")
 
 
 def _default(field) -> str:
@@ -42,6 +56,8 @@ def _default(field) -> str:
             return "(computed)"
         if isinstance(value, BaseModel):
             return "(section)"
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, BaseModel) for v in value):
+            return repr([v.model_dump(exclude_none=True) for v in value])
         return "" if value == {} and typed_field_kind(field) else repr(value)
     return "required"
 
@@ -66,10 +82,11 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
             continue
         nested = _nested_model(annotation)
         if nested is not None:
-            yield dotted, "section", "", doc
+            is_list = typing.get_origin(annotation) in (list, tuple)
+            yield dotted, "list of sections" if is_list else "section", _default(field) if is_list else "", doc
             yield from iter_fields(nested, dotted + ".")
             continue
-        if name == "type" and prefix.endswith("].") :
+        if name == "type" and prefix.endswith("]."):
             continue
         yield dotted, _type_name(annotation), _default(field), doc
 
@@ -91,7 +108,7 @@ def field_reference(cls: type[ConfigModel]) -> str:
         meta = ", ".join(p for p in (type_name, f"default {default}" if default else "") if p)
         lines.append(f"{head}  ({meta})")
         if doc:
-            lines.append(f"      {doc}")
+            lines.append(textwrap.fill(doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 
 
@@ -102,3 +119,18 @@ def markdown_reference(cls: type[ConfigModel]) -> str:
         cells = [f"`{dotted}`", type_name, f"`{default}`" if default else "", doc]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
+
+
+def main() -> None:
+    """Print the Markdown reference (``python -m levanter_core.config.reference > docs/config-reference.md``)."""
+    from levanter_core.config.train import TrainConfig
+
+    print("# Configuration reference\n")
+    print("Generated from the code by `python -m levanter_core.config.reference` with the plugins of this")
+    print("repository installed; `levanter train --help` prints the same for whatever is installed.")
+    print("A field written `section[type=NAME].field` exists when the section's `type` is `NAME`.\n")
+    print(markdown_reference(TrainConfig))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import click
 import typer
 import typer.core
 
-from levanter_core.errors import UserError
+from levanter_core.errors import LevanterError, UserError
 
 app = typer.Typer(
     name="levanter",
@@ -124,9 +124,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         # Without standalone mode click returns the exit code of typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
-    except UserError as e:
+    except LevanterError as e:  # raised on purpose with a message for people: no traceback
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        sys.exit(getattr(e, "exit_code", 1))
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:

@@ -109,3 +109,23 @@ def test_rerunning_resumes_from_the_latest_checkpoint_and_continues_identically(
 
     # A finished run re-run does nothing more.
     assert run_training(config, progress=False).final_step == 30
+
+
+def test_mixed_precision_keeps_parameters_in_float32_and_trains(tmp_path):
+    config = tiny_config(tmp_path, mp="p=f32,c=bfloat16", num_train_steps=5, steps_per_eval=5)
+    result = run_training(config, progress=False)
+    assert result.last_loss < result.first_loss
+    from levanter_core.checkpoint import load_checkpoint, read_metadata
+
+    meta = read_metadata(result.checkpoint)
+    dtypes = {leaf["name"]: leaf["dtype"] for leaf in meta["leaves"]}
+    assert dtypes["model/embeddings/token_embeddings/weight"] == "float32"
+
+
+def test_a_nan_loss_stops_the_run(tmp_path):
+    from levanter_core.trainer.trainer import NonFiniteLossError
+
+    config = tiny_config(tmp_path, num_train_steps=20, steps_per_eval=100)
+    config = config.model_copy(update={"optimizer": config.optimizer.model_copy(update={"learning_rate": 1e38})})
+    with pytest.raises(NonFiniteLossError, match="NaN at step"):
+        run_training(config, progress=False)

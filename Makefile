@@ -1,5 +1,5 @@
 # One command to set everything up and train; one to set up test tools and run every test.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2
@@ -7,7 +7,7 @@ PLUGINS := plugins/models-gpt2
 .PHONY: setup setup-test train test test-fast clean
 
 $(BIN)/python:
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=python3 ...)"; exit 1; }
+	@$(PYTHON) -c "import sys; sys.exit(sys.version_info[:2] < (3, 11))" 2>/dev/null || { echo "need Python 3.11 or newer: make PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 

@@ -39,6 +39,7 @@ from jax.experimental.array_serialization import serialization
 
 from levanter_core.checkpoint.config import Checkpointer
 from levanter_core.errors import CheckpointError
+from levanter_core.fileio import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class TensorStoreCheckpointer(Checkpointer):
         if jax.process_index() == 0:
             metadata = read_metadata(checkpoint_path)
             metadata["temporary"] = False
-            _write_atomically(os.path.join(checkpoint_path, METADATA_FILE), json.dumps(metadata, indent=1))
+            write_text_atomically(os.path.join(checkpoint_path, METADATA_FILE), json.dumps(metadata, indent=1))
 
     def delete(self, checkpoint_path: str) -> None:
         if jax.process_index() != 0:
@@ -318,7 +319,7 @@ def _check_fits(checkpoint: str, expected: dict[str, dict], stored: dict[str, di
 
 
 def _commit(staging: str, final: str, step: int) -> None:
-    _write_atomically(os.path.join(staging, COMMIT_MARKER), f"step {step}\n")
+    write_text_atomically(os.path.join(staging, COMMIT_MARKER), f"step {step}\n")
     if _is_committed(final):
         logger.warning("%s already exists and is complete: keeping it and discarding this save", final)
         shutil.rmtree(staging)
@@ -331,15 +332,6 @@ def _commit(staging: str, final: str, step: int) -> None:
 
 def _is_committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMMIT_MARKER))
-
-
-def _write_atomically(file: str, text: str) -> None:
-    partial = f"{file}.partial"
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, file)
 
 
 def _local_path(path: str) -> str:

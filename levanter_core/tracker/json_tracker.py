@@ -14,6 +14,7 @@ import os
 import shutil
 from typing import Any
 
+from levanter_core.fileio import write_text_atomically
 from levanter_core.tracker.base import RunInfo, Tracker, TrackerConfig
 
 
@@ -55,10 +56,7 @@ class JsonTracker(Tracker):
                     continue
                 if record.get("step", 0) <= step:
                     kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        write_text_atomically(self.path, "".join(kept))
 
     def log(self, metrics, *, step):
         record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -86,7 +84,4 @@ class JsonTracker(Tracker):
             self._file.close()
 
     def _write_json(self, name: str, obj: Any) -> None:
-        tmp = os.path.join(self.run_dir, name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, default=str)
-        os.replace(tmp, os.path.join(self.run_dir, name))
+        write_text_atomically(os.path.join(self.run_dir, name), json.dumps(obj, indent=2, default=str))

@@ -25,6 +25,8 @@ import yaml
 from levanter_core import __version__
 from levanter_core.config.train import TrainConfig
 from levanter_core.errors import CheckpointError, ConfigError
+from levanter_core.fileio import write_text_atomically
+from levanter_core.tracker.base import RunInfo
 
 logger = logging.getLogger(__name__)
 
@@ -84,25 +86,22 @@ def _git_sha() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def write_run_record(run_dir: str, config: TrainConfig, config_path: str | None) -> None:
+def write_run_record(run_dir: str, resolved: dict, config_path: str | None, plugins: dict) -> None:
     """Save the resolved config, the code version and the installed packages in the run directory."""
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(resolved_config(config), f, sort_keys=False)
+    write_text_atomically(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(resolved, sort_keys=False))
     record = {
         "config_file": os.path.abspath(config_path) if config_path else None,
         "command": sys.argv,
         "git_sha": _git_sha(),
         "levanter_core": __version__,
-        "plugins": plugin_versions(),
+        "plugins": plugins,
         "python": sys.version.split()[0],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    with open(os.path.join(run_dir, "run.json"), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
+    write_text_atomically(os.path.join(run_dir, "run.json"), json.dumps(record, indent=2))
     packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
-    with open(os.path.join(run_dir, "requirements.txt"), "w", encoding="utf-8") as f:
-        f.write("\n".join(packages) + "\n")
+    write_text_atomically(os.path.join(run_dir, "requirements.txt"), "\n".join(packages) + "\n")
 
 
 # -- JAX set-up ----------------------------------------------------------------------------
@@ -148,7 +147,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     trainer_cfg = config.trainer
     run_id = derive_run_id(config, config_path)
     run_dir = os.path.join(trainer_cfg.log_dir, run_id)
-    write_run_record(run_dir, config, config_path)
+    resolved, plugins = resolved_config(config), plugin_versions()
+    write_run_record(run_dir, resolved, config_path, plugins)
     logger.info("run %s: run directory %s", run_id, run_dir)
     print(f"run directory: {run_dir}", flush=True)
 
@@ -165,17 +165,18 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
 
     key = jax.random.PRNGKey(trainer_cfg.seed)
     checkpointer = trainer_cfg.checkpointer.create(
-        run_id, metadata={"config": resolved_config(config), "plugins": plugin_versions(), "run_id": run_id}
+        run_id, metadata={"config": resolved, "plugins": plugins, "run_id": run_id}
     )
     state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key)
     start_step = int(state.step)
     if resumed_from:
         print(f"resumed from {resumed_from} at step {start_step}", flush=True)
 
-    tracker = _make_tracker(config, run_id, run_dir, start_step if resumed_from else None)
+    run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
+    tracker = _make_tracker(config, run_info)
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
-        tracker.log_hyperparameters(resolved_config(config))
+        tracker.log_hyperparameters(resolved)
         loop = _TrainLoop(config, trainer, data, tracker, checkpointer, progress=progress)
         state = loop.run(state, result)
         checkpointer.on_step(state, int(state.step), force=True)
@@ -209,10 +210,9 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key):
     return trainer.init_state(model_init, key), None
 
 
-def _make_tracker(config: TrainConfig, run_id: str, run_dir: str, resume_step: int | None):
-    from levanter_core.tracker import CompositeTracker, RunInfo
+def _make_tracker(config: TrainConfig, info: RunInfo):
+    from levanter_core.tracker import CompositeTracker
 
-    info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved_config(config), resume_step=resume_step)
     trackers = [t.init(info) for t in config.trainer.tracker]
     return trackers[0] if len(trackers) == 1 else CompositeTracker(trackers)
 

@@ -12,7 +12,7 @@ import pytest
 
 from levanter_core.config.loader import Sources
 from levanter_core.config.train import TrainConfig, validate_train_config
-from levanter_core.models.lm import next_token_loss
+from levanter_core.models.lm import lm_loss_and_metrics
 from levanter_core.trainer.mesh import make_mesh
 from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer, trainable
@@ -52,10 +52,10 @@ def test_gradient_accumulation_gives_the_full_batch_gradients(tmp_path):
     grads = {}
     for per_device in (-1, 2):
         trainer_cfg = config.trainer.model_copy(update={"per_device_parallelism": per_device})
-        trainer = Trainer(trainer_cfg, optimizer=None, loss_fn=next_token_loss, mesh=mesh)
+        trainer = Trainer(trainer_cfg, optimizer=None, loss_fn=lm_loss_and_metrics, mesh=mesh)
         assert trainer.plan.num_microbatches == (1 if per_device == -1 else 4)
         batch = hax.named(tokens, (trainer.Batch, config.model.Pos))
-        loss, g = jax.jit(trainer._loss_and_grad)(model, batch, jax.random.PRNGKey(2))
+        (loss, _), g = jax.jit(trainer._loss_and_grad)(model, batch, jax.random.PRNGKey(2))
         grads[per_device] = (loss, trainable(g))
     (l1, g1), (l4, g4) = grads[-1], grads[2]
     np.testing.assert_allclose(l1, l4, rtol=1e-6)
@@ -68,7 +68,7 @@ def test_batch_that_does_not_split_into_microbatches_is_a_config_error(tmp_path)
 
     config = tiny_config(tmp_path, per_device_parallelism=3)
     with pytest.raises(ConfigError, match="per_device_parallelism"):
-        Trainer(config.trainer, optimizer=None, loss_fn=next_token_loss, mesh=make_mesh(config.trainer))
+        Trainer(config.trainer, optimizer=None, loss_fn=lm_loss_and_metrics, mesh=make_mesh(config.trainer))
 
 
 def test_short_run_loss_falls_and_writes_the_run_directory(tmp_path):

@@ -14,6 +14,7 @@ from levanter_core.checkpoint.tensorstore import (
     discover_latest,
     load_checkpoint,
     read_metadata,
+    write_checkpoint,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "discover_latest",
     "load_checkpoint",
     "read_metadata",
+    "write_checkpoint",
 ]

@@ -61,31 +61,9 @@ class TensorStoreCheckpointer(Checkpointer):
         super().__init__(_local_path(path), **policy)
 
     def save(self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None) -> str:
-        step = int(step)
-        final = os.path.join(self.path, f"step-{step}")
-        staging = f"{final}.tmp-{_agreed_token()}"
-        leaves, _, names = _flatten(state)
-        arrays = {name: _unwrap(leaves[i]) for name, i in names.items()}
-        os.makedirs(staging, exist_ok=True)
-        try:
-            _write_arrays(staging, {name: _stored_form(x) for name, x in arrays.items()})
-            _sync("levanter_checkpoint_written")
-            if jax.process_index() == 0:
-                metadata = {
-                    "step": step,
-                    "temporary": temporary,
-                    "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "leaves": [_describe(name, x) for name, x in arrays.items()],
-                    "metadata": self.metadata,
-                }
-                with open(os.path.join(staging, METADATA_FILE), "w") as f:
-                    json.dump(metadata, f, indent=1)
-                _commit(staging, final, step)
-        except BaseException:
-            if jax.process_index() == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _sync("levanter_checkpoint_committed")
+        final = write_checkpoint(
+            state, os.path.join(self.path, f"step-{int(step)}"), step=step, temporary=temporary, metadata=self.metadata
+        )
         logger.info("saved %s checkpoint %s", "temporary" if temporary else "permanent", final)
         if on_commit is not None:
             on_commit(final)
@@ -119,6 +97,37 @@ class TensorStoreCheckpointer(Checkpointer):
             logger.warning("could not delete %s: %s", checkpoint_path, e)
 
 
+def write_checkpoint(state: Any, final: str, *, step: int, temporary: bool = False, metadata: dict | None = None) -> str:
+    """Write ``state`` (any pytree of arrays) as a committed checkpoint at ``final``: into a
+    staging directory first, then the ``COMMITTED`` marker, then renamed into place.
+    ``metadata`` (JSON) is stored in ``metadata.json`` under ``metadata``."""
+    step = int(step)
+    staging = f"{final}.tmp-{_agreed_token()}"
+    leaves, _, names = _flatten(state)
+    arrays = {name: _unwrap(leaves[i]) for name, i in names.items()}
+    os.makedirs(staging, exist_ok=True)
+    try:
+        _write_arrays(staging, {name: _stored_form(x) for name, x in arrays.items()})
+        _sync("levanter_checkpoint_written")
+        if jax.process_index() == 0:
+            described = {
+                "step": step,
+                "temporary": temporary,
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "leaves": [_describe(name, x) for name, x in arrays.items()],
+                "metadata": metadata or {},
+            }
+            with open(os.path.join(staging, METADATA_FILE), "w") as f:
+                json.dump(described, f, indent=1)
+            _commit(staging, final, step)
+    except BaseException:
+        if jax.process_index() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _sync("levanter_checkpoint_committed")
+    return final
+
+
 def discover_latest(path: str) -> str | None:
     """``path`` itself if it is a committed checkpoint; else the committed ``step-N``
     directly under it with the highest N; else None."""
@@ -148,7 +157,7 @@ def read_metadata(checkpoint_path: str) -> dict:
         raise CheckpointError(f"{file} is not valid JSON ({e}): the checkpoint is damaged") from None
 
 
-def load_checkpoint(template: Any, path: str) -> Any:
+def load_checkpoint(template: Any, path: str, *, subtree: str | None = None) -> Any:
     """Load the checkpoint at ``path`` (a ``step-N`` directory, or a directory of them: the
     latest is used) into the structure of ``template``.
 
@@ -157,6 +166,9 @@ def load_checkpoint(template: Any, path: str) -> Any:
     device when it has none). Leaves that are not arrays are taken from ``template``.
     Raises :class:`CheckpointError`, before reading any data, when names, shapes or dtypes
     differ, and when an array cannot be read in full.
+
+    ``subtree`` loads one part of what was saved: ``subtree="model"`` loads a model
+    (``template``) from a checkpoint of a whole training state, or of a model alone.
     """
     checkpoint = discover_latest(path)
     if checkpoint is None:
@@ -165,6 +177,14 @@ def load_checkpoint(template: Any, path: str) -> Any:
             "or a directory holding such step-N directories"
         )
     stored = {leaf["name"]: leaf for leaf in read_metadata(checkpoint)["leaves"]}
+    if subtree is not None:
+        stored = {name: leaf for name, leaf in stored.items() if name.startswith(subtree + "/")}
+        return _load_tree({subtree: template}, checkpoint, stored)[subtree]
+    return _load_tree(template, checkpoint, stored)
+
+
+def _load_tree(template: Any, checkpoint: str, stored: dict[str, dict]) -> Any:
+    """Load the leaves ``stored`` (name -> description) of ``checkpoint`` into ``template``."""
     leaves, treedef, names = _flatten(template)
     _check_fits(checkpoint, {name: _describe(name, _unwrap(leaves[i])) for name, i in names.items()}, stored)
     arrays = _read_arrays(checkpoint, {name: (_unwrap(leaves[i]), stored[name]) for name, i in names.items()})

@@ -68,6 +68,12 @@ def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = 
         raise ValidationError.from_exception_data("config", errors) from None
 
 
+def validate_section(kind: str, value: Any) -> TypedConfig:
+    """Validate one ``kind`` section (a mapping with ``type``) into its registered config class,
+    e.g. the ``model`` section stored in a checkpoint."""
+    return _validate_one(kind, None, value)
+
+
 def _serialize(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_serialize(v) for v in value]

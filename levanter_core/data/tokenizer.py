@@ -45,6 +45,15 @@ class Tokenizer(abc.ABC):
     def decode(self, ids) -> str:
         """The text of a sequence of ids (special tokens written out)."""
 
+    @abc.abstractmethod
+    def to_tokenizer_json(self) -> str:
+        """This tokenizer as a Hugging Face ``tokenizer.json`` (for exported models)."""
+
+    @property
+    def eos_token(self) -> str | None:
+        """The text of the end-of-text token, if there is one."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
 
@@ -69,6 +78,25 @@ class ByteTokenizer(Tokenizer):
         # Every piece after the first starts with the EOS id it was split at.
         texts = [bytes(p[p != self.eos_id].astype(np.uint8)).decode("utf-8", errors="replace") for p in pieces]
         return EOS_TEXT.join(texts)
+
+    @property
+    def eos_token(self) -> str:
+        return EOS_TEXT
+
+    def to_tokenizer_json(self) -> str:
+        """A byte-level BPE with no merges: each byte is one token whose id is its value.
+        (GPT-2's byte-to-character table turns the bytes into the characters it works on.)"""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as RustTokenizer
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+        others = [b for b in range(256) if b not in printable]
+        chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+        tok = RustTokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOS_TEXT, special=True)])
+        return tok.to_str()
 
 
 class HfTokenizer(Tokenizer):
@@ -96,6 +124,13 @@ class HfTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self._tok.id_to_token(self.eos_id)
+
+    def to_tokenizer_json(self) -> str:
+        return self._tok.to_str()
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

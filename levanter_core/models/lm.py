@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from typing import Protocol, runtime_checkable
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,28 @@ class LmHeadModel(Protocol):
         ...
 
 
+class AuxiliaryLoss(eqx.Module):
+    """Extra training terms a model computes in its forward pass (a mixture of experts'
+    load-balancing loss, say).
+
+    ``loss`` is added to the cross-entropy; every entry of ``metrics`` (scalars, e.g.
+    ``moe/load_balancing_loss``) is logged with the step's other metrics. A model
+    provides them by implementing ``activations_with_aux(input_ids, *, key)``, which
+    returns ``(hidden, AuxiliaryLoss)``, alongside ``activations``."""
+
+    loss: jnp.ndarray
+    metrics: dict[str, jnp.ndarray]
+
+
+def lm_loss_and_metrics(model: LmHeadModel, input_ids: NamedArray, *, key=None) -> tuple[jnp.ndarray, dict]:
+    """The training objective of a batch and the model's own metrics: mean next-token
+    cross-entropy, plus the model's :class:`AuxiliaryLoss` if it has one."""
+    if hasattr(model, "activations_with_aux"):
+        hidden, aux = model.activations_with_aux(input_ids, key=key)
+        return next_token_loss(model, input_ids, key=key, hidden=hidden) + aux.loss, dict(aux.metrics)
+    return next_token_loss(model, input_ids, key=key), {}
+
+
 def next_token_loss(
     model: LmHeadModel,
     input_ids: NamedArray,
@@ -89,15 +112,18 @@ def next_token_loss(
     *,
     key=None,
     reduction: str = "mean",
+    hidden: NamedArray | None = None,
 ) -> jnp.ndarray:
     """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``.
 
     The last position has no target and is excluded. ``loss_mask`` (same axes as
     ``input_ids``, 1 where a position's *next* token counts) narrows it further.
-    The loss is computed in float32 whatever the compute precision.
+    The loss is computed in float32 whatever the compute precision. ``hidden``, if
+    given, are the model's final hidden states for ``input_ids`` (already computed).
     """
     Pos = input_ids.resolve_axis("position")
-    hidden = model.activations(input_ids, key=key)
+    if hidden is None:
+        hidden = model.activations(input_ids, key=key)
     head = model.get_lm_head()
     targets = hax.roll(input_ids, -1, Pos)
     mask = hax.broadcast_to((hax.arange(Pos) < Pos.size - 1).astype(jnp.float32), input_ids.axes)

@@ -139,7 +139,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     from haliax import Axis
 
     from levanter_core.data import build_lm_data
-    from levanter_core.models.lm import next_token_loss
+    from levanter_core.models.lm import lm_loss_and_metrics
     from levanter_core.trainer.mesh import make_mesh
     from levanter_core.trainer.trainer import Trainer
 
@@ -158,7 +158,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build(num_steps)
-    trainer = Trainer(trainer_cfg, optimizer, next_token_loss, mesh=mesh)
+    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh)
 
     def model_init(key):
         return config.model.build(Vocab, key=key)

@@ -35,8 +35,9 @@ from levanter_core.trainer.state import TrainerState
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[..., jax.Array]
-"""``loss_fn(model, input_ids, *, key) -> scalar``: mean loss of a batch."""
+LossFn = Callable[..., tuple[jax.Array, dict]]
+"""``loss_fn(model, input_ids, *, key) -> (scalar, metrics)``: the mean loss of a batch and
+any scalars the model wants logged (see ``levanter_core.models.lm.lm_loss_and_metrics``)."""
 
 
 class NonFiniteLossError(LevanterError):
@@ -131,11 +132,12 @@ class Trainer:
         )
 
     # -- compiled pieces -------------------------------------------------------------------
-    def _compute_loss(self, model, input_ids: NamedArray, key) -> jax.Array:
+    def _compute_loss(self, model, input_ids: NamedArray, key) -> tuple[jax.Array, dict]:
         return self.loss_fn(self.mp.cast_to_compute(model), input_ids, key=key)
 
     def _loss_and_grad(self, model, batch: NamedArray, key):
-        grad_fn = eqx.filter_value_and_grad(self._compute_loss)
+        """``((loss, metrics), grads)``, averaged over the microbatches."""
+        grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
         n = self.plan.num_microbatches
         if n == 1:
             return grad_fn(model, batch, key)
@@ -145,28 +147,30 @@ class Trainer:
         stacked = batch.unflatten_axis(self.Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest)).array
 
         def accumulate(carry, xs):
-            loss_sum, grad_sum = carry
+            sums, grad_sum = carry
             tokens, mb_key = xs
             microbatch = hax.shard(hax.named(tokens, (Micro, *rest)), self.compute_mapping)
-            loss, grads = grad_fn(model, microbatch, mb_key)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            values, grads = grad_fn(model, microbatch, mb_key)
+            return (jax.tree.map(jnp.add, sums, values), jax.tree.map(jnp.add, grad_sum, grads)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, trainable(model))
-        init = (jnp.zeros((), jnp.float32), zeros)
-        (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
-        return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum)
+        first = hax.shard(hax.named(stacked[0], (Micro, *rest)), self.compute_mapping)
+        value_shapes = eqx.filter_eval_shape(self._compute_loss, model, first, key)
+        zero_values = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), value_shapes)
+        init = (zero_values, jax.tree.map(jnp.zeros_like, trainable(model)))
+        (sums, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
+        return jax.tree.map(lambda v: v / n, sums), jax.tree.map(lambda g: g / n, grad_sum)
 
     def _step(self, state: TrainerState, batch: NamedArray):
         key, next_key = jax.random.split(state.training_key)
-        loss, grads = self._loss_and_grad(state.model, batch, key)
+        (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         model = eqx.apply_updates(state.model, updates)
-        metrics = {"train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
+        metrics = {**model_metrics, "train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
         return TrainerState(state.step + 1, model, opt_state, next_key), metrics
 
     def _eval_loss(self, model, batch: NamedArray):
-        return self._compute_loss(model, batch, None)
+        return self._compute_loss(model, batch, None)[0]
 
     # -- host side ---------------------------------------------------------------------------
     def to_device(self, tokens: np.ndarray, Batch: Axis) -> NamedArray:

@@ -1,0 +1,263 @@
+"""Moving models between Hugging Face checkpoints and ours: ``levanter import-hf``,
+``levanter export-hf`` and the ``initialize_from_hf`` training option.
+
+Which of our model types reads a Hugging Face ``config.json`` is decided by the
+``model_type_for_hf_config`` hook (the first plugin that claims it wins); the per-model
+translation is the plugin's :class:`~levanter_core.hf.convert.HfConvertible` config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from haliax import Axis
+
+from levanter_core.errors import CheckpointError, ConfigError
+from levanter_core.fileio import write_text_atomically
+from levanter_core.hf.checkpoint import HfCheckpoint, write_hf_checkpoint
+from levanter_core.hf.convert import HfConvertible, load_hf_weights, to_hf_state_dict
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+"""Files of a Hugging Face tokenizer that travel with a model."""
+
+HF_TOKENIZER_DIR = "hf_tokenizer"
+"""Where an imported checkpoint keeps the tokenizer files it came with."""
+
+# config.json keys that describe the file, not the model
+_VOLATILE_HF_KEYS = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
+
+
+@dataclass
+class HfModel:
+    """A model loaded from a Hugging Face checkpoint."""
+
+    model: Any
+    config: Any
+    """Our model config (an :class:`HfConvertible` LmConfig)."""
+    Vocab: Axis
+    directory: str
+    hf_config: dict
+
+
+def resolve_source(source: str) -> str:
+    """A local directory holding ``source``: ``source`` itself, or a download of the hub
+    repository of that name (needs ``huggingface_hub`` and network access)."""
+    if os.path.isdir(source):
+        return source
+    if os.path.exists(source):
+        raise CheckpointError(f"{source} is a file; expected a Hugging Face model directory (with config.json)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(
+            f"{source!r} is not a local directory, and huggingface_hub is not installed to fetch it from the hub"
+        ) from None
+    try:
+        return snapshot_download(source, allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES])
+    except Exception as e:  # offline, unknown repository, gated model...
+        raise CheckpointError(
+            f"{source!r} is not a local directory and could not be fetched from the Hugging Face hub: {e}"
+        ) from None
+
+
+def read_hf_config(directory: str) -> dict:
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a Hugging Face model directory: it has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return config
+
+
+def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
+    """Our model config for a Hugging Face config, through the plugin that claims it."""
+    from levanter_core.plugins import get_manager, registry
+
+    name = get_manager().hook().model_type_for_hf_config(hf_config=hf_config)
+    models = registry("model")
+    if name is None:
+        convertible = [e for e in models if issubclass(e.config_cls, HfConvertible)]
+        choices = ", ".join(f"{e.name} ({e.provider})" for e in convertible) or "none"
+        raise CheckpointError(
+            f"no installed model plugin handles {source} (model_type {hf_config.get('model_type')!r}, "
+            f"architectures {hf_config.get('architectures')}). Types with Hugging Face support: {choices}"
+        )
+    entry = models.get(name)
+    if not issubclass(entry.config_cls, HfConvertible):
+        raise CheckpointError(f"model type {name!r} ({entry.provider}) cannot be converted from Hugging Face")
+    try:
+        return entry.config_cls.from_hf_config(hf_config)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def load_hf_model(source: str, *, config: Any | None = None, dtype=np.float32) -> HfModel:
+    """Load a Hugging Face checkpoint (directory or hub name) as our model.
+
+    With ``config`` (ours), the weights must fit that config exactly; without, the
+    config is derived from the checkpoint's ``config.json``."""
+    directory = resolve_source(source)
+    hf_config = read_hf_config(directory)
+    if config is None:
+        config = config_from_hf(hf_config, source=os.path.join(directory, "config.json"))
+    vocab_size = hf_config.get("vocab_size")
+    if not isinstance(vocab_size, int):
+        raise CheckpointError(f"{directory}/config.json has no integer vocab_size")
+    Vocab = Axis("vocab", vocab_size)
+    model = load_hf_weights(config, Vocab, HfCheckpoint(directory), dtype=dtype)
+    return HfModel(model, config, Vocab, directory, hf_config)
+
+
+# -- import ----------------------------------------------------------------------------------
+
+
+def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
+    """Write the Hugging Face model ``source`` as our checkpoint at ``output`` (a model-only
+    checkpoint at step 0, with its config, the original ``config.json`` and the tokenizer
+    files). Returns ``output``."""
+    from levanter_core.checkpoint import COMMIT_MARKER, write_checkpoint
+    from levanter_core.trainer.run import plugin_versions
+
+    output = os.path.abspath(output)
+    if os.path.exists(os.path.join(output, COMMIT_MARKER)):
+        raise CheckpointError(f"{output} already holds a checkpoint; choose another output directory")
+    if os.path.exists(output) and os.listdir(output):
+        raise CheckpointError(f"{output} exists and is not empty; choose another output directory")
+    loaded = load_hf_model(source)
+    config = loaded.config if seq_len is None else loaded.config.model_copy(update={"seq_len": seq_len})
+    metadata = {
+        "config": {"model": config.model_dump(mode="json")},
+        "vocab_size": loaded.Vocab.size,
+        "hf_config": loaded.hf_config,
+        "imported_from": source,
+        "plugins": plugin_versions(),
+    }
+    write_checkpoint({"model": loaded.model}, output, step=0, metadata=metadata)
+    tokenizer_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(loaded.directory, f))]
+    if tokenizer_files:
+        os.makedirs(os.path.join(output, HF_TOKENIZER_DIR), exist_ok=True)
+        for f in tokenizer_files:
+            shutil.copy2(os.path.join(loaded.directory, f), os.path.join(output, HF_TOKENIZER_DIR, f))
+    return output
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard_bytes: int = 2 * 1024**3) -> str:
+    """Write our checkpoint (a training checkpoint, a run's checkpoint directory, or an
+    import) as a Hugging Face model directory: ``config.json``, sharded safetensors with
+    their index, and the tokenizer files. Returns ``output``."""
+    from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
+    from levanter_core.config.base import validate_section
+
+    found = discover_latest(checkpoint)
+    if found is None:
+        raise CheckpointError(f"no complete checkpoint at {checkpoint}")
+    stored = read_metadata(found).get("metadata", {})
+    run_config = stored.get("config") or {}
+    if "model" not in run_config:
+        raise CheckpointError(f"{found} does not record its model config; it cannot be exported")
+    config = validate_section("model", run_config["model"])
+    if not isinstance(config, HfConvertible):
+        raise CheckpointError(f"model type {config.type!r} has no Hugging Face equivalent to export to")
+    tokenizer = None
+    vocab_size = stored.get("vocab_size")
+    if vocab_size is None:  # checkpoints of training runs before vocab_size was recorded
+        tokenizer = _run_tokenizer(run_config)
+        vocab_size = tokenizer.vocab_size
+    Vocab = Axis("vocab", int(vocab_size))
+
+    key = jax.random.PRNGKey(0)
+    template = jax.eval_shape(lambda: config.build(Vocab, key=key))
+    model = load_checkpoint(template, found, subtree="model")
+    tensors = {name: _cast(array, dtype) for name, array in to_hf_state_dict(model).items()}
+
+    os.makedirs(output, exist_ok=True)
+    hf_config = {k: v for k, v in (stored.get("hf_config") or {}).items() if k not in _VOLATILE_HF_KEYS}
+    hf_config.update(config.to_hf_config(Vocab.size))
+    hf_config["architectures"] = [config.hf_architecture]
+    hf_config["torch_dtype"] = dtype
+    write_text_atomically(os.path.join(output, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    files = write_hf_checkpoint(output, tensors, max_shard_bytes=max_shard_bytes)
+    _write_tokenizer(found, run_config, output, tokenizer)
+    logger.info("exported %s to %s (%d shard(s))", found, output, len(files))
+    return output
+
+
+def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    return array.astype(np.dtype(dtype)) if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" else array
+
+
+def _run_tokenizer(run_config: dict):
+    from levanter_core.data.tokenizer import load_tokenizer
+
+    spec = (run_config.get("data") or {}).get("tokenizer")
+    if not spec:
+        raise CheckpointError("the checkpoint's config names no data.tokenizer, so its vocabulary size is unknown")
+    return load_tokenizer(spec)
+
+
+def _write_tokenizer(checkpoint: str, run_config: dict, output: str, tokenizer=None) -> None:
+    """Tokenizer files for the export: those an import brought along, else the run's
+    tokenizer (its directory's files, or its ``tokenizer.json`` rebuilt)."""
+    for directory in (os.path.join(checkpoint, HF_TOKENIZER_DIR), (run_config.get("data") or {}).get("tokenizer")):
+        if directory and os.path.isdir(directory):
+            for f in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(directory, f)):
+                    shutil.copy2(os.path.join(directory, f), os.path.join(output, f))
+            if os.path.isfile(os.path.join(output, "tokenizer.json")):
+                return
+    if not (run_config.get("data") or {}).get("tokenizer"):
+        logger.warning("the checkpoint names no tokenizer; the export has none")
+        return
+    tokenizer = tokenizer or _run_tokenizer(run_config)
+    write_text_atomically(os.path.join(output, "tokenizer.json"), tokenizer.to_tokenizer_json())
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if tokenizer.eos_token is not None:
+        tokenizer_config["eos_token"] = tokenizer.eos_token
+    write_text_atomically(os.path.join(output, "tokenizer_config.json"), json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"``, ``"500MB"``, ``"1024"`` -> bytes."""
+    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
+    t = text.strip().upper()
+    for suffix, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(suffix):
+            number = t[: -len(suffix)].strip()
+            break
+    else:
+        number, scale = t, 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GB, 500MB)") from None
+    if value <= 0:
+        raise ConfigError(f"size must be positive, got {text!r}")
+    return int(value)

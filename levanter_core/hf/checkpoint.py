@@ -1,0 +1,159 @@
+"""Reading and writing Hugging Face checkpoint directories (``*.safetensors`` shards and
+their index).
+
+Reading inspects every shard's header before any data is loaded, so that a truncated
+shard, a tensor the index promises but no shard holds, or a shard that cannot be parsed
+are all known up front and can be reported together with any shape mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import numpy as np
+
+from levanter_core.errors import CheckpointError
+from levanter_core.fileio import write_text_atomically
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors' dtype names -> NumPy dtype names (bfloat16 comes from ml_dtypes, via JAX)
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a shard's header describes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """NumPy's name for it (``float32``, ``bfloat16``, ...)."""
+    file: str
+
+
+class HfCheckpoint:
+    """The tensors of a Hugging Face checkpoint directory, found from its headers.
+
+    ``tensors`` maps each readable tensor's name to its description; ``damaged`` maps a
+    tensor that cannot be read (its shard is truncated or missing, or does not hold it) to
+    the reason."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.tensors: dict[str, StoredTensor] = {}
+        self.damaged: dict[str, str] = {}
+        for file, promised in self._shards().items():
+            self._scan(file, promised)
+
+    def _shards(self) -> dict[str, set[str]]:
+        """Each shard file -> the tensor names the index says it holds (empty without an index)."""
+        index = os.path.join(self.directory, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+            shards: dict[str, set[str]] = {}
+            for name, file in weight_map.items():
+                shards.setdefault(file, set()).add(name)
+            return shards
+        if os.path.isfile(os.path.join(self.directory, SINGLE_FILE)):
+            return {SINGLE_FILE: set()}
+        found = sorted(f for f in os.listdir(self.directory) if f.endswith(".safetensors"))
+        if found:
+            return {f: set() for f in found}
+        others = [f for f in os.listdir(self.directory) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (
+            f" It has PyTorch pickles ({', '.join(sorted(others))}); re-save the model with "
+            "`save_pretrained(..., safe_serialization=True)`."
+            if others
+            else ""
+        )
+        raise CheckpointError(f"{self.directory} holds no safetensors weights (no {INDEX_FILE} or *.safetensors).{hint}")
+
+    def _scan(self, file: str, promised: set[str]) -> None:
+        path = os.path.join(self.directory, file)
+        try:
+            header, data_start, size = _read_header(path)
+        except (OSError, ValueError) as e:
+            for name in promised or {f"(every tensor of {file})"}:
+                self.damaged[name] = f"shard {file} cannot be read: {e}"
+            return
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            dtype = _DTYPES.get(entry["dtype"], entry["dtype"])
+            self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), dtype, file)
+            if data_start + end > size:
+                self.damaged[name] = (
+                    f"shard {file} is truncated: it has {size} bytes, this tensor ends at byte {data_start + end}"
+                )
+        for name in promised - header.keys():
+            self.damaged[name] = f"the index puts it in {file}, which does not hold it"
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor's values (a NumPy array in its stored dtype)."""
+        from safetensors import safe_open
+
+        stored = self.tensors[name]
+        with safe_open(os.path.join(self.directory, stored.file), framework="np") as f:
+            return f.get_tensor(name)
+
+
+def _read_header(path: str) -> tuple[dict, int, int]:
+    """A safetensors file's JSON header, where its data starts, and the file's size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"only {size} bytes, not even a header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if 8 + length > size:
+            raise ValueError(f"truncated: {size} bytes, but the header alone claims {8 + length}")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise ValueError(f"header is not valid JSON ({e})") from None
+    return header, 8 + length, size
+
+
+def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int) -> list[str]:
+    """Write ``tensors`` as ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_bytes`` (a tensor larger than that gets a shard of its own) and the index
+    ``model.safetensors.index.json``. Returns the shard file names."""
+    from safetensors.numpy import save_file
+
+    groups: list[list[str]] = [[]]
+    group_bytes = 0
+    for name, array in tensors.items():
+        if groups[-1] and group_bytes + array.nbytes > max_shard_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(name)
+        group_bytes += array.nbytes
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map = {}
+    for file, names in zip(files, groups):
+        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
+    write_text_atomically(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2) + "\n")
+    return files

@@ -1,0 +1,110 @@
+"""What an architecture plugin provides to be importable from and exportable to Hugging
+Face, and the state-dict conversion the core does with it.
+
+A plugin's model config also subclasses :class:`HfConvertible` (config translation),
+and its modules use Hugging Face's parameter names as their field names, so that
+Haliax's state-dict serialization (``haliax.state_dict``: linear layers flattened to
+``(out, in)``, scanned layers unstacked into ``layers.0``, ``layers.1``, ...) yields the
+Hugging Face tensor names directly. A module whose layout differs (stacked experts,
+say) overrides ``to_state_dict``/``from_state_dict`` as Haliax allows.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Self
+
+import equinox as eqx
+import jax
+import numpy as np
+from haliax import Axis
+from haliax.state_dict import flatten_modules_for_export, from_torch_compatible_state_dict, to_state_dict
+
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.checkpoint import HfCheckpoint
+
+
+class HfConvertible(abc.ABC):
+    """Mixin for a model config (an :class:`~levanter_core.models.lm.LmConfig`) that maps
+    to a Hugging Face architecture."""
+
+    hf_architecture: ClassVar[str]
+    """The ``transformers`` class name written into ``architectures`` (``LlamaForCausalLM``)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_hf_config(cls, hf_config: dict) -> Self:
+        """Our config equivalent to a Hugging Face ``config.json`` (as a dict). ``seq_len``
+        becomes ``max_position_embeddings``. Raise ``ValueError`` for settings we do not
+        support, naming them."""
+
+    @abc.abstractmethod
+    def to_hf_config(self, vocab_size: int) -> dict:
+        """The ``config.json`` contents for this config (``model_type`` included; the core
+        adds ``architectures`` and ``torch_dtype``)."""
+
+    def hf_ignored_tensors(self) -> frozenset[str]:
+        """Tensor names a Hugging Face checkpoint may hold that this model does not use
+        (e.g. ``lm_head.weight`` when the embeddings are tied)."""
+        return frozenset()
+
+
+def hf_state_dict_shapes(config: Any, Vocab: Axis) -> dict[str, jax.ShapeDtypeStruct]:
+    """The tensor names, shapes and dtypes of ``config``'s model as Hugging Face stores them,
+    computed without allocating the model."""
+    key = jax.random.PRNGKey(0)
+    return eqx.filter_eval_shape(lambda: to_state_dict(flatten_modules_for_export(config.build(Vocab, key=key))))
+
+
+def to_hf_state_dict(model: Any) -> dict[str, np.ndarray]:
+    """The model's parameters under their Hugging Face names, as host NumPy arrays."""
+    flat = to_state_dict(flatten_modules_for_export(model))
+    return {name: np.asarray(jax.device_get(value)) for name, value in flat.items()}
+
+
+def check_fits(expected: dict[str, jax.ShapeDtypeStruct], checkpoint: HfCheckpoint, *, ignored=frozenset()) -> None:
+    """Raise one :class:`CheckpointError` listing every tensor of ``checkpoint`` that does not
+    fit ``expected``: missing, unexpected, of another shape, of a non-float dtype where a
+    float is expected, or unreadable (a truncated shard). Floating-point widths convert
+    freely (a bfloat16 checkpoint loads into a float32 model)."""
+
+    def show(shape, dtype) -> str:
+        return f"{dtype}{list(shape)}"
+
+    problems = []
+    for name, want in sorted(expected.items()):
+        found = checkpoint.tensors.get(name)
+        wanted = show(want.shape, want.dtype)
+        if name in checkpoint.damaged:
+            problems.append(f"  {name}: expected {wanted}; {checkpoint.damaged[name]}")
+        elif found is None:
+            problems.append(f"  {name}: expected {wanted}, missing from the checkpoint")
+        elif tuple(found.shape) != tuple(want.shape):
+            problems.append(f"  {name}: expected {wanted}, found {show(found.shape, found.dtype)}")
+        elif _is_float(want.dtype) != _is_float(found.dtype):
+            problems.append(f"  {name}: expected {wanted}, found {show(found.shape, found.dtype)} (incompatible dtype)")
+    for name in sorted(checkpoint.tensors.keys() - expected.keys() - set(ignored)):
+        found = checkpoint.tensors[name]
+        problems.append(f"  {name}: found {show(found.shape, found.dtype)}, which the model does not have")
+    if problems:
+        raise CheckpointError(
+            f"the Hugging Face checkpoint {checkpoint.directory} does not fit the model "
+            f"({len(problems)} tensor(s) differ):\n" + "\n".join(problems) + "\nNothing was loaded."
+        )
+
+
+def _is_float(dtype) -> bool:
+    name = str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype
+    return name.startswith(("float", "bfloat"))
+
+
+def load_hf_weights(config: Any, Vocab: Axis, checkpoint: HfCheckpoint, *, dtype=np.float32) -> Any:
+    """Build ``config``'s model with the checkpoint's weights (cast to ``dtype``), after
+    checking that every tensor fits (:func:`check_fits`)."""
+    expected = hf_state_dict_shapes(config, Vocab)
+    ignored = config.hf_ignored_tensors() if isinstance(config, HfConvertible) else frozenset()
+    check_fits(expected, checkpoint, ignored=ignored)
+    state_dict = {name: checkpoint.read(name).astype(dtype) for name in expected}
+    key = jax.random.PRNGKey(0)
+    template = eqx.filter_eval_shape(lambda: config.build(Vocab, key=key))
+    return from_torch_compatible_state_dict(template, state_dict)

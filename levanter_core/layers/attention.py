@@ -1,0 +1,271 @@
+"""Self-attention for decoder-only models: masks, the attention computation, and the
+attention layer most architectures share.
+
+Axes: queries have ``(..., position, kv_heads, q_heads_per_group, head_size)`` and keys
+and values ``(..., key_position, kv_heads, head_size)``. Grouped-query attention is
+these two head axes: each of the ``kv_heads`` key/value heads serves
+``q_heads_per_group`` query heads. Multi-head attention has one query head per group,
+multi-query attention one key/value head. Flattened, query head ``n`` belongs to
+key/value head ``n // q_heads_per_group``, the layout of Hugging Face checkpoints.
+
+Two implementations compute the same thing (``attn_backend``):
+
+* ``reference``: plain named-axis einsums and a float32 softmax, readable and exact;
+* ``jax``: :func:`jax.nn.dot_product_attention`, which runs cuDNN's fused flash
+  attention on NVIDIA GPUs (bfloat16/float16) and XLA's kernel elsewhere;
+* ``auto`` (the default) picks ``jax`` on GPU and ``reference`` elsewhere, and always
+  ``reference`` when the model soft-caps attention logits (``jax`` cannot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+
+from levanter_core.layers.mlp import init_linear
+from levanter_core.layers.norm import RmsNorm
+from levanter_core.layers.rotary import apply_rotary, rotary_tables
+
+AttentionBackend = Literal["auto", "reference", "jax"]
+"""``auto``, ``reference`` or ``jax`` (see the module docstring)."""
+
+
+class AttentionMask(eqx.Module):
+    """Which keys each query may attend to: causal, optionally restricted to the query's own
+    segment (several documents packed into one sequence) and to a sliding window.
+
+    ``segment_ids`` has axes ``(..., position)``: a query attends only to keys with the
+    same id. The window is applied per layer (see :meth:`materialize`).
+    """
+
+    segment_ids: NamedArray | None = None
+    causal: bool = eqx.field(static=True, default=True)
+
+    @staticmethod
+    def causal_mask() -> "AttentionMask":
+        return AttentionMask()
+
+    def with_segments(self, segment_ids: NamedArray) -> "AttentionMask":
+        return dataclasses.replace(self, segment_ids=segment_ids)
+
+    def materialize(self, Pos: Axis, KeyPos: Axis, *, window: int | None = None, sliding=None) -> NamedArray:
+        """A boolean array ``(..., position, key_position)``, True where attention is allowed.
+
+        ``window``: a query at ``q`` sees keys ``q - window < k <= q`` (``window`` keys,
+        itself included), as Hugging Face's sliding-window models do. ``sliding`` (a
+        traced boolean, for layers scanned together) switches the window on or off."""
+        q = hax.broadcast_to(hax.arange(Pos), (Pos, KeyPos))
+        k = hax.broadcast_to(hax.arange(KeyPos), (Pos, KeyPos))
+        allowed = hax.full((Pos, KeyPos), True, dtype=jnp.bool_)
+        if self.causal:
+            allowed = allowed & (k <= q)
+        if window is not None:
+            in_window = k > q - window
+            if sliding is not None:
+                in_window = in_window | ~_scalar(sliding)
+            allowed = allowed & in_window
+        if self.segment_ids is not None:
+            batch = tuple(ax for ax in self.segment_ids.axes if ax.name != Pos.name)
+            q_seg = hax.broadcast_to(self.segment_ids, (*batch, Pos, KeyPos))
+            k_seg = hax.broadcast_to(self.segment_ids.rename({Pos.name: KeyPos.name}), (*batch, Pos, KeyPos))
+            allowed = allowed & (q_seg == k_seg)
+        return allowed
+
+
+def _scalar(x) -> jax.Array:
+    return x.array if isinstance(x, NamedArray) else jnp.asarray(x)
+
+
+def resolve_backend(backend: AttentionBackend, *, soft_cap: float | None) -> Literal["reference", "jax"]:
+    if backend == "jax" and soft_cap is not None:
+        raise ValueError("attn_backend 'jax' cannot soft-cap attention logits; use 'reference' or 'auto'")
+    if backend == "auto":
+        return "jax" if jax.default_backend() == "gpu" and soft_cap is None else "reference"
+    return backend
+
+
+def dot_product_attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    mask: AttentionMask,
+    *,
+    Pos: Axis,
+    KeyPos: Axis,
+    HeadSize: Axis,
+    scale: float,
+    soft_cap: float | None = None,
+    window: int | None = None,
+    sliding=None,
+    backend: AttentionBackend = "auto",
+) -> NamedArray:
+    """Attention of ``q`` over ``k``/``v`` (axes as in the module docstring).
+
+    ``scale`` multiplies the query-key products; ``soft_cap`` applies
+    ``soft_cap * tanh(scores / soft_cap)`` before masking (Gemma 2). The softmax runs in
+    float32; the result has ``q``'s axes and dtype."""
+    if resolve_backend(backend, soft_cap=soft_cap) == "jax":
+        return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
+    scores = hax.dot(q, k, axis=HeadSize) * jnp.asarray(scale, q.dtype)
+    if soft_cap is not None:
+        scores = hax.tanh(scores / soft_cap) * soft_cap
+    allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
+    scores = hax.where(allowed, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = hnn.softmax(scores, axis=KeyPos).astype(v.dtype)
+    return hax.dot(weights, v, axis=KeyPos).rearrange(q.axes)
+
+
+def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, window, sliding) -> NamedArray:
+    """The same computation through :func:`jax.nn.dot_product_attention` ([B, T, N, H] layout)."""
+    KvHeads = k.resolve_axis("kv_heads")
+    QPerGroup = q.resolve_axis("q_heads_per_group")
+    batch_axes = tuple(ax for ax in q.axes if ax.name not in (Pos.name, KvHeads.name, QPerGroup.name, HeadSize.name))
+    batch = math.prod(ax.size for ax in batch_axes)
+    q_arr = q.rearrange((*batch_axes, Pos, KvHeads, QPerGroup, HeadSize)).array
+    q_arr = q_arr.reshape(batch, Pos.size, KvHeads.size * QPerGroup.size, HeadSize.size)
+    k_arr = k.rearrange((*batch_axes, KeyPos, KvHeads, HeadSize)).array.reshape(batch, KeyPos.size, KvHeads.size, -1)
+    v_arr = v.rearrange((*batch_axes, KeyPos, KvHeads, HeadSize)).array.reshape(batch, KeyPos.size, KvHeads.size, -1)
+
+    static_window = window is not None and sliding is None
+    if mask.segment_ids is None and mask.causal and (window is None or static_window):
+        # the pattern cuDNN's fused kernel knows: causal, optionally a fixed window
+        out = jax.nn.dot_product_attention(
+            q_arr,
+            k_arr,
+            v_arr,
+            scale=scale,
+            is_causal=True,
+            local_window_size=(window - 1, 0) if static_window else None,
+        )
+    else:
+        allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
+        allowed = allowed.broadcast_to((*batch_axes, Pos, KeyPos)).rearrange((*batch_axes, Pos, KeyPos))
+        allowed = allowed.array.reshape(batch, 1, Pos.size, KeyPos.size)
+        out = jax.nn.dot_product_attention(q_arr, k_arr, v_arr, mask=allowed, scale=scale)
+    out = out.reshape(*(ax.size for ax in batch_axes), Pos.size, KvHeads.size, QPerGroup.size, HeadSize.size)
+    return hax.named(out, (*batch_axes, Pos, KvHeads, QPerGroup, HeadSize)).rearrange(q.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Everything :class:`Attention` needs; a model config derives one from its own fields."""
+
+    Embed: Axis
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: object | None = None
+    """A rotary config from :mod:`levanter_core.layers.rotary`, or None for no rotary embedding."""
+    local_rope: object | None = None
+    """Rotary config for sliding-window layers when it differs from ``rope`` (Gemma 3)."""
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: Literal["none", "head", "all_heads"] = "none"
+    """RMSNorm of queries and keys before the rotation: per head over ``head_size`` (Qwen 3,
+    Gemma 3), or over all heads together (OLMo 2)."""
+    qk_norm_eps: float = 1e-6
+    qk_norm_offset: float = 0.0
+    scale: float | None = None
+    """Multiplier of the query-key products; default ``head_dim ** -0.5``."""
+    logits_soft_cap: float | None = None
+    sliding_window: int | None = None
+    backend: AttentionBackend = "auto"
+    initializer_range: float = 0.02
+    out_std: float | None = None
+    """Standard deviation of ``o_proj``'s initialization; default ``initializer_range``."""
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def KvHeads(self) -> Axis:
+        return Axis("kv_heads", self.num_kv_heads)
+
+    @property
+    def QHeadsPerGroup(self) -> Axis:
+        return Axis("q_heads_per_group", self.num_heads // self.num_kv_heads)
+
+    @property
+    def HeadSize(self) -> Axis:
+        return Axis("head_size", self.head_dim)
+
+
+class Attention(eqx.Module):
+    """Multi-head, grouped-query or multi-query self-attention with Hugging Face's parameter
+    names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``)."""
+
+    config: AttentionConfig = eqx.field(static=True)
+    q_proj: hnn.Linear
+    k_proj: hnn.Linear
+    v_proj: hnn.Linear
+    o_proj: hnn.Linear
+    q_norm: RmsNorm | None = None
+    k_norm: RmsNorm | None = None
+
+    @staticmethod
+    def init(config: AttentionConfig, *, key) -> "Attention":
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        c = config
+        QOut = (c.KvHeads, c.QHeadsPerGroup, c.HeadSize)
+        KvOut = (c.KvHeads, c.HeadSize)
+        std = c.initializer_range
+        q_proj = init_linear(c.Embed, QOut, key=k_q, std=std, use_bias=c.qkv_bias)
+        k_proj = init_linear(c.Embed, KvOut, key=k_k, std=std, use_bias=c.qkv_bias)
+        v_proj = init_linear(c.Embed, KvOut, key=k_v, std=std, use_bias=c.qkv_bias)
+        o_proj = init_linear(QOut, c.Embed, key=k_o, std=c.out_std or std, use_bias=c.out_bias)
+        q_norm = k_norm = None
+        if c.qk_norm != "none":
+            q_axes, k_axes = (c.HeadSize, c.HeadSize) if c.qk_norm == "head" else (QOut, KvOut)
+            q_norm = RmsNorm.init(q_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
+            k_norm = RmsNorm.init(k_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
+        return Attention(config, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)
+
+    def __call__(
+        self, x: NamedArray, mask: AttentionMask, *, sliding=None, positions: NamedArray | None = None, key=None
+    ) -> NamedArray:
+        """``x`` has axes ``(..., position, embed)``. ``sliding`` (a boolean scalar, possibly
+        traced) says whether this layer uses the sliding window; None means it does when
+        the config has one. ``positions`` (default ``0..position-1``) feed the rotation."""
+        c = self.config
+        Pos = x.resolve_axis("position")
+        KeyPos = Pos.alias("key_position")
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.rope is not None:
+            positions = hax.arange(Pos) if positions is None else positions
+            cos, sin = rotary_tables(c.rope, c.head_dim, positions, c.HeadSize)
+            if c.local_rope is not None and sliding is not None:
+                local_cos, local_sin = rotary_tables(c.local_rope, c.head_dim, positions, c.HeadSize)
+                on = _scalar(sliding)
+                cos, sin = hax.where(on, local_cos, cos), hax.where(on, local_sin, sin)
+            q = apply_rotary(q, cos, sin, c.HeadSize)
+            k = apply_rotary(k, cos, sin, c.HeadSize)
+        k = k.rename({Pos.name: KeyPos.name})
+        v = v.rename({Pos.name: KeyPos.name})
+        attended = dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            Pos=Pos,
+            KeyPos=KeyPos,
+            HeadSize=c.HeadSize,
+            scale=c.scale if c.scale is not None else c.head_dim**-0.5,
+            soft_cap=c.logits_soft_cap,
+            window=c.sliding_window,
+            sliding=sliding,
+            backend=c.backend,
+        )
+        return self.o_proj(attended)

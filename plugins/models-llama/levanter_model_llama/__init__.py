@@ -1,0 +1,1 @@
+"""Llama and Mistral for levanter-core."""

@@ -2,7 +2,8 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-PLUGINS := plugins/models-gpt2
+PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
+           plugins/models-mixtral plugins/models-olmo
 
 .PHONY: setup setup-test train test test-fast clean
 

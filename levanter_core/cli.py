@@ -106,6 +106,50 @@ def plugins(
         raise typer.Exit(code=1)
 
 
+@app.command("import-hf")
+def import_hf(
+    source: Annotated[
+        str, typer.Argument(help="A Hugging Face model directory, or a hub name (downloaded when the hub is reachable).")
+    ],
+    output: Annotated[str, typer.Argument(help="Directory to write our checkpoint into (must not exist or be empty).")],
+    seq_len: Annotated[
+        Optional[int], typer.Option(help="Training sequence length to record (default: max_position_embeddings).")
+    ] = None,
+) -> None:
+    """Convert a Hugging Face causal LM into a levanter checkpoint.
+
+    The architecture is chosen by the installed model plugins from config.json. Every
+    tensor is checked against the model before anything is written; the tokenizer files
+    are kept beside the weights. Train from the result with trainer.initialize_from.
+    """
+    from levanter_core.hf.bridge import import_hf as do_import
+
+    print(f"imported {source} into {do_import(source, output, seq_len=seq_len)}")
+
+
+@app.command("export-hf")
+def export_hf(
+    checkpoint: Annotated[
+        str, typer.Argument(help="A checkpoint (step-N directory, a run's checkpoint directory, or an import).")
+    ],
+    output: Annotated[str, typer.Argument(help="Directory to write the Hugging Face model into.")],
+    dtype: Annotated[str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")] = "float32",
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB or 500MB.")] = "2GB",
+) -> None:
+    """Write a levanter checkpoint as a Hugging Face model directory.
+
+    Produces config.json, model-0000i-of-0000n.safetensors shards with their index, and
+    the tokenizer files, loadable with transformers.AutoModelForCausalLM.from_pretrained.
+    """
+    from levanter_core.errors import ConfigError
+    from levanter_core.hf.bridge import export_hf as do_export
+    from levanter_core.hf.bridge import parse_size
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
+    print(f"exported {checkpoint} to {do_export(checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size))}")
+
+
 def _setup_logging() -> None:
     level = os.environ.get("LEVANTER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -26,6 +26,15 @@ class TrainConfig(ConfigModel):
     optimizer: Typed("optimizer", "adam") = Field(default_factory=dict)  # type: ignore[valid-type]
     """The optimizer and learning-rate schedule (``type``, default ``adam``)."""
 
+    initialize_from_hf: str | None = None
+    """Start from the weights of a Hugging Face model (a local directory, or a hub name when
+    the hub is reachable) for continued pretraining. Its tensors must fit ``model`` exactly,
+    unless ``use_hf_model_config`` is set. Ignored when the run resumes from its own checkpoint."""
+
+    use_hf_model_config: bool = False
+    """With ``initialize_from_hf``: take the architecture from the Hugging Face
+    ``config.json`` instead of the ``model`` section (whose ``seq_len`` is kept)."""
+
 
 def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[TrainConfig, dict]:
     """Load, include, override and validate. Returns the config and the raw merged dict.

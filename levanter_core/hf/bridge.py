@@ -41,8 +41,20 @@ TOKENIZER_FILES = (
 HF_TOKENIZER_DIR = "hf_tokenizer"
 """Where an imported checkpoint keeps the tokenizer files it came with."""
 
-# config.json keys that describe the file, not the model
-_VOLATILE_HF_KEYS = ("architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path")
+# config.json keys that describe the file, not the model, and legacy spellings that the
+# plugin's config supersedes (transformers would prefer a stale `rope_scaling` over the
+# `rope_parameters` we write)
+_DROPPED_HF_KEYS = (
+    "architectures",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "rope_scaling",
+    "rope_theta",
+    "rope_local_base_freq",
+    "sliding_window_pattern",
+)
 
 
 @dataclass
@@ -197,7 +209,7 @@ def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard
     tensors = {name: _cast(array, dtype) for name, array in to_hf_state_dict(model).items()}
 
     os.makedirs(output, exist_ok=True)
-    hf_config = {k: v for k, v in (stored.get("hf_config") or {}).items() if k not in _VOLATILE_HF_KEYS}
+    hf_config = {k: v for k, v in (stored.get("hf_config") or {}).items() if k not in _DROPPED_HF_KEYS}
     hf_config.update(config.to_hf_config(Vocab.size))
     hf_config["architectures"] = [config.hf_architecture]
     hf_config["torch_dtype"] = dtype

@@ -182,17 +182,12 @@ class YarnRotaryConfig(_RotaryBase):
             **super().to_hf(),
             "factor": self.factor,
             "original_max_position_embeddings": self.original_max_position_embeddings,
-            "beta_fast": self.beta_fast,
-            "beta_slow": self.beta_slow,
-            "truncate": self.truncate,
         }
-        for name, value in (
-            ("mscale", self.mscale),
-            ("mscale_all_dim", self.mscale_all_dim),
-            ("attention_factor", self.attention_factor),
-        ):
-            if value is not None:
-                out[name] = value
+        # The optional knobs only when they differ from YaRN's defaults (which transformers
+        # assumes when they are absent), the way published configs write them.
+        optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+        fields = type(self).model_fields
+        out.update({n: getattr(self, n) for n in optional if getattr(self, n) != fields[n].default})
         return out
 
 

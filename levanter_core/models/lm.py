@@ -130,24 +130,37 @@ def next_token_loss(
     if loss_mask is not None:
         mask = mask * loss_mask.astype(jnp.float32)
     block = getattr(model.config, "cross_entropy_block_size", None)
-    per_token = _cross_entropy(hidden, head, targets, model.Vocab, block)
+    soft_cap = getattr(model.config, "final_logit_soft_cap", None)
+    per_token = _cross_entropy(hidden, head, targets, model.Vocab, block, soft_cap)
     total = hax.sum(per_token * mask).scalar()
     if reduction == "sum":
         return total
     return total / jnp.maximum(hax.sum(mask).scalar(), 1.0)
 
 
-def _cross_entropy(hidden: NamedArray, head: NamedArray, targets: NamedArray, Vocab: Axis, block: int | None):
-    """Per-position cross-entropy in float32; blockwise over the vocabulary if ``block`` is set."""
+def soft_cap(logits, cap: float | None):
+    """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping); ``logits`` if ``cap`` is None."""
+    if cap is None:
+        return logits
+    tanh = hax.tanh if isinstance(logits, NamedArray) else jnp.tanh
+    return tanh(logits / cap) * cap
+
+
+def _cross_entropy(
+    hidden: NamedArray, head: NamedArray, targets: NamedArray, Vocab: Axis, block: int | None, cap: float | None = None
+):
+    """Per-position cross-entropy in float32; blockwise over the vocabulary if ``block`` is set.
+
+    A model config with ``final_logit_soft_cap`` has its logits soft-capped first."""
     if block is None or block >= Vocab.size:
-        logits = hax.dot(hidden, head, axis="embed").astype(jnp.float32)
+        logits = soft_cap(hax.dot(hidden, head, axis="embed").astype(jnp.float32), cap)
         log_z = hax.nn.logsumexp(logits, axis=Vocab)
         target_logit = hax.take(logits, Vocab, targets)
         return log_z - target_logit
-    return _blockwise_cross_entropy(hidden, head, targets, Vocab, block)
+    return _blockwise_cross_entropy(hidden, head, targets, Vocab, block, cap)
 
 
-def _blockwise_cross_entropy(hidden, head, targets, Vocab: Axis, block: int):
+def _blockwise_cross_entropy(hidden, head, targets, Vocab: Axis, block: int, cap: float | None):
     """Streaming log-sum-exp over vocabulary blocks: never holds more than one block of logits."""
     num_blocks = -(-Vocab.size // block)
     padded = num_blocks * block
@@ -162,7 +175,7 @@ def _blockwise_cross_entropy(hidden, head, targets, Vocab: Axis, block: int):
     def body(carry, xs):
         running_max, running_sum, target_logit = carry
         i, w = xs
-        logits = jnp.einsum("...e,ev->...v", h_arr, w).astype(jnp.float32)
+        logits = soft_cap(jnp.einsum("...e,ev->...v", h_arr, w).astype(jnp.float32), cap)
         ids = i * block + jnp.arange(block)
         logits = jnp.where(ids < Vocab.size, logits, -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))

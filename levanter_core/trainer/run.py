@@ -139,7 +139,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     from haliax import Axis
 
     from levanter_core.data import build_lm_data
-    from levanter_core.models.lm import lm_loss_and_metrics
+    from levanter_core.models.lm import lm_loss_and_metrics, next_token_loss
     from levanter_core.trainer.mesh import make_mesh
     from levanter_core.trainer.trainer import Trainer
 
@@ -153,21 +153,32 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     print(f"run directory: {run_dir}", flush=True)
 
     data = build_lm_data(config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, progress=progress)
-    Vocab = Axis("vocab", data.tokenizer.vocab_size)
+    model_config, Vocab, hf_directory = _resolve_model(config, data.tokenizer)
 
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build(num_steps)
-    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh)
+    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh, eval_loss_fn=next_token_loss)
 
     def model_init(key):
-        return config.model.build(Vocab, key=key)
+        return model_config.build(Vocab, key=key)
 
     key = jax.random.PRNGKey(trainer_cfg.seed)
+    # The checkpoint describes itself: the architecture actually built (which differs from
+    # the config file's under use_hf_model_config) and its vocabulary size.
+    checkpoint_config = {**resolved, "model": model_config.model_dump(mode="json")}
     checkpointer = trainer_cfg.checkpointer.create(
-        run_id, metadata={"config": resolved, "plugins": plugins, "run_id": run_id}
+        run_id,
+        metadata={"config": checkpoint_config, "plugins": plugins, "run_id": run_id, "vocab_size": Vocab.size},
     )
     state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key)
+    if resumed_from is None and hf_directory is not None:
+        from levanter_core.hf import load_hf_weights
+        from levanter_core.hf.checkpoint import HfCheckpoint
+
+        model = load_hf_weights(model_config, Vocab, HfCheckpoint(hf_directory))
+        state = trainer.state_from_model(model, key)
+        print(f"initialized from Hugging Face model {config.initialize_from_hf}", flush=True)
     start_step = int(state.step)
     if resumed_from:
         print(f"resumed from {resumed_from} at step {start_step}", flush=True)
@@ -177,7 +188,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
         tracker.log_hyperparameters(resolved)
-        loop = _TrainLoop(config, trainer, data, tracker, checkpointer, progress=progress)
+        flops = model_config.flops_per_token(Vocab.size)
+        loop = _TrainLoop(config, trainer, data, tracker, checkpointer, flops_per_token=flops, progress=progress)
         state = loop.run(state, result)
         checkpointer.on_step(state, int(state.step), force=True)
         checkpointer.wait_until_finished()
@@ -191,7 +203,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
 
 def _initial_state(trainer, cfg, checkpointer, model_init, key):
     """Fresh, or loaded from this run's latest checkpoint, or from ``initialize_from``."""
-    from levanter_core.checkpoint import discover_latest
+    from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
 
     if cfg.load_checkpoint is not False:
         where = cfg.load_checkpoint_path or checkpointer.path
@@ -206,8 +218,43 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key):
         found = discover_latest(cfg.initialize_from)
         if found is None:
             raise CheckpointError(f"trainer.initialize_from: no complete checkpoint under {cfg.initialize_from}")
+        if not any(leaf["name"].startswith("opt_state/") for leaf in read_metadata(found)["leaves"]):
+            # weights alone (e.g. from `levanter import-hf`): fresh optimizer, step 0
+            import equinox as eqx
+
+            model = load_checkpoint(eqx.filter_eval_shape(model_init, key), found, subtree="model")
+            return trainer.state_from_model(model, key), None
         return checkpointer.load(trainer.state_template(model_init, key), found), found
     return trainer.init_state(model_init, key), None
+
+
+def _resolve_model(config: TrainConfig, tokenizer):
+    """The model config to build, its vocabulary axis, and the Hugging Face directory to
+    initialize from (None without ``initialize_from_hf``). The vocabulary is the
+    tokenizer's, or that of the weights the run starts from, which may be larger."""
+    from haliax import Axis
+
+    from levanter_core.checkpoint import discover_latest, read_metadata
+
+    model_config, vocab_size, directory, origin = config.model, tokenizer.vocab_size, None, None
+    if config.initialize_from_hf:
+        from levanter_core.hf.bridge import config_from_hf, read_hf_config, resolve_source
+
+        directory = resolve_source(config.initialize_from_hf)
+        hf_config = read_hf_config(directory)
+        if config.use_hf_model_config:
+            model_config = config_from_hf(hf_config).model_copy(update={"seq_len": config.model.seq_len})
+        vocab_size, origin = hf_config.get("vocab_size"), "initialize_from_hf"
+    elif config.trainer.initialize_from and (found := discover_latest(config.trainer.initialize_from)):
+        # the vocabulary of the weights we start from (an import keeps its model's padded size)
+        vocab_size = read_metadata(found).get("metadata", {}).get("vocab_size", vocab_size)
+        origin = "trainer.initialize_from"
+    if not isinstance(vocab_size, int) or vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"{origin}: the model's vocabulary ({vocab_size}) is smaller than the tokenizer's "
+            f"({tokenizer.vocab_size}, data.tokenizer: {tokenizer.name}); use the model's own tokenizer"
+        )
+    return model_config, Axis("vocab", vocab_size), directory
 
 
 def _make_tracker(config: TrainConfig, info: RunInfo):
@@ -220,7 +267,9 @@ def _make_tracker(config: TrainConfig, info: RunInfo):
 class _TrainLoop:
     """Steps, logging, evaluation and checkpoints; metrics are fetched one step late."""
 
-    def __init__(self, config: TrainConfig, trainer, data, tracker, checkpointer, *, progress: bool):
+    def __init__(
+        self, config: TrainConfig, trainer, data, tracker, checkpointer, *, flops_per_token: float | None, progress: bool
+    ):
         self.config = config
         self.trainer = trainer
         self.data = data
@@ -230,8 +279,7 @@ class _TrainLoop:
         self.num_steps = config.trainer.num_train_steps
         self.lr = config.optimizer.lr_scheduler(self.num_steps)
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
-        flops = config.model.flops_per_token(data.tokenizer.vocab_size)
-        self.flops_per_step = flops * self.tokens_per_step if flops else None
+        self.flops_per_step = flops_per_token * self.tokens_per_step if flops_per_token else None
 
     def evaluate(self, model) -> float | None:
         validation = self.data.validation
@@ -241,6 +289,7 @@ class _TrainLoop:
         return self.trainer.evaluate(model, validation.eval_batches(self.trainer.plan.eval_batch_size, cfg.max_eval_batches))
 
     def run(self, state, result: RunResult):
+        import jax
         from tqdm.auto import tqdm
 
         from levanter_core.trainer.trainer import Prefetcher, Throughput
@@ -275,8 +324,12 @@ class _TrainLoop:
                     self._finish(pending, throughput, bar, result)
                 step = index + 1
                 pending = {"step": step, "device": metrics}
+                evaluating = step % steps_per_eval == 0 or step == self.num_steps
+                if evaluating:
+                    # Let the step finish first, so that its time is not mistaken for evaluation's.
+                    jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
-                if step % steps_per_eval == 0 or step == self.num_steps:
+                if evaluating:
                     eval_loss = self.evaluate(state.model)
                     if eval_loss is not None:
                         pending["eval/loss"] = eval_loss

@@ -81,10 +81,22 @@ class BatchPlan:
 class Trainer:
     """Owns the compiled train and eval steps for one model/optimizer/mesh."""
 
-    def __init__(self, config: TrainerConfig, optimizer: optax.GradientTransformation, loss_fn: LossFn, *, mesh: Mesh):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn,
+        *,
+        mesh: Mesh,
+        eval_loss_fn: Callable[..., jax.Array] | None = None,
+    ):
+        """``eval_loss_fn(model, input_ids, *, key) -> scalar`` is what evaluation reports;
+        by default the first value of ``loss_fn``. (A model's auxiliary losses belong in
+        the training objective, not in the evaluation loss.)"""
         self.config = config
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.eval_loss_fn = eval_loss_fn or (lambda model, ids, *, key: loss_fn(model, ids, key=key)[0])
         self.mesh = mesh
         self.mp: jmp.Policy = jmp.get_policy(config.mp)
         self.compute_mapping = config.compute_axis_mapping()
@@ -115,6 +127,18 @@ class Trainer:
         """A fresh state, created directly with the parameter sharding."""
         with hax.partitioning.set_mesh(self.mesh):
             return hax.named_jit(self._initializer(model_init, key), axis_resources=self.parameter_mapping)()
+
+    def state_from_model(self, model, key: jax.Array) -> TrainerState:
+        """A state at step 0 around existing weights (an import or ``initialize_from``),
+        with a fresh optimizer state; ``key`` is used as by :meth:`init_state`."""
+        _, training_key = jax.random.split(key)
+
+        def init(model) -> TrainerState:
+            model = self.mp.cast_to_param(model)
+            return TrainerState(jnp.zeros((), jnp.int32), model, self.optimizer.init(trainable(model)), training_key)
+
+        with hax.partitioning.set_mesh(self.mesh):
+            return hax.named_jit(init, axis_resources=self.parameter_mapping)(model)
 
     def state_template(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
         """Shapes, dtypes and shardings of :meth:`init_state`'s result, without computing it."""
@@ -170,7 +194,7 @@ class Trainer:
         return TrainerState(state.step + 1, model, opt_state, next_key), metrics
 
     def _eval_loss(self, model, batch: NamedArray):
-        return self._compute_loss(model, batch, None)[0]
+        return self.eval_loss_fn(self.mp.cast_to_compute(model), batch, key=None)
 
     # -- host side ---------------------------------------------------------------------------
     def to_device(self, tokens: np.ndarray, Batch: Axis) -> NamedArray:

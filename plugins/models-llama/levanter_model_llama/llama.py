@@ -18,6 +18,7 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 from haliax import Axis, NamedArray
+from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf import HfConvertible
@@ -208,8 +209,11 @@ class LlamaConfig(LmConfig, HfConvertible):
         return frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
 
 
-class LlamaDecoderLayer(eqx.Module):
-    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+class LlamaDecoderLayer(ModuleWithStateDictSerialization):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    (A ``ModuleWithStateDictSerialization`` because unscanned layers, ``hnn.BlockSeq``,
+    ask each layer to serialize itself.)"""
 
     self_attn: Attention
     mlp: GatedMlp

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import PositiveInt
+from pydantic import PositiveInt, model_validator
 
 from levanter_core.layers import AttentionConfig
 from levanter_model_llama.llama import LlamaConfig
@@ -33,6 +33,12 @@ class MistralConfig(LlamaConfig):
     """Each token attends to itself and the ``sliding_window - 1`` tokens before it;
     ``None`` attends to the whole sequence."""
 
+    @model_validator(mode="after")
+    def _no_biases(self):
+        if self.use_bias:
+            raise ValueError("use_bias: Mistral's attention has no biases (Hugging Face's MistralConfig cannot hold them)")
+        return self
+
     def attention_config(self) -> AttentionConfig:
         import dataclasses
 
@@ -43,4 +49,7 @@ class MistralConfig(LlamaConfig):
         return {**super().hf_fields(hf), "sliding_window": hf.get("sliding_window")}
 
     def to_hf_config(self, vocab_size: int) -> dict:
-        return {**super().to_hf_config(vocab_size), "sliding_window": self.sliding_window}
+        config = {**super().to_hf_config(vocab_size), "sliding_window": self.sliding_window}
+        for llama_only in ("attention_bias", "mlp_bias"):
+            del config[llama_only]
+        return config

@@ -1,0 +1,129 @@
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import transformers
+
+from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model
+from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig
+from levanter_core.testing import train_briefly
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # shorter than the parity sequences, so that the scaled frequencies matter
+    "original_max_position_embeddings": 16,
+}
+
+LLAMA_VARIANTS = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa": dict(),
+    "mqa": dict(num_key_value_heads=1),
+    "tied": dict(tie_word_embeddings=True),
+    "rope_llama3": dict(rope_parameters=LLAMA3_ROPE),
+    "rope_yarn": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
+    "rope_linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "attention_bias": dict(attention_bias=True),
+    "head_dim_32": dict(head_dim=32),
+}
+
+MISTRAL_VARIANTS = {
+    "sliding_window_8": dict(sliding_window=8),
+    "no_sliding_window": dict(sliding_window=None),
+}
+
+
+def assert_parity(report):
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.config_differences == {}
+    assert report.export_config_differences == {}
+    assert report.shards > 1
+
+
+@pytest.mark.parametrize("variant", LLAMA_VARIANTS)
+def test_llama_parity_with_transformers(variant, tmp_path):
+    assert_parity(check_hf_parity(transformers.LlamaConfig(**{**COMMON, **LLAMA_VARIANTS[variant]}), str(tmp_path)))
+
+
+@pytest.mark.parametrize("variant", MISTRAL_VARIANTS)
+def test_mistral_parity_with_transformers(variant, tmp_path):
+    assert_parity(check_hf_parity(transformers.MistralConfig(**COMMON, **MISTRAL_VARIANTS[variant]), str(tmp_path)))
+
+
+LEGACY_ROPE = {
+    # Llama 3.1's config.json: rope_theta at the top, the scaling in rope_scaling
+    "llama3": (
+        {"rope_theta": 500000.0, "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}},
+        Llama3RotaryConfig(**{k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}),
+    ),
+    # older files name the scaling with "type"
+    "linear_type_key": (
+        {"rope_theta": 20000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+        LinearRotaryConfig(theta=20000.0, factor=2.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", LEGACY_ROPE)
+def test_llama_reads_legacy_rope_keys(variant, tmp_path):
+    legacy_keys, expected_rope = LEGACY_ROPE[variant]
+    source, imported, exported = (str(tmp_path / d) for d in ("hf", "imported", "exported"))
+    random_hf_model(transformers.LlamaConfig(**COMMON), seed=1).save_pretrained(source)
+    config_path = os.path.join(source, "config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    del hf_config["rope_parameters"]
+    with open(config_path, "w") as f:
+        json.dump({**hf_config, **legacy_keys}, f)
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
+    tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(2, 24))
+    expected = hf_logits(theirs, tokens)
+
+    loaded = load_hf_model(source)
+    assert loaded.config.rope == expected_rope
+    assert np.max(np.abs(our_logits(loaded.model, tokens) - expected)) <= 1e-4
+
+    export_hf(import_hf(source, imported), exported, max_shard_bytes=64 * 1024)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
+    assert np.max(np.abs(hf_logits(reloaded, tokens) - expected)) <= 1e-4
+    before = transformers.AutoConfig.from_pretrained(source).to_dict()
+    after = transformers.AutoConfig.from_pretrained(exported).to_dict()
+    assert {k: v for k, v in before.items() if k not in IGNORED_CONFIG_KEYS} == {
+        k: v for k, v in after.items() if k not in IGNORED_CONFIG_KEYS
+    }
+
+
+@pytest.mark.parametrize("config_file", ["llama_nano.yaml", "mistral_nano.yaml"])
+def test_nano_config_trains(config_file, tmp_path):
+    result = train_briefly(os.path.join(REPO, "config", config_file), str(tmp_path))
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    assert result.final_eval_loss < result.initial_eval_loss

@@ -1,0 +1,1 @@
+"""Mixtral for levanter-core."""

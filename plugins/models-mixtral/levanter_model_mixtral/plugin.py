@@ -1,0 +1,15 @@
+"""Entry point of the Mixtral plugin: registers ``type: mixtral``."""
+
+from levanter_core.plugins import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    from levanter_model_mixtral.mixtral import MixtralConfig
+
+    register("mixtral", MixtralConfig)
+
+
+@hookimpl
+def model_type_for_hf_config(hf_config):
+    return "mixtral" if hf_config.get("model_type") == "mixtral" else None

@@ -1,0 +1,1 @@
+"""OLMo 2 for levanter-core."""

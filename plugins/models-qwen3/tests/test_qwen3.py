@@ -1,0 +1,79 @@
+"""Qwen 2 and Qwen 3 against Hugging Face transformers, training from the nano configs, and
+discovery through the entry point."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from levanter_core.hf.parity import check_hf_parity
+from levanter_core.testing import train_briefly
+from levanter_model_qwen3.qwen import QwenConfig
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+# check_hf_parity compares logits over 24 positions, so a window of 8 is exercised.
+HF_CONFIGS = {
+    "qwen": lambda: transformers.Qwen2Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen-tied": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    # layer 0 full, layers 1 and 2 sliding: a per-layer switch scanned with the layers
+    "qwen-sliding": lambda: transformers.Qwen2Config(
+        **{**TINY, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    ),
+    # head_dim 32 x 4 heads: the query projection is twice as wide as the residual stream
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
+    # every layer sliding (a fixed window), and biases on all four projections
+    "qwen3-sliding-bias": lambda: transformers.Qwen3Config(
+        **TINY, head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=8, max_window_layers=0
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HF_CONFIGS)
+def test_matches_hugging_face(name, tmp_path):
+    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path))
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.config_differences == {}
+    assert report.export_config_differences == {}
+    assert report.shards > 1
+
+
+def test_unsupported_layer_pattern_is_rejected_by_name():
+    hf = transformers.Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+    ).to_dict()
+    with pytest.raises(ValueError, match="layer_types .* max_window_layers"):
+        QwenConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize("config_file", ["qwen_nano.yaml", "qwen3_nano.yaml"])
+def test_nano_config_trains(config_file, tmp_path):
+    result = train_briefly(os.path.join(REPO, "config", config_file), str(tmp_path))
+    assert result.final_step == 4
+    assert math.isfinite(result.first_loss) and math.isfinite(result.last_loss)
+    assert result.final_eval_loss < result.initial_eval_loss
+
+
+def test_discovered_through_its_entry_point():
+    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
+    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
+    listed = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
+    ours = listed["levanter-model-qwen3"]
+    assert ours["error"] is None
+    assert ours["types"] == {"model": ["qwen", "qwen3"]}
+    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}

@@ -109,9 +109,15 @@ def plugins(
 @app.command("import-hf")
 def import_hf(
     source: Annotated[
-        str, typer.Argument(help="A Hugging Face model directory, or a hub name (downloaded when the hub is reachable).")
+        str,
+        typer.Argument(
+            help="A Hugging Face model directory, or a hub name (downloaded when the hub is reachable).",
+            metavar="SOURCE",
+        ),
     ],
-    output: Annotated[str, typer.Argument(help="Directory to write our checkpoint into (must not exist or be empty).")],
+    output: Annotated[
+        str, typer.Argument(help="Directory to write our checkpoint into (must not exist or be empty).", metavar="OUTPUT")
+    ],
     seq_len: Annotated[
         Optional[int], typer.Option(help="Training sequence length to record (default: max_position_embeddings).")
     ] = None,
@@ -130,9 +136,12 @@ def import_hf(
 @app.command("export-hf")
 def export_hf(
     checkpoint: Annotated[
-        str, typer.Argument(help="A checkpoint (step-N directory, a run's checkpoint directory, or an import).")
+        str,
+        typer.Argument(
+            help="A checkpoint (step-N directory, a run's checkpoint directory, or an import).", metavar="CHECKPOINT"
+        ),
     ],
-    output: Annotated[str, typer.Argument(help="Directory to write the Hugging Face model into.")],
+    output: Annotated[str, typer.Argument(help="Directory to write the Hugging Face model into.", metavar="OUTPUT")],
     dtype: Annotated[str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB or 500MB.")] = "2GB",
 ) -> None:

@@ -258,16 +258,21 @@ def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
 
 def _write_arrays(directory: str, arrays: dict[str, jax.Array]) -> None:
     async def write_all():
-        await asyncio.gather(
+        return await asyncio.gather(
             *(
                 # Every chunk is written, even one equal to the fill value, so that a missing
                 # chunk file always means damage (loading refuses it).
                 serialization.async_serialize(arr, _zarr_spec(directory, name, store_data_equal_to_fill_value=True))
                 for name, arr in arrays.items()
-            )
+            ),
+            # wait for every write, even after one fails, so that none is still writing
+            # into the directory while the caller removes it
+            return_exceptions=True,
         )
 
-    asyncio.run(write_all())
+    for result in asyncio.run(write_all()):
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[str, jax.Array]:

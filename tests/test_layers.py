@@ -166,3 +166,21 @@ def test_blockwise_cross_entropy_equals_the_full_one(cap):
     if cap is not None:  # the cap really changes the loss
         uncapped = _cross_entropy(hidden, head, targets, Vocab, None, None)
         assert not np.allclose(uncapped.array, full.array)
+
+
+def test_blockwise_cross_entropy_never_holds_the_full_logits():
+    # XLA's own accounting of the compiled loss-and-gradient: the full [batch, position,
+    # vocab] logits (131 MB here) must not fit in what the blockwise version allocates.
+    Embed, Vocab, Batch, Positions = Axis("embed", 64), Axis("vocab", 32000), Axis("batch", 4), Axis("position", 256)
+    hidden = hax.random.normal(jax.random.PRNGKey(0), (Batch, Positions, Embed))
+    head = hax.random.normal(jax.random.PRNGKey(1), (Embed, Vocab))
+    targets = hax.random.randint(jax.random.PRNGKey(2), (Batch, Positions), 0, Vocab.size)
+    logits_bytes = Batch.size * Positions.size * Vocab.size * 4
+
+    def temp_bytes(block):
+        loss = lambda h, w: hax.sum(_cross_entropy(h, w, targets, Vocab, block)).scalar()  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, head).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(None) > logits_bytes
+    assert temp_bytes(2048) < logits_bytes / 2

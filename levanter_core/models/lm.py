@@ -191,6 +191,8 @@ def _blockwise_cross_entropy(hidden, head, targets, Vocab: Axis, block: int, cap
         jnp.zeros(init_shape, jnp.float32),
         jnp.zeros(init_shape, jnp.float32),
     )
-    (m, s, t), _ = jax.lax.scan(body, init, (jnp.arange(num_blocks), head_blocks))
+    # Rematerialized: the backward pass recomputes each block's logits instead of keeping
+    # every block's, which would add up to the full logits after all.
+    (m, s, t), _ = jax.lax.scan(jax.checkpoint(body), init, (jnp.arange(num_blocks), head_blocks))
     return hax.named(m + jnp.log(s) - t, h.axes[:-1])
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from haliax import Axis
 
@@ -206,7 +207,8 @@ def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard
     key = jax.random.PRNGKey(0)
     template = jax.eval_shape(lambda: config.build(Vocab, key=key))
     model = load_checkpoint(template, found, subtree="model")
-    tensors = {name: _cast(array, dtype) for name, array in to_hf_state_dict(model).items()}
+    # every parameter is floating point; jnp.dtype knows bfloat16, NumPy alone does not
+    tensors = {name: array.astype(jnp.dtype(dtype)) for name, array in to_hf_state_dict(model).items()}
 
     os.makedirs(output, exist_ok=True)
     hf_config = {k: v for k, v in (stored.get("hf_config") or {}).items() if k not in _DROPPED_HF_KEYS}
@@ -218,12 +220,6 @@ def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard
     _write_tokenizer(found, run_config, output, tokenizer)
     logger.info("exported %s to %s (%d shard(s))", found, output, len(files))
     return output
-
-
-def _cast(array: np.ndarray, dtype: str) -> np.ndarray:
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
-
-    return array.astype(np.dtype(dtype)) if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" else array
 
 
 def _run_tokenizer(run_config: dict):

@@ -29,7 +29,8 @@ class TrainConfig(ConfigModel):
     initialize_from_hf: str | None = None
     """Start from the weights of a Hugging Face model (a local directory, or a hub name when
     the hub is reachable) for continued pretraining. Its tensors must fit ``model`` exactly,
-    unless ``use_hf_model_config`` is set. Ignored when the run resumes from its own checkpoint."""
+    unless ``use_hf_model_config`` is set. Ignored when the run resumes from its own checkpoint
+    or ``trainer.initialize_from`` is set."""
 
     use_hf_model_config: bool = False
     """With ``initialize_from_hf``: take the architecture from the Hugging Face

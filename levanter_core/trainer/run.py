@@ -171,14 +171,18 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         run_id,
         metadata={"config": checkpoint_config, "plugins": plugins, "run_id": run_id, "vocab_size": Vocab.size},
     )
-    state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key)
-    if resumed_from is None and hf_directory is not None:
-        from levanter_core.hf import load_hf_weights
-        from levanter_core.hf.checkpoint import HfCheckpoint
+    load_hf = None
+    if hf_directory is not None:
 
-        model = load_hf_weights(model_config, Vocab, HfCheckpoint(hf_directory))
-        state = trainer.state_from_model(model, key)
-        print(f"initialized from Hugging Face model {config.initialize_from_hf}", flush=True)
+        def load_hf():
+            from levanter_core.hf import load_hf_weights
+            from levanter_core.hf.checkpoint import HfCheckpoint
+
+            model = load_hf_weights(model_config, Vocab, HfCheckpoint(hf_directory))
+            print(f"initialized from Hugging Face model {config.initialize_from_hf}", flush=True)
+            return model
+
+    state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf)
     start_step = int(state.step)
     if resumed_from:
         print(f"resumed from {resumed_from} at step {start_step}", flush=True)
@@ -201,8 +205,9 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     return result
 
 
-def _initial_state(trainer, cfg, checkpointer, model_init, key):
-    """Fresh, or loaded from this run's latest checkpoint, or from ``initialize_from``."""
+def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None):
+    """Loaded from this run's latest checkpoint, else from ``initialize_from``, else around
+    the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
 
     if cfg.load_checkpoint is not False:
@@ -225,6 +230,8 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key):
             model = load_checkpoint(eqx.filter_eval_shape(model_init, key), found, subtree="model")
             return trainer.state_from_model(model, key), None
         return checkpointer.load(trainer.state_template(model_init, key), found), found
+    if load_hf is not None:
+        return trainer.state_from_model(load_hf(), key), None
     return trainer.init_state(model_init, key), None
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from haliax import Axis
 
 from levanter_core.errors import CheckpointError, ConfigError
@@ -127,20 +126,17 @@ def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def load_hf_model(source: str, *, config: Any | None = None, dtype=np.float32) -> HfModel:
-    """Load a Hugging Face checkpoint (directory or hub name) as our model.
-
-    With ``config`` (ours), the weights must fit that config exactly; without, the
-    config is derived from the checkpoint's ``config.json``."""
+def load_hf_model(source: str) -> HfModel:
+    """Load a Hugging Face checkpoint (directory or hub name) as our model, with the config
+    its ``config.json`` translates to."""
     directory = resolve_source(source)
     hf_config = read_hf_config(directory)
-    if config is None:
-        config = config_from_hf(hf_config, source=os.path.join(directory, "config.json"))
+    config = config_from_hf(hf_config, source=os.path.join(directory, "config.json"))
     vocab_size = hf_config.get("vocab_size")
     if not isinstance(vocab_size, int):
         raise CheckpointError(f"{directory}/config.json has no integer vocab_size")
     Vocab = Axis("vocab", vocab_size)
-    model = load_hf_weights(config, Vocab, HfCheckpoint(directory), dtype=dtype)
+    model = load_hf_weights(config, Vocab, HfCheckpoint(directory))
     return HfModel(model, config, Vocab, directory, hf_config)
 
 
@@ -169,12 +165,18 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
         "plugins": plugin_versions(),
     }
     write_checkpoint({"model": loaded.model}, output, step=0, metadata=metadata)
-    tokenizer_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(loaded.directory, f))]
-    if tokenizer_files:
-        os.makedirs(os.path.join(output, HF_TOKENIZER_DIR), exist_ok=True)
-        for f in tokenizer_files:
-            shutil.copy2(os.path.join(loaded.directory, f), os.path.join(output, HF_TOKENIZER_DIR, f))
+    _copy_tokenizer_files(loaded.directory, os.path.join(output, HF_TOKENIZER_DIR))
     return output
+
+
+def _copy_tokenizer_files(source: str, target: str) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``target``; returns their names."""
+    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
+    if present:
+        os.makedirs(target, exist_ok=True)
+    for f in present:
+        shutil.copy2(os.path.join(source, f), os.path.join(target, f))
+    return present
 
 
 # -- export ----------------------------------------------------------------------------------
@@ -235,12 +237,8 @@ def _write_tokenizer(checkpoint: str, run_config: dict, output: str, tokenizer=N
     """Tokenizer files for the export: those an import brought along, else the run's
     tokenizer (its directory's files, or its ``tokenizer.json`` rebuilt)."""
     for directory in (os.path.join(checkpoint, HF_TOKENIZER_DIR), (run_config.get("data") or {}).get("tokenizer")):
-        if directory and os.path.isdir(directory):
-            for f in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(directory, f)):
-                    shutil.copy2(os.path.join(directory, f), os.path.join(output, f))
-            if os.path.isfile(os.path.join(output, "tokenizer.json")):
-                return
+        if directory and os.path.isdir(directory) and "tokenizer.json" in _copy_tokenizer_files(directory, output):
+            return
     if not (run_config.get("data") or {}).get("tokenizer"):
         logger.warning("the checkpoint names no tokenizer; the export has none")
         return

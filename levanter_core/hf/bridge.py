@@ -126,12 +126,15 @@ def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def load_hf_model(source: str) -> HfModel:
-    """Load a Hugging Face checkpoint (directory or hub name) as our model, with the config
-    its ``config.json`` translates to."""
+def load_hf_model(source: str, *, config: Any | None = None) -> HfModel:
+    """Load a Hugging Face checkpoint (directory or hub name) as our model.
+
+    With ``config`` (ours), the weights must fit that config exactly; without, the
+    config is derived from the checkpoint's ``config.json``."""
     directory = resolve_source(source)
     hf_config = read_hf_config(directory)
-    config = config_from_hf(hf_config, source=os.path.join(directory, "config.json"))
+    if config is None:
+        config = config_from_hf(hf_config, source=os.path.join(directory, "config.json"))
     vocab_size = hf_config.get("vocab_size")
     if not isinstance(vocab_size, int):
         raise CheckpointError(f"{directory}/config.json has no integer vocab_size")

@@ -31,3 +31,9 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be found, read, or does not fit the model."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose marker, metadata or arrays cannot be read: resuming falls back to an
+    older one. (A checkpoint that reads fine but does not fit the model is a plain
+    :class:`CheckpointError`: an older one would not fit either.)"""

@@ -1,8 +1,12 @@
 """TensorStore checkpoints: round trips, discovery, the save policy, and refusing bad loads."""
 
+import contextlib
 import datetime
 import json
 import os
+import resource
+import shutil
+import signal
 from typing import Any
 
 import equinox as eqx
@@ -17,6 +21,7 @@ from pydantic import ValidationError
 
 from levanter_core.checkpoint import (
     COMMIT_MARKER,
+    METADATA_FILE,
     CheckpointInterval,
     TensorStoreCheckpointer,
     TensorStoreCheckpointerConfig,
@@ -24,7 +29,7 @@ from levanter_core.checkpoint import (
     load_checkpoint,
     read_metadata,
 )
-from levanter_core.errors import CheckpointError
+from levanter_core.errors import CheckpointError, DamagedCheckpointError
 
 In = hax.Axis("In", 3)
 
@@ -63,9 +68,24 @@ def checkpointer(path, **kwargs) -> TensorStoreCheckpointer:
     return TensorStoreCheckpointer(str(path), **kwargs)
 
 
+def save_now(path, state, step, **kwargs) -> str:
+    """Save ``state`` as step ``step`` under ``path`` and wait for the background write."""
+    ckpt = checkpointer(path, **kwargs)
+    saved = ckpt.save(state, step, temporary=False)
+    ckpt.wait_until_finished()
+    return saved
+
+
 def test_round_trip_is_bitwise_equal_and_keeps_sharding_and_structure(tmp_path):
     state = make_state(seed=0)
-    saved = checkpointer(tmp_path).save(state, 7, temporary=False)
+    expected = raw_leaves(state)
+    ckpt = checkpointer(tmp_path)
+    saved = ckpt.save(state, 7, temporary=False)
+    # The save copied what it needs before returning: the training step that follows may
+    # reuse (donate) the buffers while the background write goes on.
+    for x in jax.tree.leaves(eqx.filter(state, eqx.is_array)):
+        x.delete()
+    ckpt.wait_until_finished()
 
     assert saved == str(tmp_path / "step-7")
     for name in ("step", "model/weight", "model/bias", "opt_state/0/count", "opt_state/0/mu/weight", "training_key"):
@@ -77,23 +97,24 @@ def test_round_trip_is_bitwise_equal_and_keeps_sharding_and_structure(tmp_path):
 
     assert jax.tree.structure(loaded) == jax.tree.structure(state)
     assert loaded.training_key.dtype == state.training_key.dtype
-    for want, got in zip(raw_leaves(state), raw_leaves(loaded), strict=True):
+    for want, got in zip(expected, raw_leaves(loaded), strict=True):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
     for t, got in zip(jax.tree.leaves(template), jax.tree.leaves(loaded), strict=True):
         assert got.sharding == t.sharding
 
     # a template of shapes only (what a resuming trainer has) loads the same values
     from_shapes = load_checkpoint(eqx.filter_eval_shape(make_state, 1), str(tmp_path))
-    for want, got in zip(raw_leaves(state), raw_leaves(from_shapes), strict=True):
+    for want, got in zip(expected, raw_leaves(from_shapes), strict=True):
         assert got.tobytes() == want.tobytes()
 
 
 def test_latest_ignores_uncommitted_and_staging_directories(tmp_path):
-    ckpt = checkpointer(tmp_path)
     state = make_state()
-    ckpt.save(state, 2, temporary=False)
+    save_now(tmp_path, state, 2)
+    ckpt = checkpointer(tmp_path)
     ckpt.save(state, 5, temporary=True)
-    (tmp_path / "step-9").mkdir()  # a save that never committed
+    ckpt.wait_until_finished()
+    (tmp_path / "step-9").mkdir()  # damaged: no marker
     staging = tmp_path / "step-12.tmp-0000abcd"  # committed but never renamed into place
     staging.mkdir()
     (staging / COMMIT_MARKER).write_text("")
@@ -113,9 +134,11 @@ def test_keep_intervals_count_multiples_of_every_until_their_until(tmp_path):
     state = make_state()
     for step in range(0, 21):
         ckpt.on_step(state, step)
+    ckpt.wait_until_finished()
     assert committed_steps(tmp_path) == [3, 6, 10, 15, 20]
 
     ckpt.on_step(state, 22, force=True)  # the end of training
+    ckpt.wait_until_finished()
     assert committed_steps(tmp_path) == [3, 6, 10, 15, 20, 22]
     assert not any(read_metadata(str(tmp_path / f"step-{s}"))["temporary"] for s in committed_steps(tmp_path))
 
@@ -142,10 +165,12 @@ def test_time_policy_saves_temporary_checkpoints_and_deletes_each_after_the_next
         clock[0] += datetime.timedelta(minutes=3)
         ckpt.on_step(state, step)
         if step == 2:
+            ckpt.wait_until_finished()
             assert committed_steps(tmp_path) == [2]
             assert read_metadata(str(tmp_path / "step-2"))["temporary"]
 
     # temporary at 2, 4 and 8 (5 minutes since the last save), permanent at 6
+    ckpt.wait_until_finished()
     assert committed_steps(tmp_path) == [6, 8]
     assert ckpt.deletions == [("step-2", "step-4"), ("step-4", "step-6")]
     assert read_metadata(str(tmp_path / "step-8"))["temporary"]
@@ -154,6 +179,7 @@ def test_time_policy_saves_temporary_checkpoints_and_deletes_each_after_the_next
     restarted = RecordingCheckpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(every=6)])
     restarted.deletions = []
     restarted.on_step(state, 12)
+    restarted.wait_until_finished()
     assert committed_steps(tmp_path) == [6, 12]
     assert restarted.deletions == [("step-8", "step-12")]
 
@@ -163,12 +189,15 @@ def test_forced_save_at_a_temporary_step_makes_it_permanent(tmp_path):
     ckpt = checkpointer(tmp_path, save_interval=datetime.timedelta(seconds=30), now=lambda: clock[0])
     clock[0] += datetime.timedelta(minutes=1)
     ckpt.on_step(make_state(), 5)
+    ckpt.wait_until_finished()
     assert read_metadata(str(tmp_path / "step-5"))["temporary"]
 
     ckpt.on_step(make_state(), 5, force=True)
     assert not read_metadata(str(tmp_path / "step-5"))["temporary"]
     # a later run keeps it
-    checkpointer(tmp_path).on_step(make_state(), 10000)
+    later = checkpointer(tmp_path)
+    later.on_step(make_state(), 10000)
+    later.wait_until_finished()
     assert committed_steps(tmp_path) == [5, 10000]
 
 
@@ -176,6 +205,7 @@ def test_a_failed_save_leaves_no_debris_and_the_previous_checkpoint_latest(tmp_p
     ckpt = checkpointer(tmp_path)
     state = make_state()
     ckpt.save(state, 1, temporary=False)
+    ckpt.wait_until_finished()
     donated = make_state()
     donated.model.weight.array.delete()  # what a train step that donated its buffers leaves behind
 
@@ -186,7 +216,7 @@ def test_a_failed_save_leaves_no_debris_and_the_previous_checkpoint_latest(tmp_p
 
 
 def test_template_with_a_different_shape_is_refused_naming_every_leaf(tmp_path):
-    saved = checkpointer(tmp_path).save(make_state(out_size=4), 1, temporary=False)
+    saved = save_now(tmp_path, make_state(out_size=4), 1)
 
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(eqx.filter_eval_shape(make_state, 0, 5), saved)
@@ -203,7 +233,7 @@ def test_template_with_a_different_shape_is_refused_naming_every_leaf(tmp_path):
 
 
 def test_a_missing_chunk_is_an_error_not_zeros(tmp_path):
-    saved = checkpointer(tmp_path).save(make_state(), 1, temporary=False)
+    saved = save_now(tmp_path, make_state(), 1)
     weight_dir = os.path.join(saved, "model", "weight")
     chunks = [f for f in os.listdir(weight_dir) if not f.startswith(".")]
     assert chunks
@@ -220,6 +250,7 @@ def test_config_creates_a_checkpointer_whose_metadata_round_trips(tmp_path):
     assert ckpt.path == str(tmp_path / "run-1")
 
     ckpt.save(make_state(), 3, temporary=False)
+    ckpt.wait_until_finished()
     metadata = read_metadata(ckpt.latest())
     assert metadata["metadata"] == run_metadata
     assert metadata["step"] == 3 and metadata["temporary"] is False and metadata["timestamp"]
@@ -245,3 +276,148 @@ def test_checkpointer_config_fields():
         TensorStoreCheckpointerConfig(save_interval="soon")
     with pytest.raises(ValidationError, match="only the last interval may omit `until`"):
         TensorStoreCheckpointerConfig(keep=[{"every": 100}, {"every": 1000}])
+
+
+# -- damage, fallback, and failures --------------------------------------------------------
+
+
+def plant_damage(checkpoint: str, kind: str) -> None:
+    """Damage ``checkpoint`` the way a bad disk, an interrupted copy or a careless hand would."""
+    marker = os.path.join(checkpoint, COMMIT_MARKER)
+    weight = os.path.join(checkpoint, "model", "weight")
+    if kind == "missing chunk":
+        os.remove(os.path.join(weight, next(f for f in os.listdir(weight) if not f.startswith("."))))
+    elif kind == "truncated marker":
+        with open(marker, "rb") as f:
+            content = f.read()
+        with open(marker, "wb") as f:
+            f.write(content[: len(content) // 2])
+    elif kind == "corrupt marker":
+        with open(marker, "wb") as f:
+            f.write(os.urandom(24))
+    elif kind == "deleted array":
+        shutil.rmtree(os.path.join(checkpoint, "opt_state", "0", "mu", "bias"))
+    elif kind == "deleted marker":
+        os.remove(marker)
+    elif kind == "corrupt metadata":
+        with open(os.path.join(checkpoint, METADATA_FILE), "w") as f:
+            f.write('{"step": 6, "leaves": [')
+    else:
+        raise ValueError(kind)
+
+
+DAMAGE = ["missing chunk", "truncated marker", "corrupt marker", "deleted array", "deleted marker", "corrupt metadata"]
+
+
+def saved_steps(tmp_path, steps) -> dict[int, list[np.ndarray]]:
+    """Save a distinct state at each of ``steps``; return each one's leaves."""
+    ckpt = checkpointer(tmp_path)
+    leaves = {}
+    for step in steps:
+        state = make_state(seed=step)
+        leaves[step] = raw_leaves(state)
+        ckpt.save(state, step, temporary=False)
+    ckpt.wait_until_finished()
+    return leaves
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_resume_skips_a_damaged_newest_checkpoint_for_the_newest_that_loads(tmp_path, capsys, kind):
+    leaves = saved_steps(tmp_path, [2, 4, 6])
+    plant_damage(str(tmp_path / "step-6"), kind)
+
+    ckpt = checkpointer(tmp_path)
+    state, path = ckpt.resume(eqx.filter_eval_shape(make_state, 0))
+
+    assert path == str(tmp_path / "step-4")
+    assert [x.tobytes() for x in raw_leaves(state)] == [x.tobytes() for x in leaves[4]]
+    out = capsys.readouterr().out
+    assert f"skipped damaged checkpoint {tmp_path}/step-6" in out
+    assert f"resuming from {tmp_path}/step-4" in out
+    # the damaged one is kept, out of the way of the run's next save of step 6
+    aside = [d for d in os.listdir(tmp_path) if d.startswith("step-6.damaged-")]
+    assert len(aside) == 1 and not (tmp_path / "step-6").exists()
+    ckpt.on_step(make_state(seed=60), 6, force=True)
+    ckpt.wait_until_finished()
+    assert ckpt.latest() == str(tmp_path / "step-6")
+
+
+def test_the_damage_is_named_in_the_report(tmp_path, capsys):
+    saved_steps(tmp_path, [2, 4, 6, 8])
+    plant_damage(str(tmp_path / "step-8"), "missing chunk")
+    plant_damage(str(tmp_path / "step-6"), "corrupt marker")
+
+    _, path = checkpointer(tmp_path).resume(eqx.filter_eval_shape(make_state, 0))
+    assert path == str(tmp_path / "step-4")
+    out = capsys.readouterr().out
+    assert "model/weight" in out and "missing" in out  # which array, and what is wrong with it
+    assert "COMMITTED marker is corrupt or truncated" in out
+
+
+def test_when_every_checkpoint_is_damaged_resume_fails_and_moves_nothing(tmp_path):
+    saved_steps(tmp_path, [2, 4])
+    plant_damage(str(tmp_path / "step-4"), "deleted array")
+    plant_damage(str(tmp_path / "step-2"), "truncated marker")
+
+    with pytest.raises(CheckpointError) as e:
+        checkpointer(tmp_path).resume(eqx.filter_eval_shape(make_state, 0))
+    message = str(e.value)
+    assert "every checkpoint under" in message and "Refusing to start again from step 0" in message
+    assert f"{tmp_path}/step-4: " in message and f"{tmp_path}/step-2: " in message
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-4"]
+
+
+def test_a_checkpoint_that_does_not_fit_is_an_error_not_a_fallback(tmp_path):
+    saved_steps(tmp_path, [2, 4])
+    with pytest.raises(CheckpointError, match="does not fit the training state") as e:
+        checkpointer(tmp_path).resume(eqx.filter_eval_shape(make_state, 0, 5))
+    assert not isinstance(e.value, DamagedCheckpointError)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-4"]
+
+
+def test_naming_one_damaged_checkpoint_is_an_error(tmp_path):
+    saved_steps(tmp_path, [2, 4])
+    plant_damage(str(tmp_path / "step-4"), "corrupt marker")
+    with pytest.raises(CheckpointError, match="step-4 is damaged: its COMMITTED marker is corrupt"):
+        load_checkpoint(eqx.filter_eval_shape(make_state, 0), str(tmp_path / "step-4"))
+    assert discover_latest(str(tmp_path)) == str(tmp_path / "step-2")
+
+
+def test_a_new_checkpointer_removes_what_dead_saves_left_and_keeps_the_rest(tmp_path):
+    saved_steps(tmp_path, [2])
+    for debris in ("step-4.tmp-0badc0de", "step-2.deleting-00ff00ff", "step-3.damaged-12345678"):
+        (tmp_path / debris).mkdir()
+        (tmp_path / debris / "x").write_text("partial")
+    checkpointer(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3.damaged-12345678"]
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past ``nbytes`` into any file fail with EFBIG, as on a full disk or quota."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write, not the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
+    path = tmp_path / "ckpt"
+    ckpt = checkpointer(path, keep=[CheckpointInterval(every=1)])
+    big = make_state(out_size=4096)  # a 48 KiB weight
+    ckpt.on_step(big, 1)
+    ckpt.wait_until_finished()
+
+    with file_size_limit(8192):
+        ckpt.on_step(big, 2)  # returns at once: the write goes on in the background
+        with pytest.raises(CheckpointError, match=r"saving a checkpoint under .* failed: .*File too large") as e:
+            ckpt.on_step(big, 3)  # the next step reports the failure (its save would wait for it)
+    assert f"it resumes from {path}/step-1" in str(e.value)
+    # nothing half-written is left, and the checkpoint before is intact
+    assert sorted(os.listdir(path)) == ["step-1"]
+    loaded = load_checkpoint(eqx.filter_eval_shape(make_state, 0, 4096), str(path))
+    assert [x.tobytes() for x in raw_leaves(loaded)] == [x.tobytes() for x in raw_leaves(big)]

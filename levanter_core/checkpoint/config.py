@@ -16,12 +16,15 @@ import datetime
 import json
 import logging
 import os
+import time
 from typing import Any, Callable, Sequence
 
+import jax
 from pydantic import Field, field_validator
 
 from levanter_core.config.base import ConfigModel, TypedConfig
 from levanter_core.config.types import Duration
+from levanter_core.errors import CheckpointError, DamagedCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ class Checkpointer(abc.ABC):
         self._now = now
         self._last_save_time = now()
         self._last_save_step: int | None = None
+        # how long the latest save held up training: copying the state, waiting for the save before
+        self.last_save_blocked_seconds: float | None = None
         self._last_temporary: str | None = None
         if delete_old_temp_checkpoints:
             self._last_temporary = self._prior_temporary_checkpoint()
@@ -142,12 +147,19 @@ class Checkpointer(abc.ABC):
     ) -> str:
         """Save ``state`` as the checkpoint of ``step`` and return its path. ``on_commit`` is
         called with that path once the checkpoint is complete on disk (which may be after
-        this returns)."""
+        this returns: a save may finish in the background, but it must have copied ``state``
+        before returning, since the caller goes on to reuse its buffers)."""
 
     @abc.abstractmethod
     def load(self, template: Any, path: str) -> Any:
-        """Load the checkpoint at ``path`` (or the latest one under it) into the structure of
-        ``template``; raise :class:`~levanter_core.errors.CheckpointError` if it does not fit."""
+        """Load the checkpoint at ``path`` into the structure of ``template``. Raise
+        :class:`~levanter_core.errors.DamagedCheckpointError` if it cannot be read, and
+        :class:`~levanter_core.errors.CheckpointError` if it does not fit."""
+
+    @abc.abstractmethod
+    def candidates(self, where: str) -> list[str]:
+        """The checkpoints to try when resuming from ``where``, newest first: ``[where]`` if it
+        names one checkpoint, else every checkpoint under it, complete-looking or not."""
 
     @abc.abstractmethod
     def latest(self) -> str | None:
@@ -165,26 +177,79 @@ class Checkpointer(abc.ABC):
     def delete(self, checkpoint_path: str) -> None:
         """Delete the checkpoint at ``checkpoint_path``."""
 
+    def set_aside(self, checkpoint_path: str) -> str | None:
+        """Move a damaged checkpoint out of the way, keeping its files; return where it went
+        (None: left in place)."""
+        return None
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a background save that failed, if any."""
+
     def wait_until_finished(self) -> None:
-        """Block until every save started so far is complete (and its ``on_commit`` has run).
-        Nothing to wait for in a checkpointer whose :meth:`save` finishes before returning."""
+        """Block until every save started so far is complete (and its ``on_commit`` has run);
+        raise a failed save's error. Nothing to wait for in a checkpointer whose :meth:`save`
+        finishes before returning."""
+
+    # -- resuming ----------------------------------------------------------------------------
+    def resume(self, template: Any, where: str | None = None) -> tuple[Any, str] | None:
+        """Load the newest checkpoint under ``where`` (default: :attr:`path`) that loads, and
+        return it with its path; None when there is none at all.
+
+        Damaged checkpoints are skipped, each reported; when the search is in this run's own
+        directory they are also set aside, so that the run's next save of that step is not
+        mistaken for them. If checkpoints exist and none loads, this raises: a run must never
+        start again from step 0 over them."""
+        from levanter_core.checkpoint.tensorstore import all_processes_agree
+
+        where = where or self.path
+        damaged: list[tuple[str, DamagedCheckpointError]] = []
+        for candidate in self.candidates(where):
+            try:
+                state, error = self.load(template, candidate), None
+            except DamagedCheckpointError as e:
+                state, error = None, e
+            # Each process reads its own part: all must have succeeded for the state to be whole.
+            if not all_processes_agree(error is None):
+                damaged.append((candidate, error or DamagedCheckpointError("another process could not read its part")))
+                continue
+            for path, problem in damaged:
+                aside = self.set_aside(path) if where == self.path else None
+                if self._last_temporary == path:
+                    self._last_temporary = None  # gone: nothing to delete after the next save
+                where_now = f"; moved to {aside}" if aside else ""
+                logger.warning("skipped damaged checkpoint %s: %s", path, _reason(path, problem))
+                print(f"skipped damaged checkpoint {path}{where_now}:\n  {_reason(path, problem)}", flush=True)
+            if damaged:
+                print(f"resuming from {candidate}, the newest checkpoint that loads", flush=True)
+            return state, candidate
+        if damaged:
+            details = "\n".join(f"- {path}: {_reason(path, problem)}" for path, problem in damaged)
+            raise CheckpointError(
+                f"every checkpoint under {where} is damaged, so the run cannot resume:\n{details}\n"
+                "Refusing to start again from step 0 over them. Repair or remove them, or train elsewhere "
+                "(trainer.checkpointer.base_path) or from scratch (trainer.load_checkpoint: false)."
+            )
+        return None
 
     # -- the policy --------------------------------------------------------------------------
-    def on_step(self, state: Any, step: int, *, force: bool = False) -> None:
-        """Called after each training step: save ``state`` if the policy asks for it.
-        ``force`` saves a permanent checkpoint whatever the policy says (the end of training).
-        Step 0, the untrained state, is saved only when forced."""
+    def on_step(self, state: Any, step: int, *, force: bool = False) -> bool:
+        """Called after each training step: save ``state`` if the policy asks for it, and say
+        whether a save started. ``force`` saves a permanent checkpoint whatever the policy says
+        (the end of training). Step 0, the untrained state, is saved only when forced. Raises
+        the error of a background save that failed since the last call."""
+        self.check_for_errors()
         step = int(step)
         if step == self._last_save_step:
             if force and self._last_temporary is not None:
+                self.wait_until_finished()  # its metadata must be on disk to be rewritten
                 self.mark_permanent(self._last_temporary)
                 self._last_temporary = None
-            return
+            return False
         permanent = force or self.keeps_step(step)
         if not permanent:
             due = self.save_interval is not None and self._now() - self._last_save_time >= self.save_interval
             if step == 0 or not due:
-                return
+                return False
 
         superseded = self._last_temporary
 
@@ -192,10 +257,14 @@ class Checkpointer(abc.ABC):
             if superseded is not None and superseded != committed:
                 self.delete(superseded)
 
+        jax.block_until_ready(state)  # the step's own compute is not the save's cost
+        started = time.perf_counter()
         saved = self.save(state, step, temporary=not permanent, on_commit=delete_superseded)
+        self.last_save_blocked_seconds = time.perf_counter() - started
         self._last_temporary = None if permanent else saved
         self._last_save_step = step
         self._last_save_time = self._now()
+        return True
 
     def keeps_step(self, step: int) -> bool:
         """Whether ``keep`` asks for a permanent checkpoint at ``step``."""
@@ -208,7 +277,16 @@ class Checkpointer(abc.ABC):
 
     def _prior_temporary_checkpoint(self) -> str | None:
         latest = self.latest()
-        if latest is not None and self.is_temporary(latest):
+        try:
+            temporary = latest is not None and self.is_temporary(latest)
+        except DamagedCheckpointError:
+            return None  # resuming will report it
+        if temporary:
             logger.info("the latest checkpoint %s is temporary: it will be deleted after the next save", latest)
             return latest
         return None
+
+
+def _reason(path: str, error: Exception) -> str:
+    """What is wrong with the checkpoint at ``path``, without repeating its path."""
+    return str(error).removeprefix(f"checkpoint {path} is damaged: ")

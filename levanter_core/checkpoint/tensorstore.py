@@ -9,12 +9,21 @@ On disk, under the checkpointer's path (``{base_path}/{run_id}``)::
       model/transformer/blocks/attn/c_attn/weight/
       opt_state/0/mu/transformer/blocks/attn/c_attn/weight/
       training_key/        a typed PRNG key is stored as its raw key data
-      COMMITTED            written last; a directory without it is not a checkpoint
+      COMMITTED            {"step": 1000, "leaves": 42}, written last
 
-A save writes into ``step-N.tmp-<token>/``, then writes ``COMMITTED`` atomically,
-then renames the directory to ``step-N``: whenever a run dies, ``step-N`` is either
-absent or complete. Only local paths are supported for now, because renaming a
-directory is atomic there and not on object stores.
+A save copies the state to host memory (the only part that holds up training), then a
+background thread writes it into ``step-N.tmp-<token>/``. Once every process has finished
+writing, process 0 adds ``metadata.json`` and ``COMMITTED`` (each written to a temporary name
+and renamed) and renames the directory to ``step-N``. Whenever a run dies, ``step-N`` is either
+absent or complete; what a dead save leaves behind is a ``.tmp-`` directory, which discovery
+ignores and the next checkpointer on the same path removes.
+
+A ``step-N`` directory whose marker is missing or unreadable, or whose arrays cannot be read in
+full, is *damaged*: resuming skips it for the newest checkpoint that loads, and moves it aside
+as ``step-N.damaged-<token>`` so that nothing is lost and a new save of step N is not refused.
+
+Only local paths are supported for now, because renaming a directory is atomic there and
+not on object stores.
 """
 
 from __future__ import annotations
@@ -28,17 +37,19 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from typing import Any, Callable
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 from jax.experimental import multihost_utils
 from jax.experimental.array_serialization import serialization
 
 from levanter_core.checkpoint.config import Checkpointer
-from levanter_core.errors import CheckpointError
+from levanter_core.errors import CheckpointError, DamagedCheckpointError
 from levanter_core.fileio import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -46,31 +57,92 @@ logger = logging.getLogger(__name__)
 COMMIT_MARKER = "COMMITTED"
 METADATA_FILE = "metadata.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# what dead saves and deletions leave behind; removed when a checkpointer starts on the path
+_DEBRIS = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.=-]")
 # TensorStore reports missing or unreadable data as a ValueError whose message starts with a
 # status code ("NOT_FOUND: chunk {0, 0} ... is missing"); other ValueErrors are not about the data.
 _TENSORSTORE_STATUS = re.compile(r"^[A-Z_]+: ")
+# Arrays are chunked along their shards, and shards further split until a chunk holds at most
+# this much, so that writing and reading run in parallel and no two processes share a chunk.
+_MAX_CHUNK_BYTES = 64 << 20
+# How long a process waits for the others to finish writing their part of a checkpoint.
+_BARRIER_TIMEOUT_MS = 60 * 60 * 1000
 
 
 class TensorStoreCheckpointer(Checkpointer):
-    """Saves and loads the training state with TensorStore (see the module docstring for
-    the layout). Saves are synchronous: :meth:`save` returns once the checkpoint is committed."""
+    """Saves and loads the training state with TensorStore (see the module docstring for the
+    layout). :meth:`save` returns once the state is copied to host memory; the writing goes on
+    in a background thread, one save at a time. A save that fails is raised by the next call
+    to :meth:`save`, :meth:`on_step` or :meth:`wait_until_finished`."""
 
     def __init__(self, path: str, **policy: Any):
-        """Takes :class:`Checkpointer`'s arguments; ``path`` must be a local directory."""
-        super().__init__(_local_path(path), **policy)
+        """Takes :class:`Checkpointer`'s arguments; ``path`` must be a local directory, which is
+        created, checked to be writable, and cleared of what dead saves left behind."""
+        path = _local_path(path)
+        _prepare_directory(path)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        super().__init__(path, **policy)
 
     def save(self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None) -> str:
-        final = write_checkpoint(
-            state, os.path.join(self.path, f"step-{int(step)}"), step=step, temporary=temporary, metadata=self.metadata
-        )
-        logger.info("saved %s checkpoint %s", "temporary" if temporary else "permanent", final)
-        if on_commit is not None:
-            on_commit(final)
+        self.wait_until_finished()
+        final = os.path.join(self.path, f"step-{int(step)}")
+        job = _Save(state, final, step=int(step), temporary=temporary, metadata=self.metadata)
+
+        def write() -> None:
+            try:
+                job.write()
+                logger.info("saved %s checkpoint %s", "temporary" if temporary else "permanent", final)
+                if on_commit is not None and jax.process_index() == 0:
+                    on_commit(final)
+            except BaseException as e:  # handed to the training thread, which stops the run
+                self._error = e
+
+        # Not a daemon: an interpreter that is shutting down still finishes the save.
+        self._thread = threading.Thread(target=write, name=f"levanter-save-step-{step}")
+        self._thread.start()
         return final
+
+    def check_for_errors(self) -> None:
+        error, self._error = self._error, None
+        if error is None:
+            return
+        if isinstance(error, CheckpointError):
+            raise error
+        latest = self.latest()
+        raise CheckpointError(
+            f"saving a checkpoint under {self.path} failed: {type(error).__name__}: {error}\n"
+            "The run stops rather than train on without saving. Fix the cause (disk space, permissions) and run "
+            "the same command again: it resumes from "
+            + (latest if latest else "the start, as no checkpoint was completed")
+        ) from error
+
+    def wait_until_finished(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check_for_errors()
 
     def load(self, template: Any, path: str) -> Any:
         return load_checkpoint(template, path)
+
+    def candidates(self, where: str) -> list[str]:
+        where = _local_path(where)
+        if _names_one_checkpoint(where):
+            return [where]
+        return [path for path, _ in _step_directories(where)]
+
+    def set_aside(self, checkpoint_path: str) -> str | None:
+        if jax.process_index() != 0:
+            return None
+        aside = f"{checkpoint_path}.damaged-{secrets.token_hex(4)}"
+        try:
+            os.rename(checkpoint_path, aside)
+        except OSError as e:
+            logger.warning("could not move the damaged checkpoint %s aside: %s", checkpoint_path, e)
+            return None
+        return aside
 
     def latest(self) -> str | None:
         return discover_latest(self.path)
@@ -88,60 +160,34 @@ class TensorStoreCheckpointer(Checkpointer):
         if jax.process_index() != 0:
             return
         logger.info("deleting superseded temporary checkpoint %s", checkpoint_path)
+        # Renamed first, so that a deletion cut short leaves debris, never a damaged step-N.
+        doomed = f"{checkpoint_path}.deleting-{secrets.token_hex(4)}"
         try:
-            # The marker goes first: a deletion cut short must not leave a "complete" checkpoint
-            # with arrays missing.
-            os.remove(os.path.join(checkpoint_path, COMMIT_MARKER))
-            shutil.rmtree(checkpoint_path)
+            os.rename(checkpoint_path, doomed)
+            shutil.rmtree(doomed)
         except OSError as e:  # housekeeping: failing to delete an old checkpoint must not stop training
             logger.warning("could not delete %s: %s", checkpoint_path, e)
 
 
 def write_checkpoint(state: Any, final: str, *, step: int, temporary: bool = False, metadata: dict | None = None) -> str:
-    """Write ``state`` (any pytree of arrays) as a committed checkpoint at ``final``: into a
-    staging directory first, then the ``COMMITTED`` marker, then renamed into place.
-    ``metadata`` (JSON) is stored in ``metadata.json`` under ``metadata``."""
-    step = int(step)
-    staging = f"{final}.tmp-{_agreed_token()}"
-    leaves, _, names = _flatten(state)
-    arrays = {name: _unwrap(leaves[i]) for name, i in names.items()}
-    os.makedirs(staging, exist_ok=True)
-    try:
-        _write_arrays(staging, {name: _stored_form(x) for name, x in arrays.items()})
-        _sync("levanter_checkpoint_written")
-        if jax.process_index() == 0:
-            described = {
-                "step": step,
-                "temporary": temporary,
-                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "leaves": [_describe(name, x) for name, x in arrays.items()],
-                "metadata": metadata or {},
-            }
-            with open(os.path.join(staging, METADATA_FILE), "w") as f:
-                json.dump(described, f, indent=1)
-            _commit(staging, final, step)
-    except BaseException:
-        if jax.process_index() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _sync("levanter_checkpoint_committed")
+    """Write ``state`` (any pytree of arrays) as a committed checkpoint at ``final`` and return
+    once it is complete: into a staging directory, then ``metadata.json`` (holding ``metadata``)
+    and the ``COMMITTED`` marker, then renamed into place."""
+    _Save(state, final, step=int(step), temporary=temporary, metadata=metadata).write()
     return final
 
 
 def discover_latest(path: str) -> str | None:
-    """``path`` itself if it is a committed checkpoint; else the committed ``step-N``
-    directly under it with the highest N; else None."""
+    """``path`` itself if it is a complete checkpoint; else the complete ``step-N`` directly
+    under it with the highest N; else None. Damaged markers are skipped (and logged)."""
     path = _local_path(path)
-    if _is_committed(path):
-        return path
-    if not os.path.isdir(path):
-        return None
-    steps = []
-    for entry in os.listdir(path):
-        match = _STEP_DIR.match(entry)
-        if match and _is_committed(os.path.join(path, entry)):
-            steps.append((int(match.group(1)), entry))
-    return os.path.join(path, max(steps)[1]) if steps else None
+    if _names_one_checkpoint(path):
+        return path if _marker_problem(path) is None else None
+    for checkpoint, problem in _step_directories(path):
+        if problem is None:
+            return checkpoint
+        logger.warning("skipping %s: %s", checkpoint, problem)
+    return None
 
 
 def read_metadata(checkpoint_path: str) -> dict:
@@ -152,35 +198,55 @@ def read_metadata(checkpoint_path: str) -> dict:
         with open(file) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint_path} is not a checkpoint: it has no {METADATA_FILE}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}): the checkpoint is damaged") from None
+        raise DamagedCheckpointError(f"{checkpoint_path} is not a checkpoint: it has no {METADATA_FILE}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedCheckpointError(f"{file} is not valid JSON ({e}): the checkpoint is damaged") from None
 
 
 def load_checkpoint(template: Any, path: str, *, subtree: str | None = None) -> Any:
     """Load the checkpoint at ``path`` (a ``step-N`` directory, or a directory of them: the
-    latest is used) into the structure of ``template``.
+    latest complete one is used) into the structure of ``template``.
 
     ``template`` is a pytree like the one saved, whose array leaves are arrays or
     ``jax.ShapeDtypeStruct``\\ s; each loaded array gets its template's sharding (the first
     device when it has none). Leaves that are not arrays are taken from ``template``.
     Raises :class:`CheckpointError`, before reading any data, when names, shapes or dtypes
-    differ, and when an array cannot be read in full.
+    differ, and :class:`DamagedCheckpointError` when the marker or the metadata is damaged or
+    an array cannot be read in full.
 
     ``subtree`` loads one part of what was saved: ``subtree="model"`` loads a model
     (``template``) from a checkpoint of a whole training state, or of a model alone.
     """
-    checkpoint = discover_latest(path)
-    if checkpoint is None:
-        raise CheckpointError(
-            f"no complete checkpoint at {path}: expected a step-N directory containing {COMMIT_MARKER}, "
-            "or a directory holding such step-N directories"
+    checkpoint = _resolve_checkpoint(path)
+    described = read_metadata(checkpoint)
+    marker = _read_marker(checkpoint)
+    if marker["leaves"] != len(described["leaves"]):
+        raise DamagedCheckpointError(
+            f"checkpoint {checkpoint} is damaged: its marker counts {marker['leaves']} arrays, "
+            f"its {METADATA_FILE} lists {len(described['leaves'])}"
         )
-    stored = {leaf["name"]: leaf for leaf in read_metadata(checkpoint)["leaves"]}
+    stored = {leaf["name"]: leaf for leaf in described["leaves"]}
     if subtree is not None:
         stored = {name: leaf for name, leaf in stored.items() if name.startswith(subtree + "/")}
         return _load_tree({subtree: template}, checkpoint, stored)[subtree]
     return _load_tree(template, checkpoint, stored)
+
+
+def _resolve_checkpoint(path: str) -> str:
+    """The complete checkpoint ``path`` names or holds; raises saying why there is none."""
+    local = _local_path(path)
+    if _names_one_checkpoint(local):
+        problem = _marker_problem(local)
+        if problem is not None:
+            raise DamagedCheckpointError(f"checkpoint {local} is damaged: {problem}")
+        return local
+    found = discover_latest(local)
+    if found is None:
+        raise CheckpointError(
+            f"no complete checkpoint at {path}: expected a step-N directory containing {COMMIT_MARKER}, "
+            "or a directory holding such step-N directories"
+        )
+    return found
 
 
 def _load_tree(template: Any, checkpoint: str, stored: dict[str, dict]) -> Any:
@@ -249,30 +315,147 @@ def _stored_form(x: Any) -> jax.Array:
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-# -- reading and writing -----------------------------------------------------------------
+# -- writing ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _HostArray:
+    """One array of the state, as this process writes it: its global shape and chunking, and
+    the shards it owns (the first replica of each), copied to host memory."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    shards: list[tuple[tuple[slice, ...], np.ndarray]]
+
+
+class _Save:
+    """One checkpoint save. Creating it copies the state to host memory, after which the
+    device buffers may be reused; :meth:`write` writes, waits for the other processes, and
+    commits. Each process makes its own, with the same arguments."""
+
+    def __init__(self, state: Any, final: str, *, step: int, temporary: bool, metadata: dict | None):
+        self.final = final
+        self.step = step
+        self.temporary = temporary
+        self.metadata = metadata or {}
+        self.token = _agreed_token()
+        self.staging = f"{final}.tmp-{self.token}"
+        leaves, _, names = _flatten(state)
+        arrays = {name: _unwrap(leaves[i]) for name, i in names.items()}
+        self.leaves = [_describe(name, x) for name, x in arrays.items()]
+        self.arrays = _copy_to_host({name: _stored_form(x) for name, x in arrays.items()})
+
+    def write(self) -> None:
+        try:
+            os.makedirs(self.staging, exist_ok=True)
+            _write_arrays(self.staging, self.arrays)
+            _barrier(f"levanter_checkpoint_written_{self.token}")
+            if jax.process_index() == 0:
+                described = {
+                    "step": self.step,
+                    "temporary": self.temporary,
+                    "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "leaves": self.leaves,
+                    "metadata": self.metadata,
+                }
+                write_text_atomically(os.path.join(self.staging, METADATA_FILE), json.dumps(described, indent=1))
+                marker = json.dumps({"step": self.step, "leaves": len(self.leaves)})
+                write_text_atomically(os.path.join(self.staging, COMMIT_MARKER), marker + "\n")
+                _move_into_place(self.staging, self.final)
+        except BaseException:
+            if jax.process_index() == 0:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        finally:
+            self.arrays = []  # the host copy is no longer needed
+        _barrier(f"levanter_checkpoint_committed_{self.token}")
+
+
+def _copy_to_host(arrays: dict[str, jax.Array]) -> list[_HostArray]:
+    """Copy the shards this process writes to host memory, every transfer started before any is
+    awaited. On CPU a device buffer *is* host memory, so it is copied: the training step that
+    follows may reuse it (donation)."""
+    owned = {name: [s for s in x.addressable_shards if s.replica_id == 0] for name, x in arrays.items()}
+    data = {name: [s.data for s in shards] for name, shards in owned.items()}
+    for pieces in data.values():
+        for piece in pieces:
+            piece.copy_to_host_async()
+    copied = []
+    for name, x in arrays.items():
+        shard_shape = x.sharding.shard_shape(x.shape)
+        host = []
+        for shard, piece in zip(owned[name], data[name]):
+            value = np.asarray(piece)
+            if shard.device.platform == "cpu" or not value.flags.owndata:
+                value = value.copy()
+            host.append((shard.index, value))
+        copied.append(_HostArray(name, x.shape, jnp.dtype(x.dtype).name, _chunk_shape(shard_shape, x.dtype), host))
+    return copied
+
+
+def _chunk_shape(shard_shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
+    """The shard's shape, with its largest dimensions halved (or cut by their smallest factor)
+    until a chunk holds at most ``_MAX_CHUNK_BYTES``; every chunk lies inside one shard."""
+    chunks = [max(d, 1) for d in shard_shape]
+    itemsize = jnp.dtype(dtype).itemsize
+    while chunks and int(np.prod(chunks)) * itemsize > _MAX_CHUNK_BYTES:
+        axis = max(range(len(chunks)), key=lambda a: chunks[a])
+        factor = next((f for f in range(2, chunks[axis] + 1) if chunks[axis] % f == 0), None)
+        if factor is None or chunks[axis] == 1:
+            break
+        chunks[axis] //= factor
+    return tuple(chunks)
 
 
 def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
     return {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(checkpoint, name)}, **options}
 
 
-def _write_arrays(directory: str, arrays: dict[str, jax.Array]) -> None:
-    async def write_all():
-        return await asyncio.gather(
-            *(
-                # Every chunk is written, even one equal to the fill value, so that a missing
-                # chunk file always means damage (loading refuses it).
-                serialization.async_serialize(arr, _zarr_spec(directory, name, store_data_equal_to_fill_value=True))
-                for name, arr in arrays.items()
-            ),
-            # wait for every write, even after one fails, so that none is still writing
-            # into the directory while the caller removes it
-            return_exceptions=True,
+def _write_arrays(directory: str, arrays: list[_HostArray]) -> None:
+    async def write(array: _HostArray) -> None:
+        spec = _zarr_spec(
+            directory,
+            array.name,
+            dtype=array.dtype,
+            metadata={"shape": list(array.shape), "chunks": list(array.chunks), "compressor": {"id": "zstd", "level": 1}},
+            # Every chunk is written, even one equal to the fill value, so that a missing
+            # chunk file always means damage (loading refuses it).
+            store_data_equal_to_fill_value=True,
         )
+        # Process 0 writes the array's metadata; the others write their chunks alongside it.
+        if jax.process_index() == 0:
+            store = await ts.open(spec, create=True, open=True)
+        else:
+            store = await ts.open(spec, open=True, assume_metadata=True)
+        await asyncio.gather(*(store[index].write(value) for index, value in array.shards))
+
+    async def write_all():
+        # wait for every write, even after one fails, so that none is still writing
+        # into the directory while the caller removes it
+        return await asyncio.gather(*(write(a) for a in arrays), return_exceptions=True)
 
     for result in asyncio.run(write_all()):
         if isinstance(result, BaseException):
             raise result
+
+
+def _move_into_place(staging: str, final: str) -> None:
+    """Rename the committed ``staging`` directory to ``final``."""
+    if _names_one_checkpoint(final) and _marker_problem(final) is None:
+        logger.warning("%s already exists and is complete: keeping it and discarding this save", final)
+        shutil.rmtree(staging)
+        return
+    if os.path.exists(final):
+        # Damaged, and not set aside (e.g. a run that did not resume from this directory).
+        aside = f"{final}.damaged-{secrets.token_hex(4)}"
+        logger.warning("%s exists but is damaged: moving it to %s", final, aside)
+        os.rename(final, aside)
+    os.rename(staging, final)
+
+
+# -- reading ---------------------------------------------------------------------------------
 
 
 def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[str, jax.Array]:
@@ -304,10 +487,9 @@ def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[s
         elif isinstance(result, BaseException):
             raise result
     if failures:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"checkpoint {checkpoint} is damaged: {len(failures)} array(s) cannot be read in full:\n"
             + "\n".join(failures)
-            + "\nLoad an earlier checkpoint, or delete this one so that the run resumes from the one before."
         )
     return results
 
@@ -340,23 +522,87 @@ def _check_fits(checkpoint: str, expected: dict[str, dict], stored: dict[str, di
         )
 
 
-# -- committing ----------------------------------------------------------------------------
+# -- markers and directories -----------------------------------------------------------------
 
 
-def _commit(staging: str, final: str, step: int) -> None:
-    write_text_atomically(os.path.join(staging, COMMIT_MARKER), f"step {step}\n")
-    if _is_committed(final):
-        logger.warning("%s already exists and is complete: keeping it and discarding this save", final)
-        shutil.rmtree(staging)
+def _names_one_checkpoint(path: str) -> bool:
+    """Whether ``path`` is meant as one checkpoint (a ``step-N`` directory, or any directory
+    with a marker or metadata) rather than a directory of them."""
+    if not os.path.isdir(path):
+        return False
+    if _STEP_DIR.match(os.path.basename(path)):
+        return True
+    return any(os.path.exists(os.path.join(path, f)) for f in (COMMIT_MARKER, METADATA_FILE))
+
+
+def _step_directories(path: str) -> list[tuple[str, str | None]]:
+    """Every ``step-N`` directory under ``path``, newest first, with what is wrong with its
+    marker (None when it is a complete checkpoint)."""
+    if not os.path.isdir(path):
+        return []
+    found = []
+    for entry in os.listdir(path):
+        match = _STEP_DIR.match(entry)
+        if match and os.path.isdir(os.path.join(path, entry)):
+            found.append((int(match.group(1)), os.path.join(path, entry)))
+    return [(checkpoint, _marker_problem(checkpoint)) for _, checkpoint in sorted(found, reverse=True)]
+
+
+def _read_marker(checkpoint: str) -> dict:
+    """The parsed ``COMMITTED`` marker; raises :class:`DamagedCheckpointError` saying what is wrong."""
+    file = os.path.join(checkpoint, COMMIT_MARKER)
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DamagedCheckpointError(
+            f"checkpoint {checkpoint} is damaged: it has no {COMMIT_MARKER} marker (its save did not finish, "
+            "or the marker was deleted)"
+        ) from None
+    try:
+        marker = json.loads(raw)
+        step, leaves = int(marker["step"]), int(marker["leaves"])
+    except (ValueError, TypeError, KeyError):
+        raise DamagedCheckpointError(
+            f"checkpoint {checkpoint} is damaged: its {COMMIT_MARKER} marker is corrupt or truncated "
+            f"({len(raw)} bytes: {raw[:40]!r})"
+        ) from None
+    match = _STEP_DIR.match(os.path.basename(checkpoint))
+    if match and int(match.group(1)) != step:
+        raise DamagedCheckpointError(
+            f"checkpoint {checkpoint} is damaged: its {COMMIT_MARKER} marker is for step {step}"
+        )
+    return {"step": step, "leaves": leaves}
+
+
+def _marker_problem(checkpoint: str) -> str | None:
+    try:
+        _read_marker(checkpoint)
+    except DamagedCheckpointError as e:
+        return str(e).split(" is damaged: ", 1)[-1]
+    return None
+
+
+def _prepare_directory(path: str) -> None:
+    """Create ``path``, check that this process can write there (a run must not find out
+    after hours of training), and remove what dead saves and deletions left behind."""
+    probe = os.path.join(path, f".write-test-{jax.process_index()}-{secrets.token_hex(4)}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoints to {path}: {e.strerror or e}. "
+            "Set trainer.checkpointer.base_path to a writable directory."
+        ) from None
+    if jax.process_index() != 0:
         return
-    if os.path.exists(final):
-        # Never renamed into place without its marker, so this is debris (e.g. a partial copy).
-        shutil.rmtree(final)
-    os.rename(staging, final)
-
-
-def _is_committed(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMMIT_MARKER))
+    for entry in os.listdir(path):
+        if _DEBRIS.match(entry):
+            logger.info("removing %s, left by a save or deletion that did not finish", entry)
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
 
 
 def _local_path(path: str) -> str:
@@ -372,13 +618,26 @@ def _local_path(path: str) -> str:
 
 
 def _agreed_token() -> str:
-    """A random token that every process agrees on (they all write into one staging directory)."""
+    """A random token that every process agrees on (they all write into one staging directory).
+    Called on the training thread: it is a collective over the devices."""
     token = np.int32(secrets.randbits(31))
     if jax.process_count() > 1:
         token = multihost_utils.broadcast_one_to_all(token)
     return f"{int(token):08x}"
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+def _barrier(name: str) -> None:
+    """Wait until every process reaches ``name``. Safe off the training thread: it goes through
+    JAX's coordination service, not the devices."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client JAX's own checkpointing uses; there is no public one
+
+    distributed.global_state.client.wait_at_barrier(name, _BARRIER_TIMEOUT_MS)
+
+
+def all_processes_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds in every process (a collective: call it from every process)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))

@@ -70,9 +70,10 @@ class JsonTracker(Tracker):
         self._write_json("hparams.json", hparams)
 
     def log_artifact(self, path, *, name=None, type=None):
-        target = os.path.join(self.run_dir, "artifacts", name or os.path.basename(path))
-        if os.path.abspath(path) == os.path.abspath(target):
-            return
+        run_dir = os.path.abspath(self.run_dir)
+        if os.path.abspath(path).startswith(run_dir + os.sep):
+            return  # already in the run directory
+        target = os.path.join(run_dir, "artifacts", name or os.path.basename(path))
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if os.path.isdir(path):
             shutil.copytree(path, target, dirs_exist_ok=True)

@@ -78,30 +78,54 @@ def plugin_versions() -> dict[str, str | None]:
     }
 
 
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
+def _git_state(directory: str) -> dict | None:
+    """The commit checked out in the git repository holding ``directory``, and whether the
+    working tree differs from it; None outside a repository (or without git)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if not sha:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": bool(status), "root": git("rev-parse", "--show-toplevel")}
 
 
-def write_run_record(run_dir: str, resolved: dict, config_path: str | None, plugins: dict) -> None:
-    """Save the resolved config, the code version and the installed packages in the run directory."""
+def write_run_record(run_dir: str, resolved: dict, config_path: str | None, plugins: dict) -> list[str]:
+    """Save the resolved config (``config.yaml``), the code version (``run.json``: git commit of
+    the working directory and of levanter itself, versions of every plugin) and the installed
+    packages (``requirements.txt``, in ``pip freeze`` form) in the run directory; return the
+    three paths."""
+    import jax
+
     os.makedirs(run_dir, exist_ok=True)
-    write_text_atomically(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(resolved, sort_keys=False))
+    config_file = os.path.join(run_dir, "config.yaml")
+    write_text_atomically(config_file, yaml.safe_dump(resolved, sort_keys=False))
     record = {
         "config_file": os.path.abspath(config_path) if config_path else None,
         "command": sys.argv,
-        "git_sha": _git_sha(),
+        "working_directory": os.getcwd(),
+        "git": _git_state(os.getcwd()),
         "levanter_core": __version__,
+        "levanter_core_git": _git_state(os.path.dirname(os.path.abspath(__file__))),
         "plugins": plugins,
         "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "processes": jax.process_count(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_text_atomically(os.path.join(run_dir, "run.json"), json.dumps(record, indent=2))
+    record_file = os.path.join(run_dir, "run.json")
+    write_text_atomically(record_file, json.dumps(record, indent=2))
     packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
-    write_text_atomically(os.path.join(run_dir, "requirements.txt"), "\n".join(packages) + "\n")
+    requirements = os.path.join(run_dir, "requirements.txt")
+    write_text_atomically(requirements, "\n".join(packages) + "\n")
+    return [config_file, record_file, requirements]
 
 
 # -- JAX set-up ----------------------------------------------------------------------------
@@ -148,7 +172,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     run_id = derive_run_id(config, config_path)
     run_dir = os.path.join(trainer_cfg.log_dir, run_id)
     resolved, plugins = resolved_config(config), plugin_versions()
-    write_run_record(run_dir, resolved, config_path, plugins)
+    record_files = write_run_record(run_dir, resolved, config_path, plugins)
     logger.info("run %s: run directory %s", run_id, run_dir)
     print(f"run directory: {run_dir}", flush=True)
 
@@ -192,6 +216,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
         tracker.log_hyperparameters(resolved)
+        for path in record_files:
+            tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
         flops = model_config.flops_per_token(Vocab.size)
         loop = _TrainLoop(config, trainer, data, tracker, checkpointer, flops_per_token=flops, progress=progress)
         state = loop.run(state, result)
@@ -200,21 +226,28 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         result.checkpoint = checkpointer.latest()
         result.wall_seconds = time.perf_counter() - wall_start
         tracker.log_summary({k: v for k, v in dataclasses.asdict(result).items() if v is not None})
+    except BaseException:
+        # The run is failing already; a save still being written is finished, not cut short.
+        try:
+            checkpointer.wait_until_finished()
+        except Exception as e:
+            logger.error("the checkpoint being saved when the run failed could not be completed: %s", e)
+        raise
     finally:
         tracker.finish()
     return result
 
 
 def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None):
-    """Loaded from this run's latest checkpoint, else from ``initialize_from``, else around
-    the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
+    """Loaded from this run's newest checkpoint that loads, else from ``initialize_from``,
+    else around the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
 
     if cfg.load_checkpoint is not False:
         where = cfg.load_checkpoint_path or checkpointer.path
-        found = discover_latest(where)
-        if found is not None:
-            return checkpointer.load(trainer.state_template(model_init, key), found), found
+        resumed = checkpointer.resume(trainer.state_template(model_init, key), where)
+        if resumed is not None:
+            return resumed
         if cfg.load_checkpoint:
             raise CheckpointError(
                 f"trainer.load_checkpoint is true but there is no complete checkpoint under {where}"
@@ -341,8 +374,9 @@ class _TrainLoop:
                     if eval_loss is not None:
                         pending["eval/loss"] = eval_loss
                         result.final_eval_loss = eval_loss
-                if step < self.num_steps:  # the final save is forced by the caller
-                    self.checkpointer.on_step(state, step)
+                # the final save is forced by the caller
+                if step < self.num_steps and self.checkpointer.on_step(state, step):
+                    pending["checkpoint/save_blocked_seconds"] = self.checkpointer.last_save_blocked_seconds
                 throughput.exclude(time.perf_counter() - side_start)
             if pending is not None:
                 self._finish(pending, throughput, bar, result)
@@ -364,8 +398,9 @@ class _TrainLoop:
             metrics["throughput/tokens_per_second"] = rate
             if self.flops_per_step:
                 metrics["throughput/model_gflops_per_second"] = rate / self.tokens_per_step * self.flops_per_step / 1e9
-        if "eval/loss" in pending:
-            metrics["eval/loss"] = pending["eval/loss"]
+        for name in ("eval/loss", "checkpoint/save_blocked_seconds"):
+            if name in pending:
+                metrics[name] = pending[name]
         self.tracker.log(metrics, step=step)
         if result.first_loss is None:
             result.first_loss = metrics["train/loss"]

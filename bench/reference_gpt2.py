@@ -7,7 +7,11 @@ training path (``validate_train_config`` -> ``run_training``). An f32 2048x2048 
 timed through ``jax.jit`` before and after training, so that throughput can be compared
 across machines as tokens/s per matmul GFLOP/s.
 
-    .venv/bin/python bench/reference_gpt2.py [--steps 60] [--out bench/last.json] [--workdir DIR]
+    .venv/bin/python bench/reference_gpt2.py [--steps 60] [--save-every N] [--out bench/last.json] [--workdir DIR]
+
+``--save-every N`` also saves a checkpoint every N steps, as a run would, and reports what a
+save costs: the seconds each one held up the training loop (the rest of the save is written
+in the background), how long writing the same checkpoint synchronously takes, and its size.
 """
 
 from __future__ import annotations
@@ -122,8 +126,9 @@ class MetricsWatcher(threading.Thread):
 # -- the run -------------------------------------------------------------------------------
 
 
-def train_config(workdir: str, tokenizer_path: str, steps: int, run_id: str) -> dict:
+def train_config(workdir: str, tokenizer_path: str, steps: int, run_id: str, save_every: int | None = None) -> dict:
     """The reference run as a config dict, in the shape of a YAML config file."""
+    keep = [{"every": save_every}] if save_every else [{"every": 10000}]
     return {
         "data": {
             "type": "python_stdlib",
@@ -148,7 +153,7 @@ def train_config(workdir: str, tokenizer_path: str, steps: int, run_id: str) -> 
             "log_dir": os.path.join(workdir, "logs"),
             "id": run_id,
             "tracker": {"type": "json"},
-            "checkpointer": {"base_path": os.path.join(workdir, "checkpoints")},
+            "checkpointer": {"base_path": os.path.join(workdir, "checkpoints"), "keep": keep},
         },
         "optimizer": {"type": "adam", "learning_rate": 1e-3, "weight_decay": 0.1},
     }
@@ -177,7 +182,33 @@ def machine() -> dict:
     }
 
 
-def benchmark(steps: int, workdir: str) -> dict:
+def save_costs(metrics: list[dict], checkpoint: str) -> dict:
+    """What the run's saves cost: seconds each held up the loop (logged by the trainer), and
+    the time to write the final checkpoint's arrays again synchronously, for comparison."""
+    import jax.numpy as jnp
+    import tensorstore as ts
+
+    from levanter_core.checkpoint import read_metadata, write_checkpoint
+
+    blocked = [m["checkpoint/save_blocked_seconds"] for m in metrics if "checkpoint/save_blocked_seconds" in m]
+    arrays = {}
+    for leaf in read_metadata(checkpoint)["leaves"]:
+        spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(checkpoint, leaf["name"])}}
+        arrays[leaf["name"].replace("/", ".")] = jnp.asarray(ts.open(spec).result().read().result())
+    start = time.perf_counter()
+    write_checkpoint(arrays, checkpoint + "-rewritten", step=0)
+    synchronous = time.perf_counter() - start
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files)
+    return {
+        "saves": len(blocked),
+        "blocked_seconds": summarize(blocked) if blocked else None,
+        "synchronous_write_seconds": synchronous,
+        "checkpoint_mib": size / 2**20,
+        "state_mib": sum(a.nbytes for a in arrays.values()) / 2**20,
+    }
+
+
+def benchmark(steps: int, workdir: str, save_every: int | None = None) -> dict:
     """Run the reference work in ``workdir`` and return every figure as JSON-able data."""
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
@@ -198,7 +229,7 @@ def benchmark(steps: int, workdir: str) -> dict:
     tokenizer_seconds = time.perf_counter() - start
 
     run_id = "reference-gpt2-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
-    config = validate_train_config(train_config(workdir, tokenizer_path, steps, run_id), Sources("bench"))
+    config = validate_train_config(train_config(workdir, tokenizer_path, steps, run_id, save_every), Sources("bench"))
 
     # Build the caches here, through the same code, so their time is known; the run reuses them.
     tokenizer = load_tokenizer(tokenizer_path)
@@ -280,6 +311,7 @@ def benchmark(steps: int, workdir: str) -> dict:
         },
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "final_checkpoint": result.checkpoint,
+        "checkpoints": save_costs(metrics, result.checkpoint) if save_every else None,
     }
 
 
@@ -310,6 +342,15 @@ def print_table(r: dict) -> None:
         ("wall, whole command", f"{s['wall']:.1f} s"),
         ("peak host memory", f"{r['peak_rss_mib']:,.0f} MiB"),
     ]
+    if r["checkpoints"]:
+        c = r["checkpoints"]
+        rows += [
+            ("checkpoints saved during training", f"{c['saves']} (state {c['state_mib']:.1f} MiB, "
+                                                  f"{c['checkpoint_mib']:.1f} MiB on disk)"),
+            ("training loop held up per save", "{:.3f} s median ({:.3f} to {:.3f})".format(
+                c["blocked_seconds"]["median"], c["blocked_seconds"]["min"], c["blocked_seconds"]["max"])),
+            ("the same save written synchronously", f"{c['synchronous_write_seconds']:.3f} s"),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -318,6 +359,8 @@ def print_table(r: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--save-every", type=int, default=None,
+                        help="save a checkpoint every N steps and report what saving costs")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--workdir", default=None, help="where the tokenizer, cache, logs and checkpoints go "
                                                         "(default: a new directory under the system temp dir)")
@@ -325,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="reference-gpt2-")
     os.makedirs(workdir, exist_ok=True)
 
-    results = benchmark(args.steps, workdir)
+    results = benchmark(args.steps, workdir, args.save_every)
     print_table(results)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from levanter_core.errors import ConfigError
-from levanter_core.optim import AdamConfig, parameter_path
+from levanter_core.optim import AdamConfig, SkipStepConfig, parameter_path
+from levanter_core.optim.skipstep import skipped_step
 
 PEAK = 1.0
 MIN = 0.1  # the default min_lr_ratio times PEAK
@@ -229,3 +230,190 @@ def test_weight_decay_modules_select_by_path(tiny):
 
 def test_no_mask_decays_everything():
     assert AdamConfig(default_weight_decay_mask=False).build_weight_decay_mask() is None
+
+
+# -- skip_bad_steps ------------------------------------------------------------------------------
+
+NORMAL_LOSSES = [1.0, 1.2, 0.9, 1.1]
+NORMAL_SCALES = [1.0, 1.3, 0.8, 1.1]  # gradient norms of the normal steps
+DIRECTION = jnp.array([0.6, 0.8, 0.0])  # unit norm
+
+
+def skip_step_optimizer(**skip):
+    config = AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0, max_grad_norm=None, skip_bad_steps=skip)
+    return config.build_for_trainer(100)
+
+
+def fill_window(opt, params):
+    """Four normal steps from a fresh state; returns the state."""
+    state = opt.init(params)
+    for loss, scale in zip(NORMAL_LOSSES, NORMAL_SCALES):
+        _, state = opt.update({"w": scale * DIRECTION}, state, params, loss=jnp.asarray(loss))
+    return state
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (False, None),
+        (None, None),
+        (True, SkipStepConfig()),
+        (16, SkipStepConfig(rolling_interval_length=16)),
+        ({"sigma_factor": 3}, SkipStepConfig(sigma_factor=3.0)),
+    ],
+)
+def test_skip_bad_steps_accepts_the_documented_forms(value, expected):
+    assert AdamConfig(skip_bad_steps=value).skip_bad_steps == expected
+    assert AdamConfig().skip_bad_steps is None  # off by default
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("yes", r"optimizer\.skip_bad_steps .*expected false, true, a window length"),
+        (1, r"optimizer\.skip_bad_steps\.rolling_interval_length .*greater than or equal to 2 \(got 1\)"),
+        ({"window": 8}, r"optimizer\.skip_bad_steps\.window .*unknown field"),
+    ],
+)
+def test_bad_skip_bad_steps_values_name_the_field(tmp_path, value, message):
+    from levanter_core.config.loader import Sources
+    from levanter_core.config.train import validate_train_config
+
+    raw = {"data": {"type": "python_stdlib", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"},
+           "optimizer": {"skip_bad_steps": value}}
+    with pytest.raises(ConfigError, match=message):
+        validate_train_config(raw, Sources("run.yaml"))
+
+
+def test_a_spike_in_loss_or_grad_norm_is_skipped_once_the_window_has_enough_steps():
+    opt = skip_step_optimizer(rolling_interval_length=4, sigma_factor=3.0)
+    params = {"w": jnp.ones(3)}
+    state = fill_window(opt, params)
+
+    def step(loss, grads, state):
+        updates, new_state = opt.update({"w": grads}, state, params, loss=jnp.asarray(loss))
+        return updates["w"], new_state, int(skipped_step(state, new_state))
+
+    for loss, grads in [(50.0, DIRECTION), (1.0, 100 * DIRECTION), (jnp.nan, DIRECTION), (1.0, jnp.inf * DIRECTION)]:
+        updates, after, skipped = step(loss, grads, state)
+        assert skipped == 1
+        np.testing.assert_array_equal(updates, 0.0)  # the parameters do not move
+        for x, y in zip(jax.tree.leaves(after.inner_state), jax.tree.leaves(state.inner_state)):
+            np.testing.assert_array_equal(x, y)  # Adam's moments and count are untouched
+
+    updates, after, skipped = step(1.05, 1.05 * DIRECTION, state)
+    assert skipped == 0
+    # the same update as Adam without skip-step, given the same normal steps
+    adam = AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0, max_grad_norm=None).build(100)
+    adam_state = adam.init(params)
+    for scale in NORMAL_SCALES + [1.05]:
+        expected, adam_state = adam.update({"w": scale * DIRECTION}, adam_state, params)
+    np.testing.assert_array_equal(updates, expected["w"])
+    assert np.all(updates[:2] != 0)
+
+
+def test_skipped_and_taken_steps_enter_the_window_but_non_finite_ones_do_not():
+    opt = skip_step_optimizer(rolling_interval_length=4, sigma_factor=3.0)
+    params = {"w": jnp.ones(3)}
+    state = fill_window(opt, params)
+    _, spiked = opt.update({"w": DIRECTION}, state, params, loss=jnp.asarray(50.0))
+    assert int(spiked.recorded) == 5 and int(spiked.skipped) == 1
+    assert 50.0 in np.asarray(spiked.losses)  # overwrote the oldest value
+    _, after_nan = opt.update({"w": DIRECTION}, spiked, params, loss=jnp.asarray(jnp.nan))
+    np.testing.assert_array_equal(after_nan.losses, spiked.losses)
+    assert int(after_nan.recorded) == 5 and int(after_nan.skipped) == 2
+
+
+def test_no_step_is_skipped_before_the_window_has_enough_steps():
+    opt = skip_step_optimizer(rolling_interval_length=8, sigma_factor=3.0)  # needs 4 recorded steps
+    params = {"w": jnp.ones(3)}
+    three = opt.init(params)
+    for loss, scale in zip(NORMAL_LOSSES[:3], NORMAL_SCALES[:3]):
+        _, three = opt.update({"w": scale * DIRECTION}, three, params, loss=jnp.asarray(loss))
+    four = fill_window(opt, params)
+
+    updates, after = opt.update({"w": DIRECTION}, three, params, loss=jnp.asarray(50.0))
+    assert int(after.skipped) == 0 and np.all(updates["w"][:2] != 0)
+    _, after = opt.update({"w": DIRECTION}, four, params, loss=jnp.asarray(50.0))
+    assert int(after.skipped) == 1
+
+
+def test_skip_step_needs_the_loss():
+    opt = skip_step_optimizer()
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="skip_bad_steps needs the loss"):
+        opt.update({"w": DIRECTION}, opt.init(params), params)
+
+
+def test_without_skip_bad_steps_the_optimizer_ignores_the_loss():
+    opt = AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0).build_for_trainer(10)
+    params = {"w": jnp.ones(3)}
+    state = opt.init(params)
+    assert skipped_step(state, state) is None
+    with_loss, _ = opt.update({"w": DIRECTION}, state, params, loss=jnp.asarray(1e9))
+    plain, _ = AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0).build(10).update({"w": DIRECTION}, state, params)
+    np.testing.assert_array_equal(with_loss["w"], plain["w"])
+
+
+# -- skip_bad_steps in the trainer, across a checkpoint ---------------------------------------------
+
+Pos = hax.Axis("position", 16)
+
+
+class Centre(eqx.Module):
+    """A model whose loss is the squared distance of its weights from the batch's mean token."""
+
+    w: hax.NamedArray
+
+
+def distance_loss(model, input_ids, *, key):
+    target = hax.mean(input_ids.astype(jnp.float32)).array
+    return hax.mean((model.w - target) ** 2).array, {}
+
+
+def test_the_trainer_skips_a_spike_and_a_checkpoint_keeps_the_window(tmp_path):
+    from levanter_core.checkpoint import load_checkpoint, write_checkpoint
+    from levanter_core.trainer.config import TrainerConfig
+    from levanter_core.trainer.mesh import make_mesh
+    from levanter_core.trainer.trainer import Trainer
+
+    config = TrainerConfig(train_batch_size=8, num_train_steps=100)
+    optimizer = AdamConfig(
+        learning_rate=0.01, warmup=0, lr_schedule="constant", weight_decay=0.0,
+        skip_bad_steps={"rolling_interval_length": 8, "sigma_factor": 3.0},
+    ).build_for_trainer(config.num_train_steps)
+    trainer = Trainer(config, optimizer, distance_loss, mesh=make_mesh(config))
+
+    def model_init(key):
+        return Centre(hax.random.normal(key, (Embed,)))
+
+    key = jax.random.PRNGKey(0)
+    rng = np.random.default_rng(0)
+    spike = np.full((8, Pos.size), 1000)
+    state = trainer.init_state(model_init, key)
+    for _ in range(6):
+        state, metrics = trainer.train_step(state, rng.integers(0, 10, (8, Pos.size)))
+        assert int(metrics["optim/skipped_step"]) == 0
+    write_checkpoint(state, str(tmp_path / "step-6"), step=6)
+
+    def host(tree):
+        return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+    before = host((state.model, state.opt_state.inner_state))
+    state, metrics = trainer.train_step(state, spike)
+    assert int(metrics["optim/skipped_step"]) == 1 and float(metrics["train/loss"]) > 1e5
+    assert int(state.step) == 7  # the step still counts: the next batch is the next one
+    for x, y in zip(before, host((state.model, state.opt_state.inner_state))):
+        np.testing.assert_array_equal(x, y)
+    w = np.asarray(state.model.w.array)
+    state, metrics = trainer.train_step(state, rng.integers(0, 10, (8, Pos.size)))
+    assert int(metrics["optim/skipped_step"]) == 0 and not np.allclose(state.model.w.array, w)
+
+    # Resumed from step 6, the window is back: the spike is skipped again, whereas a fresh
+    # state, with an empty window, would take it.
+    resumed = load_checkpoint(trainer.state_template(model_init, key), str(tmp_path / "step-6"))
+    assert int(resumed.opt_state.recorded) == 6
+    _, metrics = trainer.train_step(resumed, spike)
+    assert int(metrics["optim/skipped_step"]) == 1
+    _, metrics = trainer.train_step(trainer.init_state(model_init, key), spike)
+    assert int(metrics["optim/skipped_step"]) == 0

@@ -80,6 +80,12 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
             for entry in reg:
                 yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")
             continue
+        variants = _tagged_variants(annotation)
+        if variants:
+            yield dotted, "section", _default(field), f"{doc} Types: {', '.join(variants)}."
+            for type_name, variant in variants.items():
+                yield from iter_fields(variant, f"{dotted}[type={type_name}].")
+            continue
         nested = _nested_model(annotation)
         if nested is not None:
             is_list = typing.get_origin(annotation) in (list, tuple)
@@ -89,6 +95,30 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
         if name == "type" and prefix.endswith("]."):
             continue
         yield dotted, _type_name(annotation), _default(field), doc
+
+
+def _tagged_variants(annotation: Any) -> dict[str, type[ConfigModel]]:
+    """``type`` name -> section class, when ``annotation`` is a pydantic discriminated union of
+    sections (possibly ``| None``), each with a ``Literal`` ``type``; else empty."""
+    members, pending = [], [annotation]
+    while pending:
+        current = pending.pop()
+        origin = typing.get_origin(current)
+        if origin is typing.Annotated:
+            pending.append(typing.get_args(current)[0])
+        elif origin in (typing.Union, types.UnionType):
+            pending.extend(typing.get_args(current))
+        elif current is not type(None):
+            members.append(current)
+    variants = {}
+    for member in members:
+        if not (isinstance(member, type) and issubclass(member, ConfigModel) and "type" in member.model_fields):
+            return {}
+        tags = typing.get_args(member.model_fields["type"].annotation)
+        if len(tags) != 1:
+            return {}
+        variants[tags[0]] = member
+    return dict(sorted(variants.items())) if len(variants) > 1 else {}
 
 
 def _nested_model(annotation: Any) -> type[ConfigModel] | None:

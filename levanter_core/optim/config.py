@@ -2,9 +2,10 @@
 
 An optimizer plugin subclasses :class:`OptimizerConfig`, registers it with the
 ``register_optimizers`` hook, and implements :meth:`OptimizerConfig.build`. The
-base class provides the learning-rate schedule (:meth:`lr_scheduler`) and the
-weight-decay mask (:meth:`build_weight_decay_mask`), so every optimizer reads
-the same fields the same way.
+base class provides the learning-rate schedule (:meth:`lr_scheduler`), the
+weight-decay mask (:meth:`build_weight_decay_mask`) and the wrappers every
+optimizer shares (``skip_bad_steps``, applied by :meth:`build_for_trainer`), so
+every optimizer reads the same fields the same way.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 import optax
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
 from levanter_core.config.base import TypedConfig
 from levanter_core.errors import ConfigError
 from levanter_core.optim.schedule import DecayShape, learning_rate_schedule
+from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
 
 PyTree = Any
 
@@ -99,6 +101,12 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     """Decay the weights of linear layers (not biases, norms or embeddings). None: only when
     ``weight_decay_modules`` is unset. True: also when it is set, in addition to its matches.
     False: never; with ``weight_decay_modules`` unset, every parameter is decayed."""
+    skip_bad_steps: Annotated[SkipStepConfig | None, BeforeValidator(skip_step_section)] = False
+    """Skip a step (leave the parameters and optimizer state unchanged) whose loss or gradient
+    norm is far above those of recent steps. false: never skip. true: a window of the last 128
+    steps and a threshold of 6 standard deviations. A number: that window length. Or a section
+    with ``rolling_interval_length`` and ``sigma_factor``. The window is part of the optimizer
+    state, so it is checkpointed; each step logs ``optim/skipped_step`` (0 or 1)."""
 
     @field_validator("cycle_length")
     @classmethod
@@ -145,6 +153,15 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         """The optimizer for a run of ``num_train_steps`` steps. Its updates are meant to be
         added to the parameters (``optax.apply_updates``)."""
+
+    def build_for_trainer(self, num_train_steps: int) -> optax.GradientTransformationExtraArgs:
+        """What the trainer runs: :meth:`build`'s optimizer inside the wrappers that every
+        optimizer shares (``skip_bad_steps``). Its ``update`` takes the step's loss as the
+        keyword argument ``loss``."""
+        optimizer = optax.with_extra_args_support(self.build(num_train_steps))
+        if self.skip_bad_steps is not None:
+            optimizer = self.skip_bad_steps.wrap(optimizer)
+        return optimizer
 
     def lr_scheduler(self, num_train_steps: int) -> optax.Schedule:
         """``step -> learning rate`` for a run of ``num_train_steps`` steps. Works on a Python

@@ -8,6 +8,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList
 from levanter_core.config.types import MpPolicy
+from levanter_core.optim.model_averaging import ModelAveragingConfig
 
 JsonAtom = str | int | float | bool | None
 
@@ -96,6 +97,11 @@ class TrainerConfig(ConfigModel):
     Default: the checkpointer's path for this run."""
     initialize_from: str | None = None
     """Start from this checkpoint's state (a checkpoint or a directory of them) as a new run."""
+
+    model_averaging: ModelAveragingConfig | None = None
+    """Keep a running average of the weights beside the model (``type: ema`` or
+    ``ema_decay_sqrt``), checkpointed with the training state; evaluation uses the average.
+    None: no averaging."""
 
     jax_config: dict[str, JsonAtom] = Field(default_factory=lambda: {"jax_threefry_partitionable": True})
     """Options passed to ``jax.config.update`` before anything runs."""

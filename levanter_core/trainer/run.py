@@ -181,7 +181,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
 
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
-    optimizer = config.optimizer.build(num_steps)
+    optimizer = config.optimizer.build_for_trainer(num_steps)
     trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh, eval_loss_fn=next_token_loss)
 
     def model_init(key):
@@ -339,7 +339,7 @@ class _TrainLoop:
             print(f"run already complete: step {start} of {self.num_steps}", flush=True)
             return state
         if start == 0:
-            result.initial_eval_loss = self.evaluate(state.model)
+            result.initial_eval_loss = self.evaluate(self.trainer.eval_model(state))
             if result.initial_eval_loss is not None:
                 self.tracker.log({"eval/loss": result.initial_eval_loss}, step=0)
 
@@ -370,7 +370,7 @@ class _TrainLoop:
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
                 if evaluating:
-                    eval_loss = self.evaluate(state.model)
+                    eval_loss = self.evaluate(self.trainer.eval_model(state))
                     if eval_loss is not None:
                         pending["eval/loss"] = eval_loss
                         result.final_eval_loss = eval_loss

@@ -7,17 +7,23 @@ from typing import Any, Generic, TypeVar
 import equinox as eqx
 import jax
 
+from levanter_core.optim.model_averaging import ModelAveraging
+
 M = TypeVar("M")
 
 
 class TrainerState(eqx.Module, Generic[M]):
-    """Step counter, model, optimizer state and the PRNG key for the next step.
+    """Step counter, model, optimizer state, the PRNG key for the next step, and the
+    averaged model.
 
     ``step`` counts completed optimizer steps: a state with ``step == N`` has
-    trained on batches ``0 .. N-1`` and trains next on batch ``N``.
+    trained on batches ``0 .. N-1`` and trains next on batch ``N``. The optimizer
+    state holds whatever the optimizer keeps, the skip-step window included.
     """
 
     step: jax.Array
     model: M
     opt_state: Any
     training_key: jax.Array
+    model_averaging: ModelAveraging[M] | None = None
+    """The running average of the weights (``trainer.model_averaging``); None when off."""

@@ -3,7 +3,9 @@
 One step takes the global batch, splits it into microbatches when
 ``per_device_parallelism`` asks for fewer sequences per device than the batch
 holds (gradient accumulation), computes the loss in the compute precision of
-``trainer.mp``, and applies the optimizer. The state is donated to the step, so
+``trainer.mp``, applies the optimizer (which receives the loss too, for
+``optimizer.skip_bad_steps``) and folds the new weights into the averaged model
+when ``trainer.model_averaging`` is on. The state is donated to the step, so
 its buffers are reused in place. Metrics of step N are fetched from the device
 only after step N+1 has been dispatched, so the host never stalls the device.
 """
@@ -29,6 +31,7 @@ from haliax import Axis, NamedArray
 from jax.sharding import Mesh
 
 from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.optim.skipstep import skipped_step
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh import data_axis_size
 from levanter_core.trainer.state import TrainerState
@@ -90,7 +93,11 @@ class Trainer:
         mesh: Mesh,
         eval_loss_fn: Callable[..., jax.Array] | None = None,
     ):
-        """``eval_loss_fn(model, input_ids, *, key) -> scalar`` is what evaluation reports;
+        """``optimizer.update`` is called with the step's loss as the keyword argument ``loss``
+        when it accepts extra arguments (``optax.GradientTransformationExtraArgs``, as
+        ``OptimizerConfig.build_for_trainer`` makes); a plain optax optimizer works too.
+
+        ``eval_loss_fn(model, input_ids, *, key) -> scalar`` is what evaluation reports;
         by default the first value of ``loss_fn``. (A model's auxiliary losses belong in
         the training objective, not in the evaluation loss.)"""
         self.config = config
@@ -113,15 +120,22 @@ class Trainer:
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
 
     # -- state ---------------------------------------------------------------------------
+    def _fresh_state(self, model, training_key: jax.Array) -> TrainerState:
+        """Step 0 around ``model``: parameter precision, a fresh optimizer state, and an
+        average that starts at the model when averaging is on."""
+        model = self.mp.cast_to_param(model)
+        averaging = self.config.model_averaging
+        return TrainerState(
+            jnp.zeros((), jnp.int32),
+            model,
+            self.optimizer.init(trainable(model)),
+            training_key,
+            averaging.create(model) if averaging is not None else None,
+        )
+
     def _initializer(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> Callable[[], TrainerState]:
         model_key, training_key = jax.random.split(key)
-
-        def init() -> TrainerState:
-            model = self.mp.cast_to_param(model_init(model_key))
-            opt_state = self.optimizer.init(trainable(model))
-            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, training_key)
-
-        return init
+        return lambda: self._fresh_state(model_init(model_key), training_key)
 
     def init_state(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
         """A fresh state, created directly with the parameter sharding."""
@@ -132,13 +146,13 @@ class Trainer:
         """A state at step 0 around existing weights (an import or ``initialize_from``),
         with a fresh optimizer state; ``key`` is used as by :meth:`init_state`."""
         _, training_key = jax.random.split(key)
-
-        def init(model) -> TrainerState:
-            model = self.mp.cast_to_param(model)
-            return TrainerState(jnp.zeros((), jnp.int32), model, self.optimizer.init(trainable(model)), training_key)
-
         with hax.partitioning.set_mesh(self.mesh):
-            return hax.named_jit(init, axis_resources=self.parameter_mapping)(model)
+            return hax.named_jit(self._fresh_state, axis_resources=self.parameter_mapping)(model, training_key)
+
+    def eval_model(self, state: TrainerState):
+        """The model to evaluate (and export): the averaged model when
+        ``trainer.model_averaging`` is on, else the trained one."""
+        return state.model if state.model_averaging is None else state.model_averaging.model
 
     def state_template(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
         """Shapes, dtypes and shardings of :meth:`init_state`'s result, without computing it."""
@@ -188,10 +202,17 @@ class Trainer:
         key, next_key = jax.random.split(state.training_key)
         (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        optimizer = optax.with_extra_args_support(self.optimizer)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params, loss=loss)
         model = eqx.apply_updates(state.model, updates)
+        averaging = state.model_averaging
+        if averaging is not None:
+            averaging = averaging.update(model, state.step)
         metrics = {**model_metrics, "train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
-        return TrainerState(state.step + 1, model, opt_state, next_key), metrics
+        skipped = skipped_step(state.opt_state, opt_state)
+        if skipped is not None:
+            metrics["optim/skipped_step"] = skipped
+        return TrainerState(state.step + 1, model, opt_state, next_key, averaging), metrics
 
     def _eval_loss(self, model, batch: NamedArray):
         return self.eval_loss_fn(self.mp.cast_to_compute(model), batch, key=None)

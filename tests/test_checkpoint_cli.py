@@ -73,6 +73,19 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over
     assert losses(tmp_path) == before
 
 
+def train_more(config: str, steps: int, *, prefix: list[str] = (), setup: str = "") -> subprocess.CompletedProcess:
+    """``levanter train CONFIG`` to ``steps`` steps, run under the command ``prefix`` and after
+    the Python statements ``setup``."""
+    main = setup + "from levanter_core.cli import main; main()"
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", main, "train", config, "--no-progress", "--trainer.num_train_steps", str(steps)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def read_only(directory) -> list[str] | None:
     """A command prefix under which ``directory`` is read-only for the command it runs (for
     root, a read-only bind mount in a private mount namespace); None when this machine
@@ -93,14 +106,7 @@ def test_a_read_only_checkpoint_directory_stops_the_run_with_a_clear_message(tmp
     prefix = read_only(tmp_path / "ckpt")
     if prefix is None:
         pytest.skip("this machine can make no directory read-only for this user")
-    command = [*prefix, sys.executable, "-c", "from levanter_core.cli import main; main()"]
-    result = subprocess.run(
-        [*command, "train", config, "--no-progress", "--trainer.num_train_steps", "9"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = train_more(config, 9, prefix=prefix)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"cannot write checkpoints to {tmp_path / CKPT}: Read-only file system" in result.stderr
@@ -116,15 +122,8 @@ def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_ch
     setup = (
         "import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
-        "from levanter_core.cli import main; main()"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", setup, "train", config, "--no-progress", "--trainer.num_train_steps", "12"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = train_more(config, 12, setup=setup)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"saving a checkpoint under {tmp_path / CKPT} failed" in result.stderr
@@ -134,7 +133,7 @@ def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_ch
     # training went on while the step-9 save was written, until its failure surfaced
     assert max(losses(tmp_path)) >= 9
 
-    resumed = run_cli("train", config, "--no-progress", "--trainer.num_train_steps", "12")
+    resumed = train_more(config, 12)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {tmp_path / CKPT}/step-6 at step 6" in resumed.stdout
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from pydantic import Field, field_validator
 
 from levanter_core.config.base import ConfigModel, TypedConfig
@@ -199,8 +200,6 @@ class Checkpointer(abc.ABC):
         directory they are also set aside, so that the run's next save of that step is not
         mistaken for them. If checkpoints exist and none loads, this raises: a run must never
         start again from step 0 over them."""
-        from levanter_core.checkpoint.tensorstore import all_processes_agree
-
         where = where or self.path
         damaged: list[tuple[str, DamagedCheckpointError]] = []
         for candidate in self.candidates(where):
@@ -209,7 +208,7 @@ class Checkpointer(abc.ABC):
             except DamagedCheckpointError as e:
                 state, error = None, e
             # Each process reads its own part: all must have succeeded for the state to be whole.
-            if not all_processes_agree(error is None):
+            if not _all_processes_agree(error is None):
                 damaged.append((candidate, error or DamagedCheckpointError("another process could not read its part")))
                 continue
             for path, problem in damaged:
@@ -290,3 +289,12 @@ class Checkpointer(abc.ABC):
 def _reason(path: str, error: Exception) -> str:
     """What is wrong with the checkpoint at ``path``, without repeating its path."""
     return str(error).removeprefix(f"checkpoint {path} is damaged: ")
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds in every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))

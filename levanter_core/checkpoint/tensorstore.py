@@ -634,10 +634,3 @@ def _barrier(name: str) -> None:
     from jax._src import distributed  # the client JAX's own checkpointing uses; there is no public one
 
     distributed.global_state.client.wait_at_barrier(name, _BARRIER_TIMEOUT_MS)
-
-
-def all_processes_agree(ok: bool) -> bool:
-    """Whether ``ok`` holds in every process (a collective: call it from every process)."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))

@@ -231,11 +231,22 @@ class Checkpointer(abc.ABC):
         return None
 
     # -- the policy --------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether the policy asks for a save after ``step`` (not counting the forced one at the
+        end of training). The trainer asks first, to log the step's metrics before its
+        checkpoint can exist: a run resumed from that checkpoint never trains the step again."""
+        step = int(step)
+        if step == self._last_save_step or step <= 0:
+            return False
+        if self.keeps_step(step):
+            return True
+        return self.save_interval is not None and self._now() - self._last_save_time >= self.save_interval
+
     def on_step(self, state: Any, step: int, *, force: bool = False) -> bool:
-        """Called after each training step: save ``state`` if the policy asks for it, and say
-        whether a save started. ``force`` saves a permanent checkpoint whatever the policy says
-        (the end of training). Step 0, the untrained state, is saved only when forced. Raises
-        the error of a background save that failed since the last call."""
+        """Called after each training step: save ``state`` if the policy asks for it (see
+        :meth:`due`), and say whether a save started. ``force`` saves a permanent checkpoint
+        whatever the policy says (the end of training). Step 0, the untrained state, is saved
+        only when forced. Raises the error of a background save that failed since the last call."""
         self.check_for_errors()
         step = int(step)
         if step == self._last_save_step:
@@ -244,11 +255,9 @@ class Checkpointer(abc.ABC):
                 self.mark_permanent(self._last_temporary)
                 self._last_temporary = None
             return False
+        if not (force or self.due(step)):
+            return False
         permanent = force or self.keeps_step(step)
-        if not permanent:
-            due = self.save_interval is not None and self._now() - self._last_save_time >= self.save_interval
-            if step == 0 or not due:
-                return False
 
         superseded = self._last_temporary
 

@@ -357,15 +357,17 @@ class _TrainLoop:
         pending: dict[str, Any] | None = None
         steps_per_eval = self.trainer.config.steps_per_eval
         try:
+            carried: dict[str, Any] = {}  # logged with the next step
             for _ in range(start, self.num_steps):
                 index, tokens = prefetch.get()
                 state, metrics = self.trainer.train_step(state, tokens)
                 if pending is not None:
                     self._finish(pending, throughput, bar, result)
                 step = index + 1
-                pending = {"step": step, "device": metrics}
+                pending, carried = {"step": step, "device": metrics, **carried}, {}
                 evaluating = step % steps_per_eval == 0 or step == self.num_steps
-                if evaluating:
+                saving = step < self.num_steps and self.checkpointer.due(step)  # the caller forces the final save
+                if evaluating or saving:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
@@ -374,9 +376,15 @@ class _TrainLoop:
                     if eval_loss is not None:
                         pending["eval/loss"] = eval_loss
                         result.final_eval_loss = eval_loss
-                # the final save is forced by the caller
-                if step < self.num_steps and self.checkpointer.on_step(state, step):
-                    pending["checkpoint/save_blocked_seconds"] = self.checkpointer.last_save_blocked_seconds
+                if saving:
+                    # The step is logged before its checkpoint can exist, so that a run resumed
+                    # from that checkpoint has logged every step it does not train again.
+                    self._finish(pending, throughput, bar, result)
+                    pending = None
+                    self.checkpointer.on_step(state, step)
+                    carried["checkpoint/save_blocked_seconds"] = self.checkpointer.last_save_blocked_seconds
+                else:
+                    self.checkpointer.check_for_errors()  # a background save that failed stops the run
                 throughput.exclude(time.perf_counter() - side_start)
             if pending is not None:
                 self._finish(pending, throughput, bar, result)

@@ -548,39 +548,34 @@ def _step_directories(path: str) -> list[tuple[str, str | None]]:
     return [(checkpoint, _marker_problem(checkpoint)) for _, checkpoint in sorted(found, reverse=True)]
 
 
-def _read_marker(checkpoint: str) -> dict:
-    """The parsed ``COMMITTED`` marker; raises :class:`DamagedCheckpointError` saying what is wrong."""
-    file = os.path.join(checkpoint, COMMIT_MARKER)
+def _parse_marker(checkpoint: str) -> tuple[dict | None, str | None]:
+    """The parsed ``COMMITTED`` marker, or None and what is wrong with it."""
     try:
-        with open(file, "rb") as f:
+        with open(os.path.join(checkpoint, COMMIT_MARKER), "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise DamagedCheckpointError(
-            f"checkpoint {checkpoint} is damaged: it has no {COMMIT_MARKER} marker (its save did not finish, "
-            "or the marker was deleted)"
-        ) from None
+        return None, f"it has no {COMMIT_MARKER} marker (its save did not finish, or the marker was deleted)"
     try:
         marker = json.loads(raw)
         step, leaves = int(marker["step"]), int(marker["leaves"])
     except (ValueError, TypeError, KeyError):
-        raise DamagedCheckpointError(
-            f"checkpoint {checkpoint} is damaged: its {COMMIT_MARKER} marker is corrupt or truncated "
-            f"({len(raw)} bytes: {raw[:40]!r})"
-        ) from None
+        return None, f"its {COMMIT_MARKER} marker is corrupt or truncated ({len(raw)} bytes: {raw[:40]!r})"
     match = _STEP_DIR.match(os.path.basename(checkpoint))
     if match and int(match.group(1)) != step:
-        raise DamagedCheckpointError(
-            f"checkpoint {checkpoint} is damaged: its {COMMIT_MARKER} marker is for step {step}"
-        )
-    return {"step": step, "leaves": leaves}
+        return None, f"its {COMMIT_MARKER} marker is for step {step}"
+    return {"step": step, "leaves": leaves}, None
+
+
+def _read_marker(checkpoint: str) -> dict:
+    """The parsed ``COMMITTED`` marker; raises :class:`DamagedCheckpointError` saying what is wrong."""
+    marker, problem = _parse_marker(checkpoint)
+    if problem is not None:
+        raise DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: {problem}")
+    return marker
 
 
 def _marker_problem(checkpoint: str) -> str | None:
-    try:
-        _read_marker(checkpoint)
-    except DamagedCheckpointError as e:
-        return str(e).split(" is damaged: ", 1)[-1]
-    return None
+    return _parse_marker(checkpoint)[1]
 
 
 def _prepare_directory(path: str) -> None:

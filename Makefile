@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
-           plugins/models-mixtral plugins/models-olmo
+           plugins/models-mixtral plugins/models-olmo plugins/data-hf
 
 .PHONY: setup setup-test train test test-fast clean
 
@@ -12,9 +12,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# Core and every plugin, editable, with the pinned versions of constraints.txt.
+# Core (with Ray and Parquet support) and every plugin, editable, with the pinned
+# versions of constraints.txt.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt $(foreach p,$(PLUGINS),$(p)/pyproject.toml)
-	$(BIN)/pip install --quiet -c constraints.txt -e . $(foreach p,$(PLUGINS),-e $(p))
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[ray,parquet]" $(foreach p,$(PLUGINS),-e $(p))
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

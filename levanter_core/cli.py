@@ -73,6 +73,30 @@ def train(
     print(", ".join(parts))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def cache(
+    ctx: typer.Context,
+    config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Tokenize the data of a training config ahead of training, into its cache.
+
+    Builds (or finishes, after an interruption) the cache of every split of every
+    source of the ``data:`` section, with ``data.num_workers`` processes or on the
+    ``trainer.ray`` cluster, and prints what each holds. A later ``levanter train``
+    with the same data settings reuses it. Overrides work as for ``train``.
+    """
+    from levanter_core.config.train import load_train_config
+    from levanter_core.data.pipeline import build_caches
+
+    train_config, _ = load_train_config(config, list(ctx.args))
+    for name, split, cache in build_caches(train_config.data, ray=train_config.trainer.ray, progress=progress):
+        skipped = sum(cache.skipped().values())
+        note = f", {skipped:,} bad records skipped" if skipped else ""
+        label = split if name == "main" else f"{name}/{split}"
+        print(f"{label}: {cache.num_documents:,} documents, {cache.num_tokens:,} tokens in {cache.path}{note}")
+
+
 @app.command()
 def plugins(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,

@@ -81,7 +81,7 @@ def test_include_is_relative_to_the_including_file(tmp_path):
     write(sub, "type: python_stdlib\ncache_dir: /tmp/x\n", "data.yaml")
     main = write(tmp_path, GOOD.split("model:")[0].replace("data:\n  type: python_stdlib\n  cache_dir: {cache}\n", "data: !include parts/data.yaml\n") + "model:" + GOOD.split("model:")[1].format(cache=""))
     config, _ = load_train_config(main)
-    assert config.data.type == "python_stdlib" and config.data.cache_dir == "/tmp/x"
+    assert config.data.configs["main"].type == "python_stdlib" and config.data.cache_dir == "/tmp/x"
 
 
 def test_overrides_set_nested_fields_with_yaml_values(good):

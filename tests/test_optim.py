@@ -366,8 +366,8 @@ class Centre(eqx.Module):
     w: hax.NamedArray
 
 
-def distance_loss(model, input_ids, *, key):
-    target = hax.mean(input_ids.astype(jnp.float32)).array
+def distance_loss(model, batch, *, key):
+    target = hax.mean(batch.tokens.astype(jnp.float32)).array
     return hax.mean((model.w - target) ** 2).array, {}
 
 

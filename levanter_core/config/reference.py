@@ -24,6 +24,10 @@ def _type_name(annotation: Any) -> str:
     if annotation is None or annotation is type(None):
         return "null"
     if origin is typing.Annotated:
+        for meta in typing.get_args(annotation)[1:]:
+            kind = getattr(getattr(meta, "func", None), "__levanter_kind__", None)
+            if kind is not None:
+                return f"{kind} section"
         return _type_name(args[0])
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args)
@@ -80,6 +84,15 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
             for entry in reg:
                 yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")
             continue
+        if _is_data_section(field):
+            from levanter_core.data.config import DataConfig
+
+            yield dotted, "section", "required", doc
+            yield from iter_fields(DataConfig, dotted + ".")
+            reg = registry("data_source")
+            for entry in reg:
+                yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")
+            continue
         variants = _tagged_variants(annotation)
         if variants:
             yield dotted, "section", _default(field), f"{doc} Types: {', '.join(variants)}."
@@ -95,6 +108,10 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
         if name == "type" and prefix.endswith("]."):
             continue
         yield dotted, _type_name(annotation), _default(field), doc
+
+
+def _is_data_section(field) -> bool:
+    return any(hasattr(getattr(meta, "func", None), "__levanter_data_section__") for meta in field.metadata)
 
 
 def _tagged_variants(annotation: Any) -> dict[str, type[ConfigModel]]:

@@ -9,6 +9,7 @@ from pydantic import Field, ValidationError
 
 from levanter_core.config.base import ConfigModel, Typed, typed_field_kind
 from levanter_core.config.loader import Sources, load_config_dict
+from levanter_core.data.config import DataSection, data_known_fields
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import TrainerConfig
 
@@ -16,9 +17,10 @@ from levanter_core.trainer.config import TrainerConfig
 class TrainConfig(ConfigModel):
     """A training run: ``data``, ``model``, ``trainer`` and ``optimizer`` sections."""
 
-    data: Typed("data_source", "url")  # type: ignore[valid-type]
-    """The training (and validation) data: a data source (``type``, default ``url``), its
-    tokenizer and cache directory."""
+    data: DataSection  # type: ignore[valid-type]
+    """The training (and validation) data: one source written inline (``type``, default
+    ``url``) or named sources under ``configs`` mixed by ``train_weights``; the tokenizer, the
+    cache directory and the shuffling they share."""
     model: Typed("model")  # type: ignore[valid-type]
     """The architecture, chosen by ``type`` among the installed model plugins."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -79,7 +81,7 @@ def _describe(err: dict, raw: dict) -> str:
     if kind == "missing":
         return "this field is required"
     msg = err["msg"].removeprefix("Value error, ")
-    if kind in ("unknown_type", "missing_type", "typed_section"):
+    if kind in ("unknown_type", "missing_type", "typed_section", "misplaced_field"):
         return msg
     given = err.get("input")
     if isinstance(given, (str, int, float, bool, list)) or given is None:
@@ -93,6 +95,8 @@ def _known_fields(loc: tuple, raw: dict) -> list[str]:
 
     cls: Any = TrainConfig
     node: Any = raw
+    if loc[:1] == ("data",):
+        return data_known_fields(loc[1:], raw.get("data"))
     for part in loc:
         node = _child(node, part)
         if isinstance(part, int):  # an item of a list of sections: same class

@@ -1,32 +1,51 @@
-"""The data path: sources -> tokenizer -> tokenized cache -> shuffled sequences."""
+"""The data path: sources -> formats -> tokenized cache -> sequences, shuffled and mixed.
 
-from levanter_core.data.cache import TokenCache, build_or_load_cache, load_cache
-from levanter_core.data.dataset import LmData, TokenSequenceDataset, build_lm_data
+See docs/data.md for the user's view; :mod:`levanter_core.data.pipeline` wires the
+pieces together for a training run.
+"""
+
+from levanter_core.data.cache import TokenCache, open_cache, read_cache
+from levanter_core.data.config import DataConfig
+from levanter_core.data.dataset import Batch, SequenceDataset, TrainStream, eval_batches, sequence_dataset
+from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE, ChatFormat, DataFormat, Encoded, SupervisedFormat, TextFormat
+from levanter_core.data.pipeline import LmData, build_caches, build_lm_data
 from levanter_core.data.source import (
     DataSourceConfig,
-    Document,
     PythonStdlibSourceConfig,
+    Record,
     UrlSourceConfig,
     expand_braces,
-    read_documents,
+    read_records,
 )
 from levanter_core.data.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "BUILTIN_CHAT_TEMPLATE",
+    "Batch",
     "ByteTokenizer",
+    "ChatFormat",
+    "DataConfig",
+    "DataFormat",
     "DataSourceConfig",
-    "Document",
+    "Encoded",
     "HfTokenizer",
     "LmData",
     "PythonStdlibSourceConfig",
+    "Record",
+    "SequenceDataset",
+    "SupervisedFormat",
+    "TextFormat",
     "TokenCache",
-    "TokenSequenceDataset",
     "Tokenizer",
+    "TrainStream",
     "UrlSourceConfig",
+    "build_caches",
     "build_lm_data",
-    "build_or_load_cache",
+    "eval_batches",
     "expand_braces",
-    "load_cache",
     "load_tokenizer",
-    "read_documents",
+    "open_cache",
+    "read_cache",
+    "read_records",
+    "sequence_dataset",
 ]

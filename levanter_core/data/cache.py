@@ -1,282 +1,757 @@
-"""The tokenized cache: each split's documents tokenized once, kept on disk, reused.
+"""The tokenized cache: each (source, split) tokenized once, kept, resumed, reused.
 
-Layout, for each split of each (source, tokenizer) pair::
+Layout of one cache at ``path`` (a local directory or an fsspec URL)::
 
-    {cache_dir}/{split}-{key}/
-        tokens/       zarr array: every document's ids, concatenated (uint16 or int32)
-        offsets/      zarr array (int64, num_documents + 1): where each document starts
-        ledger.json   what the cache holds; written last
+    {path}/ledger.json                 what is finished; written atomically, after the data
+    {path}/shards/{i:05d}/tokens       zarr: the shard's documents' ids, concatenated
+    {path}/shards/{i:05d}/offsets      zarr int64 [documents + 1]: document boundaries
+    {path}/shards/{i:05d}/target_mask  zarr uint8 like tokens (packed formats only)
 
-``key`` hashes the source's fingerprint, the tokenizer's fingerprint and
-``enforce_eos`` (not the sequence length: sequences are cut at read time).
-A cache is built in a sibling directory and renamed into place when complete,
-so a directory without ``ledger.json`` is never used, and a build that is
-killed never damages a good cache.
+Shards (the source's files, usually) are independent: workers (:mod:`.executor`)
+tokenize whole shards and report their progress; only the coordinator, a thread of
+the process that called :func:`open_cache`, writes the ledger. Everything the ledger
+counts is already stored, and a shard resumes from its ledger counts, so a build
+killed at any moment continues where it stopped and ends with the same cache as a
+build that was never interrupted, with any number of workers.
+
+Training reads the *ready prefix* through :class:`TokenCache`: finished shards
+``0..k-1`` and the committed part of shard ``k``, growing while the build runs.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
-import hashlib
+import functools
 import json
 import logging
 import os
-import shutil
-import socket
+import posixpath
+import threading
 import time
-from typing import Iterable, Iterator
+from typing import Iterator
 
+import fsspec
 import numpy as np
 import tensorstore as ts
 from tqdm import tqdm
 
-from levanter_core.data.source import DataSourceConfig, Document
-from levanter_core.data.tokenizer import Tokenizer
-from levanter_core.errors import DataError
+from levanter_core.data.executor import BuildStopped, Progress, ShardTask, run_shards
+from levanter_core.data.source import DataSourceConfig, Record
+from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
+from levanter_core.errors import DataError, UserError
+from levanter_core.fileio import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 LEDGER = "ledger.json"
-DOCS_PER_BATCH = 1000
-"""Documents tokenized together; bounds memory and keeps the tokenizer busy."""
-_CHUNK = 1 << 20  # elements per zarr chunk
+RECORDS_PER_BATCH = 1000
+"""Records encoded and stored together: one progress report (and resume point) each."""
+LEDGER_INTERVAL = 0.5
+"""Least seconds between two ledger writes, except when a shard finishes or the build ends."""
+MAX_PROBLEMS = 10
+"""Messages of skipped records kept in the ledger (all are counted)."""
+STALE_AFTER = 600.0
+"""A reader waiting on another process's build gives up after this many seconds without progress."""
+_CHUNK = 1 << 17  # elements per zarr chunk
+_NATIVE_KVSTORES = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
+
+
+# -- storage ----------------------------------------------------------------------------------
+
+
+def _open_zarr(kvstore: ts.KvStore, create_dtype: np.dtype | None) -> ts.TensorStore | None:
+    """The zarr array in ``kvstore``; created empty if missing and ``create_dtype`` is
+    given, else None when missing."""
+    try:
+        return ts.open({"driver": "zarr"}, kvstore=kvstore, open=True).result()
+    except ValueError as e:
+        if "NOT_FOUND" not in str(e):
+            raise
+    if create_dtype is None:
+        return None
+    return ts.open(
+        {"driver": "zarr", "metadata": {"compressor": {"id": "zstd", "level": 3}}},
+        kvstore=kvstore,
+        create=True,
+        dtype=ts.dtype(np.dtype(create_dtype).name),
+        shape=[0],
+        chunk_layout=ts.ChunkLayout(chunk_shape=[_CHUNK]),
+    ).result()
+
+
+class _KvStorage:
+    """A cache that TensorStore reaches itself: a local directory, or gs:// and s3:// buckets."""
+
+    shared = True
+    """Whether worker processes see what this process writes (and the reverse)."""
+
+    def __init__(self, spec: dict, local_dir: str | None = None):
+        self._spec = spec
+        self._local_dir = local_dir
+
+    def _kvstore(self, key: str = "") -> ts.KvStore:
+        path = posixpath.join(self._spec["path"], key) if key else self._spec["path"]
+        return ts.KvStore.open({**self._spec, "path": path.rstrip("/") + "/"}).result()
+
+    def read_ledger(self) -> dict | None:
+        if self._local_dir is not None:
+            try:
+                with open(os.path.join(self._local_dir, LEDGER), encoding="utf-8") as f:
+                    return json.load(f)
+            except FileNotFoundError:
+                return None
+        result = self._kvstore().read(LEDGER).result()
+        return json.loads(result.value) if result.state == "value" else None
+
+    def write_ledger(self, text: str) -> None:
+        if self._local_dir is not None:
+            os.makedirs(self._local_dir, exist_ok=True)
+            write_text_atomically(os.path.join(self._local_dir, LEDGER), text)
+        else:  # one put: object stores replace a key atomically
+            self._kvstore().write(LEDGER, text.encode()).result()
+
+    def open_array(self, key: str, create_dtype: np.dtype | None = None) -> ts.TensorStore | None:
+        if create_dtype is not None and self._local_dir is not None:
+            self._remove_stale_temporaries(os.path.join(self._local_dir, key))
+        return _open_zarr(self._kvstore(key), create_dtype)
+
+    @staticmethod
+    def _remove_stale_temporaries(directory: str) -> None:
+        """Delete the ``*.__lock`` temporaries a killed writer left in ``directory``. TensorStore's
+        file kvstore writes a key through ``{key}.__lock`` and renames it, but reuses a stale one
+        without truncating it, which corrupts the next write. Only one worker writes a shard at a
+        time, so whatever is there is stale."""
+        for name in os.listdir(directory) if os.path.isdir(directory) else ():
+            if name.endswith(".__lock"):
+                os.remove(os.path.join(directory, name))
+
+    def commit(self, key: str) -> None:
+        """Nothing to do: TensorStore's writes are durable when they complete."""
+
+
+class _FsspecStorage:
+    """Any other fsspec filesystem (``memory://``, ``hdfs://``...), which TensorStore cannot
+    reach: each array lives in an in-memory kvstore whose files are copied with fsspec
+    (downloaded when the array is opened, changed ones uploaded by :meth:`commit`)."""
+
+    def __init__(self, url: str):
+        self._fs, self._root = fsspec.core.url_to_fs(url)
+        protocols = (self._fs.protocol,) if isinstance(self._fs.protocol, str) else self._fs.protocol
+        # memory:// lives in this process: other processes cannot see it.
+        self.shared = "memory" not in protocols
+        self._uploaded: dict[str, tuple[ts.KvStore, dict[bytes, bytes]]] = {}
+
+    def read_ledger(self) -> dict | None:
+        try:
+            return json.loads(self._fs.cat_file(posixpath.join(self._root, LEDGER)))
+        except FileNotFoundError:
+            return None
+
+    def write_ledger(self, text: str) -> None:
+        self._fs.pipe_file(posixpath.join(self._root, LEDGER), text.encode())
+
+    def open_array(self, key: str, create_dtype: np.dtype | None = None) -> ts.TensorStore | None:
+        memory = ts.KvStore.open({"driver": "memory"}).result()
+        prefix = posixpath.join(self._root, key)
+        for path in self._fs.find(prefix):
+            memory.write(posixpath.relpath(path, prefix), self._fs.cat_file(path)).result()
+        array = _open_zarr(memory, create_dtype)
+        if create_dtype is not None:  # opened for writing: remember what is already uploaded
+            generations = {name: memory.read(name).result().stamp.generation for name in memory.list().result()}
+            self._uploaded[key] = (memory, generations)
+        return array
+
+    def commit(self, key: str) -> None:
+        memory, generations = self._uploaded[key]
+        for name in memory.list().result():
+            seen = generations.get(name)
+            result = memory.read(name).result() if seen is None else memory.read(name, if_not_equal=seen).result()
+            if result.state == "value":
+                self._fs.pipe_file(posixpath.join(self._root, key, name.decode()), result.value)
+                generations[name] = result.stamp.generation
+
+
+def _storage(path: str) -> _KvStorage | _FsspecStorage:
+    """How to reach the cache at ``path``."""
+    protocol, sep, rest = path.partition("://")
+    if not sep or protocol == "file":
+        local = rest if sep else path
+        return _KvStorage({"driver": "file", "path": os.path.abspath(local)}, local_dir=local)
+    if protocol in _NATIVE_KVSTORES:
+        bucket, _, prefix = rest.partition("/")
+        return _KvStorage({"driver": _NATIVE_KVSTORES[protocol], "bucket": bucket, "path": prefix})
+    return _FsspecStorage(path)
+
+
+def _shard_key(index: int, array: str) -> str:
+    return f"shards/{index:05d}/{array}"
+
+
+# -- the workers' side: one shard -------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenCache:
-    """A complete cache of one split."""
+class _Job:
+    """What every worker needs to tokenize any shard of one cache (pickled to workers)."""
 
     path: str
-    ledger: dict
+    source: DataSourceConfig
+    split: str
+    tokenizer: str
+    tokenizer_fingerprint: str
+    eos_id: int | None
+    skip_bad_data: bool
+    token_dtype: str
+
+
+@functools.lru_cache(maxsize=4)
+def _worker_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer, loaded once per worker process."""
+    return load_tokenizer(spec)
+
+
+class _ShardWriter:
+    """Stores a shard's documents in its arrays, from given positions on."""
+
+    def __init__(self, storage, index: int, token_dtype: np.dtype, packed: bool):
+        self._storage = storage
+        self._index = index
+        self._dtype = token_dtype
+        names = {"tokens": token_dtype, "offsets": np.int64} | ({"target_mask": np.uint8} if packed else {})
+        self._arrays = {name: storage.open_array(_shard_key(index, name), np.dtype(dt)) for name, dt in names.items()}
+
+    def write(self, documents: int, tokens: int, encoded: list) -> None:
+        """Store ``encoded`` as documents ``documents...`` starting at token ``tokens``."""
+        lengths = np.array([len(e.ids) for e in encoded], np.int64)
+        self._put("offsets", documents, tokens + np.concatenate([[0], np.cumsum(lengths)]))
+        if not encoded:
+            return
+        self._put("tokens", tokens, np.concatenate([e.ids for e in encoded]).astype(self._dtype))
+        if "target_mask" in self._arrays:
+            self._put("target_mask", tokens, np.concatenate([e.target_mask for e in encoded]).astype(np.uint8))
+
+    def _put(self, name: str, start: int, values: np.ndarray) -> None:
+        end = start + len(values)
+        # Anything stored past `start` is from an interrupted run: the ledger never counted it.
+        array = self._arrays[name].resize(exclusive_max=[end], resize_metadata_only=True).result()
+        array[start:end].write(values).result()
+        self._arrays[name] = array
+        self._storage.commit(_shard_key(self._index, name))
+
+
+def _skip_reason(error: DataError, where: str) -> str:
+    """A short name for why a record was skipped: its message without the place, up to the
+    first detail (``not valid JSON``, ``no 'text' field``...)."""
+    message = str(error).removeprefix(f"{where}: ")
+    for stop in (" (", ": ", "; ", ", "):
+        message = message.split(stop, 1)[0]
+    return message
+
+
+def tokenize_shard(job: _Job, task: ShardTask) -> Iterator[Progress]:
+    """Tokenize one shard from its resume point, storing each batch of records before
+    reporting it. A bad record raises its :class:`DataError` unless ``job.skip_bad_data``."""
+    tokenizer = _worker_tokenizer(job.tokenizer)
+    if tokenizer.fingerprint != job.tokenizer_fingerprint:
+        raise DataError(f"data.tokenizer: {job.tokenizer!r} changed while the cache {job.path} was being built")
+    fmt = job.source.format
+    writer = _ShardWriter(_storage(job.path), task.index, np.dtype(job.token_dtype), fmt.packed)
+    progress = Progress(task.index, task.records, task.documents, task.tokens, dict(task.skipped), [], False)
+    batch: list[Record] = []
+    for record in job.source.records(job.split, task.name, task.records):
+        batch.append(record)
+        if len(batch) == RECORDS_PER_BATCH:
+            progress = _store_batch(job, tokenizer, writer, progress, batch)
+            yield progress
+            batch = []
+    yield dataclasses.replace(_store_batch(job, tokenizer, writer, progress, batch), finished=True)
+
+
+def _store_batch(job: _Job, tokenizer: Tokenizer, writer: _ShardWriter, before: Progress, batch: list[Record]) -> Progress:
+    readable = [r for r in batch if not isinstance(r.value, DataError)]
+    encoded = iter(job.source.format.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id))
+    documents, problems, skipped = [], [], collections.Counter(before.skipped)
+    for record in batch:
+        result = record.value if isinstance(record.value, DataError) else next(encoded)
+        if not isinstance(result, DataError):
+            documents.append(result)
+        elif job.skip_bad_data:
+            skipped[_skip_reason(result, record.where)] += 1
+            problems.append(str(result))
+        else:
+            raise DataError(f"{result} (set data.skip_bad_data: true to skip such records and count them)")
+    writer.write(before.documents, before.tokens, documents)
+    return Progress(
+        index=before.index,
+        records=before.records + len(batch),
+        documents=before.documents + len(documents),
+        tokens=before.tokens + sum(len(d.ids) for d in documents),
+        skipped=dict(sorted(skipped.items())),
+        problems=problems[:MAX_PROBLEMS],
+        finished=False,
+    )
+
+
+# -- the ledger -------------------------------------------------------------------------------
+
+
+def _identity(tokenizer: Tokenizer, source: DataSourceConfig, enforce_eos: bool) -> dict:
+    return {
+        "tokenizer": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "format": source.format.fingerprint(),
+        "enforce_eos": enforce_eos,
+    }
+
+
+def _new_ledger(split: str, identity: dict, tokenizer: Tokenizer, source: DataSourceConfig, fingerprint: dict) -> dict:
+    return {
+        "format": CACHE_FORMAT,
+        "split": split,
+        "identity": identity,
+        "tokenizer_name": tokenizer.name,
+        "source": {k: v for k, v in fingerprint.items() if k != "shards"},
+        "shards": [_new_shard(name, fp) for name, fp in fingerprint["shards"].items()],
+        "complete": False,
+        "num_documents": 0,
+        "num_tokens": 0,
+        "token_dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32",
+        "target_mask": source.format.packed,
+        "problems": [],
+        "updated": None,
+    }
+
+
+def _new_shard(name: str, fingerprint) -> dict:
+    return {"name": name, "fingerprint": fingerprint, "records": 0, "documents": 0, "tokens": 0, "finished": False, "skipped": {}}
+
+
+def _reconcile(path: str, old: dict, new: dict) -> dict:
+    """The ledger to continue from: ``old`` (what is stored) checked against ``new`` (what the
+    configuration asks for). Raises :class:`DataError` saying what differs if the stored data
+    cannot be reused; a changed unfinished shard simply starts again."""
+    remedy = f"remove {path} to build it again, or choose another data.cache_dir"
+    if old.get("format") != CACHE_FORMAT:
+        raise DataError(f"{path}: cache format {old.get('format')!r}, this version reads {CACHE_FORMAT}; {remedy}")
+    differences = [
+        f"{key} (cached: {old['identity'].get(key)!r}, now: {value!r})"
+        for key, value in new["identity"].items()
+        if old["identity"].get(key) != value
+    ]
+    if old["source"] != new["source"]:
+        differences.append(f"source (cached: {old['source']!r}, now: {new['source']!r})")
+    old_names, new_names = [s["name"] for s in old["shards"]], [s["name"] for s in new["shards"]]
+    if old_names != new_names:
+        added = [n for n in new_names if n not in old_names]
+        removed = [n for n in old_names if n not in new_names]
+        differences.append(f"inputs (added: {added or 'none'}, removed: {removed or 'none'}{'' if added or removed else ', reordered'})")
+    else:
+        for stored, wanted in zip(old["shards"], new["shards"]):
+            if stored["finished"] and stored["fingerprint"] != wanted["fingerprint"]:
+                differences.append(f"input {wanted['name']} changed after it was cached (cached: {stored['fingerprint']!r}, now: {wanted['fingerprint']!r})")
+    if differences:
+        tokenizer_note = f" (tokenizer {old.get('tokenizer_name')!r})" if any(d.startswith("tokenizer") for d in differences) else ""
+        raise DataError(f"{path}: this cache was built from other settings{tokenizer_note}: {'; '.join(differences)}; {remedy}")
+    ledger = copy.deepcopy(old)
+    for i, (stored, wanted) in enumerate(zip(old["shards"], new["shards"])):
+        if stored["fingerprint"] != wanted["fingerprint"]:
+            logger.warning("%s: input %s changed before it was finished; tokenizing it again", path, wanted["name"])
+            ledger["shards"][i] = wanted
+    return ledger
+
+
+def _ready(ledger: dict) -> tuple[list[dict], int, int]:
+    """The shards of the ready prefix (finished ones and the committed part of the first
+    unfinished one), with its document and token counts."""
+    ready = []
+    for shard in ledger["shards"]:
+        ready.append(shard)
+        if not shard["finished"]:
+            break
+    return ready, sum(s["documents"] for s in ready), sum(s["tokens"] for s in ready)
+
+
+def _no_documents(path: str, split: str, ledger: dict) -> DataError:
+    names = [s["name"] for s in ledger["shards"]]
+    listing = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    skipped = collections.Counter()
+    for shard in ledger["shards"]:
+        skipped.update(shard["skipped"])
+    note = f" ({sum(skipped.values())} records skipped: {dict(skipped)})" if skipped else ""
+    return DataError(f"the {split} split has no documents{note}: its inputs {listing} hold no usable records (cache {path})")
+
+
+# -- the coordinator --------------------------------------------------------------------------
+
+
+class _Build:
+    """Builds one cache: hands its unfinished shards to workers, keeps the ledger from their
+    reports, and wakes readers waiting for more."""
+
+    def __init__(self, path: str, storage, ledger: dict, job: _Job, *, num_workers: int, ray, progress: bool):
+        self.path = path
+        self.condition = threading.Condition()
+        self.ledger = ledger  # guarded by `condition`
+        self.version = 0
+        self.error: BaseException | None = None
+        self.done = False
+        self._storage = storage
+        self._job = job
+        self._num_workers = num_workers
+        self._ray = ray
+        self._progress = progress
+        self._stop = threading.Event()
+        self._last_write = 0.0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build in a background thread."""
+        self._thread = threading.Thread(target=self._run_in_background, name=f"cache {self.path}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the workers and wait for the coordinator to leave the ledger consistent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def run(self) -> None:
+        """Build to completion here; raises the build's error."""
+        tasks = [
+            ShardTask(i, s["name"], s["records"], s["documents"], s["tokens"], dict(s["skipped"]))
+            for i, s in enumerate(self.ledger["shards"])
+            if not s["finished"]
+        ]
+        started, tokens_before = time.monotonic(), self.ledger["num_tokens"]
+        bar = tqdm(
+            total=len(self.ledger["shards"]),
+            initial=len(self.ledger["shards"]) - len(tasks),
+            desc=f"tokenizing {self.ledger['split']}",
+            unit="shard",
+            disable=not self._progress,
+        )
+        try:
+            self._write_ledger(force=True)
+            run_shards(
+                functools.partial(tokenize_shard, self._job),
+                tasks,
+                lambda p: self._report(p, bar, started),
+                num_workers=self._num_workers,
+                ray=self._ray,
+                stop=self._stop,
+                processes=self._storage.shared,
+            )
+            with self.condition:
+                if self.ledger["num_documents"] == 0:
+                    raise _no_documents(self.path, self.ledger["split"], self.ledger)
+                self.ledger["complete"] = True
+        except BaseException as e:
+            with self.condition:
+                stopped = isinstance(e, BuildStopped)
+                self.error = DataError(f"{self.path}: the cache build was stopped before it completed") if stopped else e
+            raise
+        finally:
+            bar.close()
+            self._write_ledger(force=True)
+            with self.condition:
+                self.done = True
+                self.version += 1
+                self.condition.notify_all()
+        seconds = time.monotonic() - started
+        made = self.ledger["num_tokens"] - tokens_before
+        logger.info(
+            "built the cache %s: %d documents, %d tokens (%d new in %.1fs, %.3g tokens/s)",
+            self.path, self.ledger["num_documents"], self.ledger["num_tokens"], made, seconds, made / max(seconds, 1e-9),
+        )
+
+    def _run_in_background(self) -> None:
+        try:
+            self.run()
+        except BuildStopped:
+            logger.info("stopped building the cache %s", self.path)
+        except UserError:
+            pass  # a problem with the data: every reader raises it, with its message
+        except BaseException:
+            logger.exception("building the cache %s failed", self.path)
+
+    def _report(self, p: Progress, bar: tqdm, started: float) -> None:
+        with self.condition:
+            shard = self.ledger["shards"][p.index]
+            shard.update(records=p.records, documents=p.documents, tokens=p.tokens, skipped=p.skipped, finished=p.finished)
+            problems = self.ledger["problems"]
+            problems.extend(p.problems[: MAX_PROBLEMS - len(problems)])
+            self.ledger["num_documents"] = sum(s["documents"] for s in self.ledger["shards"])
+            self.ledger["num_tokens"] = sum(s["tokens"] for s in self.ledger["shards"])
+            self.version += 1
+            self.condition.notify_all()
+            docs, tokens = self.ledger["num_documents"], self.ledger["num_tokens"]
+        self._write_ledger(force=p.finished)
+        rate = tokens / max(time.monotonic() - started, 1e-9)
+        bar.set_postfix(docs=docs, tokens=tokens, tokens_per_s=f"{rate:.3g}", refresh=False)
+        bar.update(1 if p.finished else 0)
+
+    def _write_ledger(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_write < LEDGER_INTERVAL:
+            return
+        with self.condition:
+            self.ledger["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            text = json.dumps(self.ledger, indent=1)
+        self._storage.write_ledger(text)
+        self._last_write = now
+
+    def snapshot(self) -> tuple[int, dict]:
+        with self.condition:
+            return self.version, copy.deepcopy(self.ledger)
+
+
+# -- the reader -------------------------------------------------------------------------------
+
+
+class TokenCache:
+    """The tokenized documents of one (source, split): the ready prefix of a cache that may
+    still be growing. Token positions are global: shard after shard, in order."""
+
+    def __init__(self, path: str, storage, ledger: dict, build: _Build | None = None):
+        self.path = path
+        self._storage = storage
+        self._build = build
+        self._version = -1
+        self._last_poll = time.monotonic()
+        self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+        self._set_ledger(ledger)
+
+    # -- state
+
+    def _set_ledger(self, ledger: dict) -> None:
+        self._ledger = ledger
+        shards, self._num_documents, self._num_tokens = _ready(ledger)
+        self._shards = shards
+        counts = np.array([[s["documents"], s["tokens"]] for s in shards], np.int64).reshape(-1, 2)
+        self._doc_starts = np.concatenate([[0], np.cumsum(counts[:, 0])])
+        self._token_starts = np.concatenate([[0], np.cumsum(counts[:, 1])])
+
+    def _refresh(self) -> None:
+        if self._ledger["complete"]:
+            return
+        if self._build is not None:
+            if self._build.version != self._version:
+                self._version, ledger = self._build.snapshot()
+                self._set_ledger(ledger)
+        elif time.monotonic() - self._last_poll >= 1.0:
+            self._last_poll = time.monotonic()
+            self._set_ledger(self._storage.read_ledger() or self._ledger)
+
+    @property
+    def ledger(self) -> dict:
+        self._refresh()
+        return self._ledger
+
+    @property
+    def complete(self) -> bool:
+        self._refresh()
+        return self._ledger["complete"]
 
     @property
     def num_documents(self) -> int:
-        return self.ledger["num_documents"]
+        self._refresh()
+        return self._num_documents
 
     @property
     def num_tokens(self) -> int:
-        return self.ledger["num_tokens"]
+        self._refresh()
+        return self._num_tokens
 
-    def tokens(self) -> np.ndarray:
-        """All token ids, concatenated, read into memory (in the stored dtype)."""
-        return _open(os.path.join(self.path, "tokens")).read().result()
+    @property
+    def has_target_mask(self) -> bool:
+        return self._ledger["target_mask"]
+
+    def skipped(self) -> dict[str, int]:
+        """Records skipped (``data.skip_bad_data``), by reason."""
+        total = collections.Counter()
+        for shard in self.ledger["shards"]:
+            total.update(shard["skipped"])
+        return dict(sorted(total.items()))
+
+    def problems(self) -> list[str]:
+        """The messages of the first few skipped records."""
+        return list(self.ledger["problems"])
+
+    # -- data
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Token ids at global positions ``start..stop-1`` of the ready prefix, as int32."""
+        return self._read("tokens", start, stop, np.int32)
+
+    def target_mask(self, start: int, stop: int) -> np.ndarray | None:
+        """The target mask (uint8) at positions ``start..stop-1``; None for formats without one."""
+        return self._read("target_mask", start, stop, np.uint8) if self.has_target_mask else None
 
     def document_offsets(self) -> np.ndarray:
-        """``num_documents + 1`` offsets into :meth:`tokens`; document ``i`` is
-        ``tokens[offsets[i]:offsets[i + 1]]``."""
-        return _open(os.path.join(self.path, "offsets")).read().result()
+        """int64 ``[num_documents + 1]``: document ``i`` is tokens ``offsets[i]..offsets[i+1]-1``."""
+        self._refresh()
+        pieces = [np.zeros(1, np.int64)]
+        for i, shard in enumerate(self._shards):
+            if shard["documents"]:
+                offsets = self._shard_offsets(i, shard)
+                pieces.append(offsets[1 : shard["documents"] + 1] + self._token_starts[i])
+        return np.concatenate(pieces)
+
+    def _shard_offsets(self, index: int, shard: dict) -> np.ndarray:
+        if index in self._offsets:
+            return self._offsets[index]
+        offsets = self._array(index, "offsets", shard)[: shard["documents"] + 1].read().result()
+        offsets = offsets - offsets[0]
+        if shard["finished"]:
+            self._offsets[index] = offsets
+        return offsets
+
+    def _read(self, name: str, start: int, stop: int, dtype) -> np.ndarray:
+        if stop > self._num_tokens:
+            self._refresh()
+        if not 0 <= start <= stop <= self._num_tokens:
+            raise IndexError(f"{self.path}: tokens {start}..{stop} are outside the ready prefix of {self._num_tokens} tokens")
+        pieces = []
+        first = int(np.searchsorted(self._token_starts, start, side="right")) - 1
+        for i in range(max(first, 0), len(self._shards)):
+            lo, hi = self._token_starts[i], self._token_starts[i + 1]
+            if lo >= stop:
+                break
+            a, b = max(start, lo) - lo, min(stop, hi) - lo
+            if b > a:
+                pieces.append(self._array(i, name, self._shards[i])[a:b].read().result())
+        return np.concatenate([p.astype(dtype) for p in pieces]) if pieces else np.zeros(0, dtype)
+
+    def _array(self, index: int, name: str, shard: dict) -> ts.TensorStore:
+        """Shard ``index``'s array ``name``; a finished shard's is kept open (it never changes)."""
+        if (index, name) in self._arrays:
+            return self._arrays[(index, name)]
+        array = self._storage.open_array(_shard_key(index, name))
+        if array is None:
+            raise DataError(f"{self.path}: {_shard_key(index, name)} is missing although the ledger counts it; remove {self.path} to rebuild it")
+        if shard["finished"]:
+            self._arrays[(index, name)] = array
+        return array
+
+    # -- waiting
+
+    def wait_for(self, *, tokens: int = 0, documents: int = 0) -> None:
+        """Block until the ready prefix has ``tokens`` tokens and ``documents`` documents, or the
+        cache is complete. Raises the build's error if it failed."""
+        if self._build is not None:
+            self._wait_on_build(tokens, documents)
+        else:
+            self._poll(tokens, documents)
+        self._version = -1
+        self._last_poll = 0.0
+        self._refresh()
+
+    def wait_complete(self) -> None:
+        """Block until the cache is complete; raises the build's error if it failed."""
+        self.wait_for(tokens=1 << 62, documents=1 << 62)
+
+    def _wait_on_build(self, tokens: int, documents: int) -> None:
+        build = self._build
+        with build.condition:
+            while True:
+                _, ready_docs, ready_tokens = _ready(build.ledger)
+                if build.ledger["complete"] or (ready_tokens >= tokens and ready_docs >= documents):
+                    return
+                if build.error is not None:
+                    raise build.error
+                if build.done:
+                    raise DataError(f"{self.path}: the cache build stopped before it completed")
+                build.condition.wait(timeout=1.0)
+
+    def _poll(self, tokens: int, documents: int) -> None:
+        """Wait on a build in another process by reading its ledger."""
+        last, changed_at = None, time.monotonic()
+        while True:
+            ledger = self._storage.read_ledger() or self._ledger
+            _, ready_docs, ready_tokens = _ready(ledger)
+            if ledger["complete"] or (ready_tokens >= tokens and ready_docs >= documents):
+                return
+            if ledger != last:
+                last, changed_at = ledger, time.monotonic()
+            elif time.monotonic() - changed_at > STALE_AFTER:
+                raise DataError(f"{self.path}: the cache has not grown for {STALE_AFTER:.0f}s; is the process building it still running?")
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        """Stop a background build started by :func:`open_cache` (workers terminated, the
+        ledger left consistent); the cache resumes from there when opened again."""
+        if self._build is not None:
+            self._build.stop()
+
+    def __repr__(self) -> str:
+        return f"TokenCache({self.path!r}, documents={self._num_documents}, tokens={self._num_tokens}, complete={self._ledger['complete']})"
 
 
-def _cache_path(cache_dir: str, split: str, fingerprint: dict, tokenizer: Tokenizer, enforce_eos: bool) -> str:
-    identity = {
-        "format": CACHE_FORMAT,
-        "source": fingerprint,
-        "tokenizer": tokenizer.fingerprint,
-        "enforce_eos": enforce_eos,
-    }
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(cache_dir, f"{split}-{key}")
+def read_cache(path: str) -> TokenCache:
+    """A reader of the cache at ``path`` without building anything (another process builds
+    it: :meth:`TokenCache.wait_for` polls its ledger). Raises :class:`DataError` if there is
+    no cache there yet."""
+    storage = _storage(path)
+    ledger = storage.read_ledger()
+    if ledger is None:
+        raise DataError(f"{path}: no tokenized cache here (no {LEDGER})")
+    return TokenCache(path, storage, ledger)
 
 
-def load_cache(path: str) -> TokenCache | None:
-    """The cache at ``path`` if it is complete, else None."""
-    try:
-        with open(os.path.join(path, LEDGER)) as f:
-            return TokenCache(path, json.load(f))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def build_or_load_cache(
-    config: DataSourceConfig, split: str, tokenizer: Tokenizer, *, progress: bool = True
+def open_cache(
+    path: str,
+    source: DataSourceConfig,
+    split: str,
+    tokenizer: Tokenizer,
+    *,
+    enforce_eos: bool,
+    skip_bad_data: bool,
+    num_workers: int = 1,
+    ray=None,
+    background: bool = True,
+    progress: bool = False,
 ) -> TokenCache:
-    """The cache of ``split``: reused if a complete one exists, else built now."""
-    fingerprint = config.fingerprint(split)
-    path = _cache_path(_local_dir(config.cache_dir), split, fingerprint, tokenizer, config.enforce_eos)
-    cache = load_cache(path)
-    if cache is not None:
-        logger.info(
-            "reusing the %s cache %s: %d documents, %d tokens", split, path, cache.num_documents, cache.num_tokens
-        )
-        return cache
-    if config.enforce_eos and tokenizer.eos_id is None:
+    """The cache of ``source``'s ``split`` at ``path``: a complete one is checked and returned;
+    otherwise it is built, resuming whatever an earlier build left, in a background thread
+    (``background``: the reader is usable at once and grows) or here, with a progress bar if
+    ``progress``. ``ray``: a :class:`~levanter_core.trainer.config.RayConfig`; with an
+    ``address``, shards are tokenized by Ray tasks instead of ``num_workers`` local processes.
+
+    Raises :class:`DataError` if the stored cache was built from other settings or inputs, or
+    (when the build is not in the background) if a record is bad and ``skip_bad_data`` is off."""
+    if enforce_eos and tokenizer.eos_id is None:
         raise DataError(
             f"data.tokenizer: {tokenizer.name!r} has no end-of-text token to append after each "
             "document; give it one (eos_token in tokenizer_config.json) or set data.enforce_eos: false"
         )
-    return _build(config, split, fingerprint, tokenizer, path, progress)
-
-
-def _build(
-    config: DataSourceConfig, split: str, fingerprint: dict, tokenizer: Tokenizer, path: str, progress: bool
-) -> TokenCache:
-    parent, final_name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    _remove_abandoned_builds(parent, final_name)
-    tmp = os.path.join(parent, f"{final_name}.building.{socket.gethostname()}.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-    eos = tokenizer.eos_id if config.enforce_eos else None
-    started = time.monotonic()
-    try:
-        tokens = _AppendArray(os.path.join(tmp, "tokens"), dtype)
-        offsets = _AppendArray(os.path.join(tmp, "offsets"), np.int64)
-        offsets.append(np.zeros(1, np.int64))
-        num_docs = num_tokens = 0
-        with tqdm(desc=f"tokenizing {split}", unit="doc", disable=not progress) as bar:
-            for ids in _tokenize(config.documents(split), tokenizer, eos):
-                lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-                tokens.append(np.concatenate(ids).astype(dtype, copy=False))
-                offsets.append(num_tokens + np.cumsum(lengths))
-                num_docs += len(ids)
-                num_tokens += int(lengths.sum())
-                bar.update(len(ids))
-                rate = num_tokens / max(time.monotonic() - started, 1e-9)
-                bar.set_postfix(tokens=num_tokens, tokens_per_s=f"{rate:.3g}")
-        if num_docs == 0:
-            raise DataError(f"data ({config.type}): the {split} split has no documents")
-        tokens.close()
-        offsets.close()
-        ledger = {
-            "format": CACHE_FORMAT,
-            "split": split,
-            "num_documents": num_docs,
-            "num_tokens": num_tokens,
-            "token_dtype": np.dtype(dtype).name,
-            "enforce_eos": config.enforce_eos,
-            "tokenizer": {
-                "name": tokenizer.name,
-                "fingerprint": tokenizer.fingerprint,
-                "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id,
-            },
-            "source": fingerprint,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        _write_ledger(tmp, ledger)
-        _move_into_place(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    seconds = time.monotonic() - started
-    logger.info(
-        "built the %s cache %s: %d documents, %d tokens in %.1fs (%.3g tokens/s)",
-        split,
-        path,
-        num_docs,
-        num_tokens,
-        seconds,
-        num_tokens / max(seconds, 1e-9),
+    storage = _storage(path)
+    if not source.shards(split):
+        raise DataError(f"the {split} split has no inputs (cache {path})")
+    wanted = _new_ledger(split, _identity(tokenizer, source, enforce_eos), tokenizer, source, source.fingerprint(split))
+    stored = storage.read_ledger()
+    ledger = wanted if stored is None else _reconcile(path, stored, wanted)
+    if ledger["complete"]:
+        logger.info("reusing the cache %s: %d documents, %d tokens", path, ledger["num_documents"], ledger["num_tokens"])
+        return TokenCache(path, storage, ledger)
+    job = _Job(
+        path=path,
+        source=source,
+        split=split,
+        tokenizer=tokenizer.name,
+        tokenizer_fingerprint=tokenizer.fingerprint,
+        eos_id=tokenizer.eos_id if enforce_eos else None,
+        skip_bad_data=skip_bad_data,
+        token_dtype=ledger["token_dtype"],
     )
-    return TokenCache(path, ledger)
-
-
-def _tokenize(documents: Iterable[Document], tokenizer: Tokenizer, eos: int | None) -> Iterator[list[np.ndarray]]:
-    """Token ids of the documents, ``DOCS_PER_BATCH`` at a time, each ending in ``eos``
-    (unless ``eos`` is None or the tokenizer already put it there)."""
-    batch: list[str] = []
-    for doc in documents:
-        if not isinstance(doc.text, str):
-            raise DataError(f"{doc.where}: a document should be text, found {type(doc.text).__name__}")
-        batch.append(doc.text)
-        if len(batch) == DOCS_PER_BATCH:
-            yield _encode(batch, tokenizer, eos)
-            batch = []
-    if batch:
-        yield _encode(batch, tokenizer, eos)
-
-
-def _encode(texts: list[str], tokenizer: Tokenizer, eos: int | None) -> list[np.ndarray]:
-    ids = tokenizer.encode_batch(texts)
-    if eos is None:
-        return ids
-    eos_array = np.array([eos], np.int32)
-    return [x if len(x) and x[-1] == eos else np.concatenate([x, eos_array]) for x in ids]
-
-
-class _AppendArray:
-    """A growing 1-D zarr array, written a whole number of chunks at a time."""
-
-    def __init__(self, path: str, dtype):
-        self._array = ts.open(
-            {"driver": "zarr", "kvstore": {"driver": "file", "path": path}},
-            create=True,
-            dtype=np.dtype(dtype),
-            shape=[0],
-            chunk_layout=ts.ChunkLayout(chunk_shape=[_CHUNK]),
-        ).result()
-        self._dtype = dtype
-        self._pending: list[np.ndarray] = []
-        self._pending_size = 0
-        self._written = 0
-
-    def append(self, values: np.ndarray) -> None:
-        self._pending.append(values.astype(self._dtype, copy=False))
-        self._pending_size += len(values)
-        if self._pending_size >= _CHUNK:
-            self._flush(whole_chunks_only=True)
-
-    def close(self) -> None:
-        self._flush(whole_chunks_only=False)
-
-    def _flush(self, whole_chunks_only: bool) -> None:
-        data = np.concatenate(self._pending) if self._pending else np.zeros(0, self._dtype)
-        n = len(data) // _CHUNK * _CHUNK if whole_chunks_only else len(data)
-        end = self._written + n
-        self._array = self._array.resize(exclusive_max=[end]).result()
-        self._array[self._written : end].write(data[:n]).result()
-        self._written = end
-        self._pending = [data[n:]]
-        self._pending_size = len(data) - n
-
-
-def _open(path: str) -> ts.TensorStore:
-    return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}, open=True).result()
-
-
-def _write_ledger(directory: str, ledger: dict) -> None:
-    path = os.path.join(directory, LEDGER)
-    with open(path, "w") as f:
-        json.dump(ledger, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _move_into_place(tmp: str, path: str) -> None:
-    if os.path.exists(path):
-        if load_cache(path) is not None:
-            return  # another process finished the same cache first; keep theirs
-        logger.warning("removing the incomplete cache %s (it has no %s)", path, LEDGER)
-        shutil.rmtree(path)
-    os.rename(tmp, path)
-
-
-def _remove_abandoned_builds(parent: str, final_name: str) -> None:
-    """Delete earlier builds of the same cache, on this machine, whose process is gone."""
-    prefix = f"{final_name}.building.{socket.gethostname()}."
-    for name in os.listdir(parent):
-        pid = name[len(prefix) :]
-        if name.startswith(prefix) and pid.isdigit() and not _process_alive(int(pid)):
-            logger.warning("removing %s, left by a build that did not finish", os.path.join(parent, name))
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _local_dir(cache_dir: str) -> str:
-    if cache_dir.startswith("file://"):
-        return cache_dir.removeprefix("file://")
-    if "://" in cache_dir:
-        raise DataError(
-            f"data.cache_dir: {cache_dir!r} is a remote URL; the tokenized cache is written to a "
-            "local directory for now (give a local path)"
-        )
-    return cache_dir
+    build = _Build(path, storage, ledger, job, num_workers=num_workers, ray=ray, progress=progress)
+    if background:
+        reader = TokenCache(path, storage, copy.deepcopy(ledger), build)
+        build.start()
+        return reader
+    build.run()
+    return TokenCache(path, storage, build.ledger)

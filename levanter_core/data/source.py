@@ -1,14 +1,14 @@
-"""Where documents come from: the ``data:`` section.
+"""Where the data comes from: the sources of the ``data:`` section.
 
-A data source yields the documents of a split (``train`` or ``validation``) as
-:class:`Document` s, and describes its inputs with a :meth:`fingerprint` that
-keys the tokenized cache. Two sources ship with the core:
+A data source splits each split (``train`` or ``validation``) into *shards* and
+yields each shard's :class:`Record` s (text, or a JSON object / table row, with
+where it came from); it describes its inputs with a :meth:`~DataSourceConfig.fingerprint`
+that keys the tokenized cache. Two sources ship with the core:
 
-* ``type: url`` (the default): JSON-lines and plain-text files named by URLs,
-  read through fsspec, with brace expansion (``{1..8}``, ``{a,b}``) and globs;
+* ``type: url`` (the default): ``.jsonl``, ``.json``, ``.parquet`` and ``.txt`` files
+  named by paths or fsspec URLs, with brace expansion (``{1..8}``, ``{a,b}``) and globs;
 * ``type: python_stdlib``: the running interpreter's standard library ``.py``
-  files, a small code corpus every machine already has.
-"""
+  files, a small code corpus every machine already has."""
 
 from __future__ import annotations
 
@@ -21,86 +21,109 @@ import platform
 import re
 import sys
 import sysconfig
-from typing import Iterator, NamedTuple
+from typing import ClassVar, Iterator, NamedTuple
 
 import fsspec
 import zstandard
 from pydantic import Field, PositiveInt, field_validator
 
 from levanter_core.config.base import TypedConfig
+from levanter_core.data.formats import DataFormat, TextFormat
 from levanter_core.errors import DataError
 
 SPLITS = ("train", "validation")
 
 
-class Document(NamedTuple):
-    """One document's text, and where it came from (``file:line``) for messages."""
+class Record(NamedTuple):
+    """One record of a source: ``value`` is text (a line of a ``.txt`` file, a whole
+    file) or a ``dict`` (a JSON object, a table row); ``where`` says where it came from
+    (``path:line``) for messages. A record that could not be read has a
+    :class:`DataError` as its ``value``, so the reader may raise it or skip and count it."""
 
-    text: str
+    value: str | dict | DataError
     where: str
 
 
 class DataSourceConfig(TypedConfig, abc.ABC):
-    """Base class of every data source (the ``data:`` section)."""
+    """Base class of every data source: one entry of ``data.configs``, or the ``data:``
+    section itself when it names a single source.
 
-    cache_dir: str = "cache/"
-    """Local directory holding the tokenized caches; each split of each source and
-    tokenizer gets its own sub-directory, reused by later runs."""
+    A source's data is a list of *shards* per split (files, usually), each a sequence of
+    records. Shards are the unit of parallel tokenization and of the cache's progress
+    ledger, so :meth:`shards` and :meth:`records` must give the same answer every time
+    for the same inputs."""
 
-    tokenizer: str = "byte"
-    """``byte`` for the built-in byte-level tokenizer (256 byte ids plus ``<|endoftext|>``),
-    or the path of a Hugging Face ``tokenizer.json`` or of a directory containing one."""
+    cache_dir: str | None = None
+    """This source's own cache directory, in a mixture. Default: ``{data.cache_dir}/{name}``."""
 
-    enforce_eos: bool = True
-    """Append the end-of-text token after every document, so documents joined into one
-    stream stay separated."""
+    format: DataFormat = Field(default_factory=TextFormat)
+    """How records become examples: ``type: text`` (default), ``chat`` or ``supervised``."""
 
-    shuffle: bool = True
-    """Shuffle the training sequences, differently each epoch, deterministically from
-    ``trainer.seed``. Evaluation always reads in order."""
-
-    @abc.abstractmethod
-    def documents(self, split: str) -> Iterator[Document]:
-        """The documents of ``split`` (``train`` or ``validation``), in a fixed order.
-
-        Raises :class:`DataError` naming the file and line of anything unreadable."""
+    inferred_from: ClassVar[tuple[str, ...]] = ()
+    """Keys that select this source when a section has no ``type`` (``id`` for Hugging
+    Face datasets); a section with none of them is a ``url`` source."""
 
     @abc.abstractmethod
     def has_split(self, split: str) -> bool:
         """Whether this source has any input configured for ``split``."""
 
     @abc.abstractmethod
+    def shards(self, split: str) -> list[str]:
+        """The names of the shards of ``split``, in order (for files: their URLs).
+        Raises :class:`DataError` if the configured inputs match nothing."""
+
+    @abc.abstractmethod
+    def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
+        """The records of one shard, from the ``start``-th on (0-based; records are
+        counted the same way every time, so ``start`` resumes a partial read).
+
+        A record that cannot be decoded is yielded with a :class:`DataError` value; a
+        shard that cannot be opened at all raises :class:`DataError`."""
+
+    @abc.abstractmethod
     def fingerprint(self, split: str) -> dict:
-        """A JSON-able description of the inputs of ``split``: it changes whenever the
-        documents may have changed (files, sizes, modification times, versions)."""
+        """A JSON-able description of the inputs of ``split``, with a ``shards`` entry
+        mapping each shard's name to its own fingerprint (size, modification time,
+        version...). It changes whenever the records may have changed."""
 
 
 # -- type: url -----------------------------------------------------------------------------
 
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
-_FORMATS = (".jsonl", ".txt")
+_FORMATS = (".jsonl", ".json", ".parquet", ".txt")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+# What fsspec's file systems report that changes when a file is rewritten: local and
+# memory files, object stores (S3, GCS, Azure) and HTTP servers.
+_VERSION_KEYS = ("mtime", "created", "LastModified", "last_modified", "updated", "generation", "ETag", "etag", "Last-Modified")
+_PARQUET_BATCH_ROWS = 1024
 
 
 class UrlSourceConfig(DataSourceConfig):
-    """JSON-lines (``.jsonl``) and plain-text (``.txt``) files, optionally compressed
-    (``.gz``, ``.zst``), named by local paths or fsspec URLs."""
+    """Files named by local paths or fsspec URLs (``file://``, ``memory://``, ``http(s)://``,
+    and ``s3://``, ``gs://``... when the matching fsspec package is installed), one shard
+    per file. The file name's extension says how it is read:
+
+    * ``.jsonl``: one JSON object per non-blank line (``where``: ``path:line``);
+    * ``.json``: a JSON array of objects, or an object with exactly one list of objects
+      (``where``: ``path:item N``, N counted from 0);
+    * ``.parquet``: one record per row, a ``{column: value}`` dict (``where``:
+      ``path:row N``, N counted from 0); needs ``pyarrow``;
+    * ``.txt``: each non-blank line is one text record (``where``: ``path:line``).
+
+    Any of them but ``.parquet`` (compressed internally) may be compressed: ``.gz``,
+    ``.zst``, ``.bz2``, ``.xz`` after the extension (``data.jsonl.zst``)."""
 
     type: str = "url"
     """The registered type name; ``url`` for this source."""
 
     train_urls: tuple[str, ...] = ()
     """Training files: paths or URLs, with brace expansion (``data.{1..8}.jsonl.gz``,
-    ``{train,extra}.jsonl``) and globs (``shards/*.jsonl.zst``). In ``.jsonl`` files each line
-    is a JSON object whose ``text_key`` field is one document; in ``.txt`` files each
-    non-blank line is one document."""
+    ``{train,extra}.jsonl``) and globs (``shards/*.jsonl.zst``). Which field of a record
+    holds the text is the format's business (``format.text_key``, default ``text``)."""
 
     validation_urls: tuple[str, ...] = ()
     """Validation files, written like ``train_urls``. Empty: no validation."""
-
-    text_key: str = Field("text", min_length=1)
-    """The field of each JSON line that holds the document's text."""
 
     @field_validator("train_urls", "validation_urls", mode="before")
     @classmethod
@@ -110,24 +133,18 @@ class UrlSourceConfig(DataSourceConfig):
     def has_split(self, split: str) -> bool:
         return bool(self._urls(split))
 
-    def fingerprint(self, split: str) -> dict:
-        files = []
-        for url in self.resolve(split):
-            fs, path = fsspec.core.url_to_fs(url)
-            info = fs.info(path)
-            modified = next((info[k] for k in ("mtime", "LastModified", "updated", "ETag") if k in info), None)
-            files.append({"url": url, "size": info.get("size"), "modified": str(modified)})
-        return {"type": "url", "text_key": self.text_key, "files": files}
+    def shards(self, split: str) -> list[str]:
+        return self.resolve(split)
 
-    def documents(self, split: str) -> Iterator[Document]:
-        urls = self.resolve(split)
-        found = 0
-        for url in urls:
-            for doc in read_documents(url, self.text_key):
-                found += 1
-                yield doc
-        if not found:
-            raise DataError(f"data.{split}_urls: the files hold no documents: {', '.join(urls)}")
+    def fingerprint(self, split: str) -> dict:
+        shards = {}
+        for url in self.resolve(split):
+            fs, path = _filesystem(url)
+            shards[url] = file_fingerprint(fs.info(path))
+        return {"type": "url", "shards": shards}
+
+    def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
+        return read_records(shard, start)
 
     def resolve(self, split: str) -> list[str]:
         """The files of ``split``: every pattern brace-expanded and globbed, in order,
@@ -137,7 +154,7 @@ class UrlSourceConfig(DataSourceConfig):
             matches = []
             expanded = expand_braces(pattern)
             for url in expanded:
-                fs, path = fsspec.core.url_to_fs(url)
+                fs, path = _filesystem(url)
                 if _GLOB_CHARS.search(path):
                     matches += [_with_protocol(url, fs, p) for p in sorted(fs.glob(path)) if fs.isfile(p)]
                 elif fs.isfile(path):
@@ -152,6 +169,25 @@ class UrlSourceConfig(DataSourceConfig):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
         return self.train_urls if split == "train" else self.validation_urls
+
+
+def file_fingerprint(info: dict) -> dict:
+    """A file's size and whatever its file system reports that changes when it is
+    rewritten (modification time, ETag, generation), from fsspec's ``info``."""
+    found = {"size": info.get("size")}
+    found.update({key: str(info[key]) for key in _VERSION_KEYS if info.get(key) is not None})
+    return found
+
+
+def _filesystem(url: str):
+    """fsspec's file system and path for ``url``; a protocol whose package is missing
+    (``http`` needs ``aiohttp``, ``s3`` needs ``s3fs``...) is a :class:`DataError`."""
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        raise DataError(f"{url}: cannot read this kind of URL here ({e}); install the package it names") from None
+    except ValueError as e:
+        raise DataError(f"{url}: not a URL fsspec can read ({e})") from None
 
 
 def _with_protocol(pattern: str, fs, path: str) -> str:
@@ -204,32 +240,125 @@ def _brace_range(body: str) -> list[str] | None:
     return [str(n).zfill(width) for n in range(lo, hi + step, step)]
 
 
-def read_documents(url: str, text_key: str = "text") -> Iterator[Document]:
-    """The documents of one ``.jsonl`` or ``.txt`` file (optionally compressed)."""
-    stem, compression_ext = os.path.splitext(url)
-    compression = _COMPRESSIONS.get(compression_ext)
-    if compression is None:
-        stem = url
-    fmt = os.path.splitext(stem)[1]
-    if fmt not in _FORMATS:
-        raise DataError(
-            f"{url}: cannot tell the format from the file name; expected .jsonl or .txt, "
-            f"optionally followed by {', '.join(_COMPRESSIONS)}"
-        )
-    parse = _json_line if fmt == ".jsonl" else _text_line
+def read_records(url: str, start: int = 0) -> Iterator[Record]:
+    """The records of one file, from the ``start``-th on (see :class:`UrlSourceConfig`
+    for the file kinds). Records before ``start`` are skipped without being parsed
+    (whole row groups at once for Parquet). A file that cannot be opened or read raises
+    :class:`DataError`; a record that cannot be decoded is yielded with one as its value."""
+    kind, compression = file_kind(url)
+    fs, path = _filesystem(url)
+    if not fs.isfile(path):
+        raise DataError(f"{url}: no such file")
+    readers = {".jsonl": _line_records, ".txt": _line_records, ".json": _json_records, ".parquet": _parquet_records}
     try:
-        with fsspec.open(url, "rb", compression=compression) as f:
-            # zstandard's stream reader cannot iterate lines by itself.
-            lines = f if isinstance(f, io.IOBase) else io.BufferedReader(f)
-            for number, raw in enumerate(lines, start=1):
-                where = f"{url}:{number}"
-                text = parse(_decode(raw, url, number), where, text_key)
-                if text is not None:
-                    yield Document(text, where)
+        yield from readers[kind](url, kind, compression, start)
     except FileNotFoundError:
         raise DataError(f"{url}: no such file") from None
     except (OSError, EOFError, zstandard.ZstdError) as e:
         raise DataError(f"{url}: cannot read the file ({type(e).__name__}: {e})") from None
+
+
+def file_kind(url: str) -> tuple[str, str | None]:
+    """The file's format extension (``.jsonl``, ``.json``, ``.parquet``, ``.txt``) and
+    fsspec compression name (or None), from its name."""
+    stem, compression_ext = os.path.splitext(url)
+    compression = _COMPRESSIONS.get(compression_ext)
+    if compression is None:
+        stem = url
+    kind = os.path.splitext(stem)[1]
+    if kind not in _FORMATS:
+        raise DataError(
+            f"{url}: cannot tell the format from the file name; expected {', '.join(_FORMATS)}, "
+            f"optionally followed by {', '.join(_COMPRESSIONS)}"
+        )
+    if kind == ".parquet" and compression:
+        raise DataError(f"{url}: Parquet files are compressed internally; use the plain .parquet file")
+    return kind, compression
+
+
+def _line_records(url: str, kind: str, compression: str | None, start: int) -> Iterator[Record]:
+    parse = _json_line if kind == ".jsonl" else _text_line
+    with fsspec.open(url, "rb", compression=compression) as f:
+        # zstandard's stream reader cannot iterate lines by itself.
+        lines = f if isinstance(f, io.IOBase) else io.BufferedReader(f)
+        index = 0
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            index += 1
+            if index <= start:
+                continue
+            where = f"{url}:{number}"
+            try:
+                yield Record(parse(_decode(raw, url, number), where), where)
+            except DataError as e:
+                yield Record(e, where)
+
+
+def _json_records(url: str, kind: str, compression: str | None, start: int) -> Iterator[Record]:
+    """A ``.json`` file's objects. The whole file is parsed (JSON has no cheaper way to
+    find the ``start``-th item); a file that does not parse, or holds no list of objects,
+    is one bad record, so that ``skip_bad_data`` can pass over it."""
+    with fsspec.open(url, "rb", compression=compression) as f:
+        raw = f.read()
+    items, bad = _json_items(url, raw)
+    if bad is not None:
+        yield from [bad][start:]
+        return
+    for n in range(start, len(items)):
+        where = f"{url}:item {n}"
+        if isinstance(items[n], dict):
+            yield Record(items[n], where)
+        else:
+            yield Record(DataError(f"{where}: expected a JSON object, found {_clip(json.dumps(items[n]))}"), where)
+
+
+def _json_items(url: str, raw: bytes) -> tuple[list, Record | None]:
+    """The list of items of a ``.json`` file, or a bad :class:`Record` saying why there is none."""
+    try:
+        document = json.loads(_decode(raw, url, 1))
+    except DataError as e:
+        return [], Record(e, url)
+    except json.JSONDecodeError as e:
+        where = f"{url}:{e.lineno}"
+        return [], Record(DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"), where)
+    if isinstance(document, list):
+        return document, None
+    lists = [key for key, value in document.items() if isinstance(value, list)] if isinstance(document, dict) else []
+    if len(lists) == 1:
+        return document[lists[0]], None
+    found = f"an object with keys {', '.join(map(repr, document)) or 'none'}" if isinstance(document, dict) else _clip(document)
+    message = f"{url}: expected a JSON array of objects, or an object with exactly one list of objects; found {found}"
+    return [], Record(DataError(message), url)
+
+
+def _parquet_records(url: str, kind: str, compression: str | None, start: int) -> Iterator[Record]:
+    """A Parquet file's rows as ``{column: value}`` dicts, read a batch at a time; the
+    row groups wholly before ``start`` are not read at all."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{url}: reading Parquet files needs pyarrow (pip install pyarrow)") from None
+    with fsspec.open(url, "rb") as f:
+        try:
+            table = pq.ParquetFile(f)
+            counts = [table.metadata.row_group(g).num_rows for g in range(table.metadata.num_row_groups)]
+            first_group, row = 0, 0
+            while first_group < len(counts) and row + counts[first_group] <= start:
+                row += counts[first_group]
+                first_group += 1
+            if first_group == len(counts):
+                return
+            groups = list(range(first_group, len(counts)))
+            for batch in table.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=groups):
+                rows = batch.to_pylist()
+                skip = min(max(start - row, 0), len(rows))
+                for n, values in enumerate(rows[skip:], start=row + skip):
+                    yield Record(values, f"{url}:row {n}")
+                row += len(rows)
+        except pa.ArrowException as e:
+            raise DataError(f"{url}: not a readable Parquet file ({e})") from None
 
 
 def _decode(raw: bytes, path: str, line: int) -> str:
@@ -242,30 +371,19 @@ def _decode(raw: bytes, path: str, line: int) -> str:
         raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column})") from None
 
 
-def _json_line(line: str, where: str, text_key: str) -> str | None:
-    if not line.strip():
-        return None
+def _json_line(line: str, where: str) -> dict:
+    line = line.rstrip("\r\n")  # so that an unterminated string is reported as such
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {_clip(line)}") from None
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object with a {text_key!r} field, found {_clip(line)}")
-    if text_key not in record:
-        keys = ", ".join(map(repr, record)) or "none"
-        raise DataError(
-            f"{where}: no {text_key!r} field (the object's fields: {keys}); "
-            "set data.text_key to the field that holds the text"
-        )
-    text = record[text_key]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: field {text_key!r} should be a string, found {type(text).__name__} {_clip(text)}")
-    return text
+        raise DataError(f"{where}: expected a JSON object, found {_clip(line)}")
+    return record
 
 
-def _text_line(line: str, where: str, text_key: str) -> str | None:
-    text = line.rstrip("\r\n")
-    return text if text.strip() else None
+def _text_line(line: str, where: str) -> str:
+    return line.rstrip("\r\n")
 
 
 def _clip(value, limit: int = 80) -> str:
@@ -305,23 +423,39 @@ class PythonStdlibSourceConfig(DataSourceConfig):
         chosen = [p for p in _stdlib_files() if (_stable_fraction(p) < self.validation_fraction) == want_validation]
         return chosen[: self.max_files]
 
+    def shards(self, split: str) -> list[str]:
+        files = self.files(split)
+        return [f"files[{lo}:{lo + len(group)}]" for lo, group in _groups(files)]
+
     def fingerprint(self, split: str) -> dict:
         root = _stdlib_root()
-        listing = [(p, os.path.getsize(os.path.join(root, p))) for p in self.files(split)]
-        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-        return {
-            "type": "python_stdlib",
-            "python": f"{sys.implementation.name} {platform.python_version()}",
-            "files": len(listing),
-            "digest": digest,
-        }
+        shards = {}
+        for lo, group in _groups(self.files(split)):
+            listing = [(p, os.path.getsize(os.path.join(root, p))) for p in group]
+            shards[f"files[{lo}:{lo + len(group)}]"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+        return {"type": "python_stdlib", "python": f"{sys.implementation.name} {platform.python_version()}", "shards": shards}
 
-    def documents(self, split: str) -> Iterator[Document]:
+    def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
         root = _stdlib_root()
-        for rel in self.files(split):
+        groups = dict((f"files[{lo}:{lo + len(group)}]", group) for lo, group in _groups(self.files(split)))
+        if shard not in groups:
+            raise DataError(f"python_stdlib: no shard {shard!r} in the {split} split")
+        for rel in groups[shard][start:]:
             path = os.path.join(root, rel)
             with open(path, "rb") as f:
-                yield Document(_decode(f.read(), path, 1), path)
+                raw = f.read()
+            try:
+                yield Record(_decode(raw, path, 1), path)
+            except DataError as e:
+                yield Record(e, path)
+
+
+_FILES_PER_SHARD = 32
+
+
+def _groups(files: list[str]):
+    for lo in range(0, len(files), _FILES_PER_SHARD):
+        yield lo, files[lo : lo + _FILES_PER_SHARD]
 
 
 def _stdlib_root() -> str:

@@ -2,7 +2,8 @@
 
 Both offer the same small interface (:class:`Tokenizer`): a vocabulary size, an
 end-of-text id, a fingerprint that keys the tokenized cache, batch encoding to
-numpy arrays and decoding.
+numpy arrays (with character offsets, for formats that train on part of each
+example) and decoding, and the chat template that came with the tokenizer.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ class Tokenizer(abc.ABC):
         """One int32 array of ids per text."""
 
     @abc.abstractmethod
+    def encode_with_offsets(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per text, its int32 ids and an int64 ``[len(ids), 2]`` array of the character
+        span ``[start, end)`` of ``text`` that each token covers (``(0, 0)`` for tokens that
+        cover no text, such as a BOS the tokenizer adds). Special tokens written in the
+        text (``<|endoftext|>``...) are encoded as themselves, one id each.
+        ``add_special_tokens=False`` leaves out the tokens the tokenizer would add around
+        the text on its own (a chat template writes its own)."""
+
+    @abc.abstractmethod
     def decode(self, ids) -> str:
         """The text of a sequence of ids (special tokens written out)."""
 
@@ -52,6 +64,17 @@ class Tokenizer(abc.ABC):
     @property
     def eos_token(self) -> str | None:
         """The text of the end-of-text token, if there is one."""
+        return None
+
+    @property
+    def bos_token(self) -> str | None:
+        """The text of the beginning-of-text token, if the tokenizer names one."""
+        return None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template that came with the tokenizer (``chat_template`` of its
+        ``tokenizer_config.json``, or its ``chat_template.jinja``), if any."""
         return None
 
     def __repr__(self) -> str:
@@ -71,6 +94,27 @@ class ByteTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
+
+    def encode_with_offsets(self, texts, add_special_tokens=True):
+        """Byte ids, with ``<|endoftext|>`` in the text read as the end-of-text id (as a
+        Hugging Face tokenizer reads its special tokens); each byte's span is the
+        character it belongs to."""
+        return [self._encode_one_with_offsets(text) for text in texts]
+
+    def _encode_one_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids, spans, char = [], [], 0
+        for k, piece in enumerate(text.split(EOS_TEXT)):
+            if k:
+                ids.append(np.array([self.eos_id], np.int32))
+                spans.append(np.array([[char, char + len(EOS_TEXT)]], np.int64))
+                char += len(EOS_TEXT)
+            data = np.frombuffer(piece.encode("utf-8"), dtype=np.uint8)
+            starts_char = (data & 0xC0) != 0x80  # not a UTF-8 continuation byte
+            char_of_byte = char + np.cumsum(starts_char, dtype=np.int64) - 1
+            ids.append(data.astype(np.int32))
+            spans.append(np.stack([char_of_byte, char_of_byte + 1], axis=1))
+            char += len(piece)
+        return np.concatenate(ids), np.concatenate(spans)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64).ravel()
@@ -100,9 +144,18 @@ class ByteTokenizer(Tokenizer):
 
 
 class HfTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizers`` tokenizer loaded from its ``tokenizer.json``."""
+    """A Hugging Face ``tokenizers`` tokenizer loaded from its ``tokenizer.json``, with the
+    special tokens and chat template of its ``tokenizer_config.json``, where given."""
 
-    def __init__(self, name: str, tokenizer_json: str, eos_token: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        tokenizer_json: str,
+        eos_token: str | None = None,
+        *,
+        bos_token: str | None = None,
+        chat_template: str | None = None,
+    ):
         from tokenizers import Tokenizer as RustTokenizer
 
         self.name = name
@@ -114,13 +167,25 @@ class HfTokenizer(Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token else _EOS_CANDIDATES
         self.eos_id = next((i for i in map(self._tok.token_to_id, candidates) if i is not None), None)
+        self._bos_token = bos_token
+        self._chat_template = chat_template
 
     @property
     def fingerprint(self) -> str:
-        return f"hf-{self._json_digest}-eos{self.eos_id}"
+        # The chat template and BOS text decide how chats are rendered into text to encode.
+        extras = json.dumps([self._bos_token, self._chat_template]) if self._bos_token or self._chat_template else ""
+        chat = f"-chat{hashlib.sha256(extras.encode()).hexdigest()[:16]}" if extras else ""
+        return f"hf-{self._json_digest}-eos{self.eos_id}{chat}"
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts)]
+
+    def encode_with_offsets(self, texts, add_special_tokens=True):
+        out = []
+        for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens):
+            offsets = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+            out.append((np.asarray(e.ids, dtype=np.int32), offsets))
+        return out
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
@@ -128,6 +193,14 @@ class HfTokenizer(Tokenizer):
     @property
     def eos_token(self) -> str | None:
         return None if self.eos_id is None else self._tok.id_to_token(self.eos_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
 
     def to_tokenizer_json(self) -> str:
         return self._tok.to_str()
@@ -137,7 +210,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """``byte``, a ``tokenizer.json`` file, or a directory containing one (local path or
     fsspec URL). The end-of-text token is the ``eos_token`` of a ``tokenizer_config.json``
     beside it, else the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``
-    that the vocabulary has."""
+    that the vocabulary has. The same file gives the ``bos_token`` and ``chat_template``
+    (a ``chat_template.jinja`` beside it is used when the file has none)."""
     if spec == "byte":
         return ByteTokenizer()
     fs, path = fsspec.core.url_to_fs(spec)
@@ -153,16 +227,50 @@ def load_tokenizer(spec: str) -> Tokenizer:
         )
     with fs.open(path, "r", encoding="utf-8") as f:
         tokenizer_json = f.read()
-    return HfTokenizer(spec, tokenizer_json, _configured_eos(fs, posixpath.dirname(path)))
+    directory = posixpath.dirname(path)
+    config = _tokenizer_config(fs, directory)
+    return HfTokenizer(
+        spec,
+        tokenizer_json,
+        _token_text(config.get("eos_token")),
+        bos_token=_token_text(config.get("bos_token")),
+        chat_template=_chat_template(fs, directory, config),
+    )
 
 
-def _configured_eos(fs, directory: str) -> str | None:
+def _tokenizer_config(fs, directory: str) -> dict:
+    """The ``tokenizer_config.json`` beside a tokenizer; {} if there is none. A file that
+    is there but unreadable is an error: silently losing its chat template would change
+    what is trained on."""
     config_path = posixpath.join(directory, "tokenizer_config.json")
     if not fs.isfile(config_path):
-        return None
+        return {}
     with fs.open(config_path, "r", encoding="utf-8") as f:
         try:
-            eos = json.load(f).get("eos_token")
-        except (json.JSONDecodeError, AttributeError):
-            return None
-    return eos.get("content") if isinstance(eos, dict) else eos
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{config_path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def _token_text(token) -> str | None:
+    # Special tokens are written as text, or as an AddedToken object with a "content".
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(fs, directory: str, config: dict) -> str | None:
+    """The ``chat_template`` of the config (a string, or a list of named templates of which
+    ``default`` is used), else the ``chat_template.jinja`` file, else None."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja_path = posixpath.join(directory, "chat_template.jinja")
+    if fs.isfile(jinja_path):
+        with fs.open(jinja_path, "r", encoding="utf-8") as f:
+            return f.read()
+    return None

@@ -8,6 +8,12 @@ An architecture plugin provides two things:
 
 The trainer only ever calls ``config.build(Vocab, key=...)``, ``model(...)``
 (through :func:`next_token_loss`) and ``config.flops_per_token(...)``.
+
+Training examples are :class:`LmExample` s: token ids, and for packed data
+(chat, supervised) a loss mask and segment ids. A model that takes an
+``attn_mask`` keyword (an :class:`~levanter_core.layers.attention.AttentionMask`)
+in ``activations`` can train on packed data; attention then stays within each
+example.
 """
 
 from __future__ import annotations
@@ -70,8 +76,9 @@ class LmHeadModel(Protocol):
     @property
     def config(self) -> LmConfig: ...
 
-    def activations(self, input_ids: NamedArray, *, key=None) -> NamedArray:
-        """Final hidden states, axes ``(..., position, embed)``."""
+    def activations(self, input_ids: NamedArray, *, key=None, attn_mask=None) -> NamedArray:
+        """Final hidden states, axes ``(..., position, embed)``. ``attn_mask`` (an
+        ``AttentionMask``; None: causal) is needed only for packed data."""
         ...
 
     def get_lm_head(self) -> NamedArray:
@@ -96,13 +103,55 @@ class AuxiliaryLoss(eqx.Module):
     metrics: dict[str, jnp.ndarray]
 
 
-def lm_loss_and_metrics(model: LmHeadModel, input_ids: NamedArray, *, key=None) -> tuple[jnp.ndarray, dict]:
+class LmExample(eqx.Module):
+    """A batch of training examples: ``tokens`` ``(..., position)``; ``loss_mask`` (same
+    axes, float: the weight of predicting the token after each position; None: every
+    position but the last); ``segment_ids`` (same axes, int: examples packed into one
+    sequence have different ids, and attention does not cross them; None: one stream)."""
+
+    tokens: NamedArray
+    loss_mask: NamedArray | None = None
+    segment_ids: NamedArray | None = None
+
+    def attn_mask(self):
+        """The attention mask these examples need; None for plain causal attention."""
+        if self.segment_ids is None:
+            return None
+        from levanter_core.layers.attention import AttentionMask
+
+        return AttentionMask.causal_mask().with_segments(self.segment_ids)
+
+
+def as_example(batch: "LmExample | NamedArray") -> LmExample:
+    return batch if isinstance(batch, LmExample) else LmExample(batch)
+
+
+def _attn_kwargs(example: LmExample) -> dict:
+    mask = example.attn_mask()
+    return {} if mask is None else {"attn_mask": mask}
+
+
+def lm_loss_and_metrics(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> tuple[jnp.ndarray, dict]:
     """The training objective of a batch and the model's own metrics: mean next-token
-    cross-entropy, plus the model's :class:`AuxiliaryLoss` if it has one."""
+    cross-entropy over the positions ``loss_mask`` selects, plus the model's
+    :class:`AuxiliaryLoss` if it has one."""
+    example = as_example(batch)
+    kwargs = _attn_kwargs(example)
     if hasattr(model, "activations_with_aux"):
-        hidden, aux = model.activations_with_aux(input_ids, key=key)
-        return next_token_loss(model, input_ids, key=key, hidden=hidden) + aux.loss, dict(aux.metrics)
-    return next_token_loss(model, input_ids, key=key), {}
+        hidden, aux = model.activations_with_aux(example.tokens, key=key, **kwargs)
+    else:
+        hidden, aux = model.activations(example.tokens, key=key, **kwargs), None
+    loss = next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
+    if aux is None:
+        return loss, {}
+    return loss + aux.loss, dict(aux.metrics)
+
+
+def lm_eval_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
+    """The evaluation loss: next-token cross-entropy only (no auxiliary terms)."""
+    example = as_example(batch)
+    hidden = model.activations(example.tokens, key=key, **_attn_kwargs(example))
+    return next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
 
 
 def next_token_loss(

@@ -35,6 +35,22 @@ class DistributedConfig(ConfigModel):
         )
 
 
+class RayConfig(ConfigModel):
+    """Ray, for spreading data preprocessing (tokenization) over many machines."""
+
+    address: str | None = None
+    """The Ray cluster to join: ``host:port``, ``auto`` (the cluster this machine already
+    belongs to, or ``RAY_ADDRESS``), or ``local`` (start a private one on this machine).
+    None: no Ray unless ``auto_start_cluster`` applies."""
+    start_workers: bool = True
+    """Whether the training hosts join the cluster as workers (they tokenize too). False:
+    you start the cluster's workers yourself."""
+    auto_start_cluster: bool = True
+    """In a multi-process run with no ``address``, start a Ray cluster over the training
+    hosts (process 0 is the head). A single-process run without ``address`` tokenizes with
+    local processes (``data.num_workers``) and does not start Ray."""
+
+
 class TrainerConfig(ConfigModel):
     """How to train: steps and batches, precision, device mesh, evaluation, tracking, checkpoints."""
 
@@ -109,6 +125,8 @@ class TrainerConfig(ConfigModel):
     """JAX's persistent compilation cache directory (a second start skips compilation)."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Multi-process settings (``jax.distributed``)."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """The Ray cluster used for data preprocessing."""
 
     @field_validator("per_device_parallelism", "per_device_eval_parallelism")
     @classmethod

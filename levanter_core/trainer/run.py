@@ -159,13 +159,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     """Train as ``config`` says; resume if this run already has a checkpoint."""
     configure_jax(config)
 
-    import jax
-    from haliax import Axis
-
-    from levanter_core.data import build_lm_data
-    from levanter_core.models.lm import lm_loss_and_metrics, next_token_loss
-    from levanter_core.trainer.mesh import make_mesh
-    from levanter_core.trainer.trainer import Trainer
+    from levanter_core.data.pipeline import build_lm_data
 
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer
@@ -175,14 +169,45 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     record_files = write_run_record(run_dir, resolved, config_path, plugins)
     logger.info("run %s: run directory %s", run_id, run_dir)
     print(f"run directory: {run_dir}", flush=True)
+    run = _Run(run_id, run_dir, resolved, plugins, record_files, wall_start)
 
-    data = build_lm_data(config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, progress=progress)
+    # The caches are built in the background while the model compiles; batches wait for them.
+    data = build_lm_data(
+        config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, ray=trainer_cfg.ray, progress=progress
+    )
+    try:
+        return _train(config, run, data, progress)
+    finally:
+        data.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What identifies a run and was written before training starts."""
+
+    run_id: str
+    run_dir: str
+    resolved: dict
+    plugins: dict
+    record_files: list[str]
+    wall_start: float
+
+
+def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
+    import jax
+
+    from levanter_core.models.lm import lm_eval_loss, lm_loss_and_metrics
+    from levanter_core.trainer.mesh import make_mesh
+    from levanter_core.trainer.trainer import Trainer
+
+    trainer_cfg = config.trainer
+    run_id, run_dir, resolved, plugins = run.run_id, run.run_dir, run.resolved, run.plugins
     model_config, Vocab, hf_directory = _resolve_model(config, data.tokenizer)
 
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build_for_trainer(num_steps)
-    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh, eval_loss_fn=next_token_loss)
+    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh, eval_loss_fn=lm_eval_loss)
 
     def model_init(key):
         return model_config.build(Vocab, key=key)
@@ -216,7 +241,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
         tracker.log_hyperparameters(resolved)
-        for path in record_files:
+        for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
         flops = model_config.flops_per_token(Vocab.size)
         loop = _TrainLoop(config, trainer, data, tracker, checkpointer, flops_per_token=flops, progress=progress)
@@ -224,7 +249,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         checkpointer.on_step(state, int(state.step), force=True)
         checkpointer.wait_until_finished()
         result.checkpoint = checkpointer.latest()
-        result.wall_seconds = time.perf_counter() - wall_start
+        result.wall_seconds = time.perf_counter() - run.wall_start
         tracker.log_summary({k: v for k, v in dataclasses.asdict(result).items() if v is not None})
     except BaseException:
         # The run is failing already; a save still being written is finished, not cut short.
@@ -321,12 +346,30 @@ class _TrainLoop:
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_step = flops_per_token * self.tokens_per_step if flops_per_token else None
 
-    def evaluate(self, model) -> float | None:
-        validation = self.data.validation
-        if validation is None:
-            return None
-        cfg = self.trainer.config
-        return self.trainer.evaluate(model, validation.eval_batches(self.trainer.plan.eval_batch_size, cfg.max_eval_batches))
+    def evaluate(self, model) -> dict[str, float]:
+        """``eval/loss`` over every validation set, and ``eval/<source>/loss`` for each
+        source of a mixture; empty without validation data."""
+        from levanter_core.data.dataset import eval_batches
+
+        size, limit = self.trainer.plan.eval_batch_size, self.trainer.config.max_eval_batches
+        losses, counts = {}, {}
+        for name, dataset in self.data.validation.items():
+            batches = list(eval_batches(dataset, size, limit))
+            losses[name], counts[name] = self.trainer.evaluate(model, batches), len(batches)
+        if not losses:
+            return {}
+        total = sum(losses[n] * counts[n] for n in losses) / sum(counts.values())
+        metrics = {"eval/loss": total}
+        if self.config.data.is_mixture:
+            metrics.update({f"eval/{name}/loss": loss for name, loss in losses.items()})
+        return metrics
+
+    def data_metrics(self) -> dict[str, float]:
+        """The background build's progress while training waits on nothing, and the bad
+        records skipped: ``data/<source>/train_documents_cached``, ``data/skipped/<source>/<split>``."""
+        metrics = {f"data/{name}/train_documents_cached": cache.num_documents for name, cache in self.data.building().items()}
+        metrics.update({f"data/skipped/{where}": n for where, n in self.data.skipped().items()})
+        return metrics
 
     def run(self, state, result: RunResult):
         import jax
@@ -339,9 +382,14 @@ class _TrainLoop:
             print(f"run already complete: step {start} of {self.num_steps}", flush=True)
             return state
         if start == 0:
-            result.initial_eval_loss = self.evaluate(self.trainer.eval_model(state))
-            if result.initial_eval_loss is not None:
-                self.tracker.log({"eval/loss": result.initial_eval_loss}, step=0)
+            initial = self.evaluate(self.trainer.eval_model(state))
+            if initial:
+                result.initial_eval_loss = initial["eval/loss"]
+                self.tracker.log(initial, step=0)
+        building = self.data.building()
+        if building:
+            ready = ", ".join(f"{name}: {c.num_documents:,} documents" for name, c in building.items())
+            print(f"training starts while the training data is still being tokenized ({ready} so far)", flush=True)
 
         batch_size = self.trainer.plan.batch_size
         prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size), start, self.num_steps)
@@ -359,8 +407,8 @@ class _TrainLoop:
         try:
             carried: dict[str, Any] = {}  # logged with the next step
             for _ in range(start, self.num_steps):
-                index, tokens = prefetch.get()
-                state, metrics = self.trainer.train_step(state, tokens)
+                index, batch = prefetch.get()
+                state, metrics = self.trainer.train_step(state, batch)
                 if pending is not None:
                     self._finish(pending, throughput, bar, result)
                 step = index + 1
@@ -371,11 +419,12 @@ class _TrainLoop:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
+                pending["host"] = self.data_metrics()
                 if evaluating:
-                    eval_loss = self.evaluate(self.trainer.eval_model(state))
-                    if eval_loss is not None:
-                        pending["eval/loss"] = eval_loss
-                        result.final_eval_loss = eval_loss
+                    evaluated = self.evaluate(self.trainer.eval_model(state))
+                    pending["host"].update(evaluated)
+                    if evaluated:
+                        result.final_eval_loss = evaluated["eval/loss"]
                 if saving:
                     # The step is logged before its checkpoint can exist, so that a run resumed
                     # from that checkpoint has logged every step it does not train again.
@@ -406,9 +455,9 @@ class _TrainLoop:
             metrics["throughput/tokens_per_second"] = rate
             if self.flops_per_step:
                 metrics["throughput/model_gflops_per_second"] = rate / self.tokens_per_step * self.flops_per_step / 1e9
-        for name in ("eval/loss", "checkpoint/save_blocked_seconds"):
-            if name in pending:
-                metrics[name] = pending[name]
+        metrics.update(pending.get("host", {}))
+        if "checkpoint/save_blocked_seconds" in pending:
+            metrics["checkpoint/save_blocked_seconds"] = pending["checkpoint/save_blocked_seconds"]
         self.tracker.log(metrics, step=step)
         if result.first_loss is None:
             result.first_loss = metrics["train/loss"]

@@ -31,6 +31,7 @@ from haliax import Axis, NamedArray
 from jax.sharding import Mesh
 
 from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.models.lm import LmExample
 from levanter_core.optim.skipstep import skipped_step
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh import data_axis_size
@@ -39,8 +40,9 @@ from levanter_core.trainer.state import TrainerState
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
-"""``loss_fn(model, input_ids, *, key) -> (scalar, metrics)``: the mean loss of a batch and
-any scalars the model wants logged (see ``levanter_core.models.lm.lm_loss_and_metrics``)."""
+"""``loss_fn(model, example, *, key) -> (scalar, metrics)``: the mean loss of a batch (an
+:class:`LmExample`) and any scalars the model wants logged (see
+``levanter_core.models.lm.lm_loss_and_metrics``)."""
 
 
 class NonFiniteLossError(LevanterError):
@@ -97,13 +99,13 @@ class Trainer:
         when it accepts extra arguments (``optax.GradientTransformationExtraArgs``, as
         ``OptimizerConfig.build_for_trainer`` makes); a plain optax optimizer works too.
 
-        ``eval_loss_fn(model, input_ids, *, key) -> scalar`` is what evaluation reports;
+        ``eval_loss_fn(model, example, *, key) -> scalar`` is what evaluation reports;
         by default the first value of ``loss_fn``. (A model's auxiliary losses belong in
         the training objective, not in the evaluation loss.)"""
         self.config = config
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.eval_loss_fn = eval_loss_fn or (lambda model, ids, *, key: loss_fn(model, ids, key=key)[0])
+        self.eval_loss_fn = eval_loss_fn or (lambda model, batch, *, key: loss_fn(model, batch, key=key)[0])
         self.mesh = mesh
         self.mp: jmp.Policy = jmp.get_policy(config.mp)
         self.compute_mapping = config.compute_axis_mapping()
@@ -170,10 +172,10 @@ class Trainer:
         )
 
     # -- compiled pieces -------------------------------------------------------------------
-    def _compute_loss(self, model, input_ids: NamedArray, key) -> tuple[jax.Array, dict]:
-        return self.loss_fn(self.mp.cast_to_compute(model), input_ids, key=key)
+    def _compute_loss(self, model, batch: LmExample, key) -> tuple[jax.Array, dict]:
+        return self.loss_fn(self.mp.cast_to_compute(model), batch, key=key)
 
-    def _loss_and_grad(self, model, batch: NamedArray, key):
+    def _loss_and_grad(self, model, batch: LmExample, key):
         """``((loss, metrics), grads)``, averaged over the microbatches."""
         grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
         n = self.plan.num_microbatches
@@ -181,24 +183,34 @@ class Trainer:
             return grad_fn(model, batch, key)
         Micro = self.Batch.resize(self.plan.microbatch_size)
         Steps = Axis("microbatch", n)
-        rest = tuple(ax for ax in batch.axes if ax.name != self.Batch.name)
-        stacked = batch.unflatten_axis(self.Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest)).array
+
+        def rest(x: NamedArray) -> tuple[Axis, ...]:
+            return tuple(ax for ax in x.axes if ax.name != self.Batch.name)
+
+        def split(x: NamedArray):
+            return x.unflatten_axis(self.Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest(x))).array
+
+        def microbatch(arrays):
+            return jax.tree.map(
+                lambda a, x: hax.shard(hax.named(a, (Micro, *rest(x))), self.compute_mapping), arrays, batch
+            )
+
+        stacked = jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, NamedArray))
 
         def accumulate(carry, xs):
             sums, grad_sum = carry
-            tokens, mb_key = xs
-            microbatch = hax.shard(hax.named(tokens, (Micro, *rest)), self.compute_mapping)
-            values, grads = grad_fn(model, microbatch, mb_key)
+            arrays, mb_key = xs
+            values, grads = grad_fn(model, microbatch(arrays), mb_key)
             return (jax.tree.map(jnp.add, sums, values), jax.tree.map(jnp.add, grad_sum, grads)), None
 
-        first = hax.shard(hax.named(stacked[0], (Micro, *rest)), self.compute_mapping)
+        first = microbatch(jax.tree.map(lambda a: a[0], stacked))
         value_shapes = eqx.filter_eval_shape(self._compute_loss, model, first, key)
         zero_values = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), value_shapes)
         init = (zero_values, jax.tree.map(jnp.zeros_like, trainable(model)))
         (sums, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
         return jax.tree.map(lambda v: v / n, sums), jax.tree.map(lambda g: g / n, grad_sum)
 
-    def _step(self, state: TrainerState, batch: NamedArray):
+    def _step(self, state: TrainerState, batch: LmExample):
         key, next_key = jax.random.split(state.training_key)
         (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
@@ -214,26 +226,41 @@ class Trainer:
             metrics["optim/skipped_step"] = skipped
         return TrainerState(state.step + 1, model, opt_state, next_key, averaging), metrics
 
-    def _eval_loss(self, model, batch: NamedArray):
+    def _eval_loss(self, model, batch: LmExample):
         return self.eval_loss_fn(self.mp.cast_to_compute(model), batch, key=None)
 
     # -- host side ---------------------------------------------------------------------------
-    def to_device(self, tokens: np.ndarray, Batch: Axis) -> NamedArray:
-        named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), (Batch, Axis("position", tokens.shape[1])))
-        return hax.shard(named, self.compute_mapping, mesh=self.mesh)
+    def to_device(self, batch, Batch: Axis) -> LmExample:
+        """A host batch (token ids ``[batch, seq_len]``, or a ``data.Batch`` with a loss
+        mask and segment ids) as an :class:`LmExample` laid out on the mesh."""
+        tokens = getattr(batch, "tokens", batch)
+        axes = (Batch, Axis("position", tokens.shape[1]))
 
-    def train_step(self, state: TrainerState, tokens: np.ndarray | NamedArray):
-        """One optimizer step on a global batch ``[batch, seq_len]``; returns (state, metrics)."""
-        batch = tokens if isinstance(tokens, NamedArray) else self.to_device(tokens, self.Batch)
+        def put(values, dtype):
+            if values is None:
+                return None
+            return hax.shard(hax.named(jnp.asarray(values, dtype=dtype), axes), self.compute_mapping, mesh=self.mesh)
+
+        return LmExample(
+            put(tokens, jnp.int32),
+            put(getattr(batch, "loss_mask", None), jnp.float32),
+            put(getattr(batch, "segment_ids", None), jnp.int32),
+        )
+
+    def train_step(self, state: TrainerState, batch):
+        """One optimizer step on a global batch (token ids ``[batch, seq_len]``, a
+        ``data.Batch``, or an :class:`LmExample` already on the mesh); returns (state, metrics)."""
+        example = batch if isinstance(batch, LmExample) else self.to_device(batch, self.Batch)
         with hax.partitioning.set_mesh(self.mesh):
-            return self._train_step(state, batch)
+            return self._train_step(state, example)
 
-    def evaluate(self, model, batches: Iterator[np.ndarray]) -> float | None:
-        """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]``); None if there are none."""
+    def evaluate(self, model, batches: Iterator) -> float | None:
+        """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]`` ids or a
+        ``data.Batch``); None if there are none."""
         losses = []
         with hax.partitioning.set_mesh(self.mesh):
-            for tokens in batches:
-                losses.append(self._eval_step(model, self.to_device(tokens, self.EvalBatch)))
+            for batch in batches:
+                losses.append(self._eval_step(model, self.to_device(batch, self.EvalBatch)))
         if not losses:
             return None
         return float(np.mean([float(x) for x in losses]))

@@ -206,8 +206,9 @@ class Gpt2Attention(eqx.Module):
         )
         return Gpt2Attention(config, c_attn, c_proj)
 
-    def __call__(self, x: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
-        """``x`` has axes ``(..., position, embed)``; ``layer_idx`` is this block's index (a scalar)."""
+    def __call__(self, x: NamedArray, layer_idx: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
+        """``x`` has axes ``(..., position, embed)``; ``layer_idx`` is this block's index (a scalar);
+        ``attn_mask`` an ``AttentionMask`` (None: causal)."""
         config = self.config
         Pos = x.resolve_axis(config.Pos.name)
         KeyPos = Pos.alias(config.KeyPos.name)
@@ -226,7 +227,7 @@ class Gpt2Attention(eqx.Module):
             KeyPos,
             q,
             k,
-            mask=hnn.attention.causal_mask(Pos, KeyPos),
+            mask=hnn.attention.causal_mask(Pos, KeyPos) if attn_mask is None else attn_mask.materialize(Pos, KeyPos),
             attention_dtype=jnp.float32 if config.upcast_attn else None,
             scaling_factor=scale,
         )
@@ -255,9 +256,9 @@ class Gpt2Block(eqx.Module):
             Gpt2Mlp.init(config, key=k_mlp),
         )
 
-    def __call__(self, x: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, x: NamedArray, layer_idx: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         k_attn, k_resid_attn, k_resid_mlp = maybe_rng_split(key, 3)
-        attn_out = self.attn(self.ln_1(x), layer_idx, key=k_attn)
+        attn_out = self.attn(self.ln_1(x), layer_idx, attn_mask, key=k_attn)
         x = x + _dropout(attn_out, self.config.resid_pdrop, k_resid_attn)
         mlp_out = self.mlp(self.ln_2(x))
         return x + _dropout(mlp_out, self.config.resid_pdrop, k_resid_mlp)
@@ -277,10 +278,10 @@ class Gpt2Transformer(eqx.Module):
         )
         return Gpt2Transformer(config, blocks, hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon))
 
-    def __call__(self, x: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, x: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         # one key per layer, sliced by the scan; None (no dropout) is passed through as is
         keys = jax.random.split(key, self.config.num_layers) if key is not None else None
-        x = self.blocks.fold(x, hax.arange(self.config.Layers), key=keys)
+        x = self.blocks.fold(x, hax.arange(self.config.Layers), attn_mask, key=keys)
         return self.ln_f(x)
 
 
@@ -339,11 +340,12 @@ class Gpt2LMHeadModel(eqx.Module):
     def Pos(self) -> Axis:
         return self.config.Pos
 
-    def activations(self, input_ids: NamedArray, *, key=None) -> NamedArray:
-        """Hidden states after the final LayerNorm, axes ``(..., position, embed)``."""
+    def activations(self, input_ids: NamedArray, *, key=None, attn_mask=None) -> NamedArray:
+        """Hidden states after the final LayerNorm, axes ``(..., position, embed)``.
+        ``attn_mask`` (an ``AttentionMask``; None: causal) keeps packed examples apart."""
         k_embed, k_transformer = maybe_rng_split(key, 2)
         x = self.embeddings(input_ids, key=k_embed)
-        return self.transformer(x, key=k_transformer)
+        return self.transformer(x, attn_mask, key=k_transformer)
 
     def get_lm_head(self) -> NamedArray:
         """The output projection, axes ``(embed, vocab)``: the token embedding matrix."""

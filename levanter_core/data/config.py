@@ -1,0 +1,256 @@
+"""The ``data:`` section: one source, or a named mixture of sources, with the
+settings they share (tokenizer, cache, shuffling, workers, bad-data policy).
+
+A single source is written inline, as in Levanter::
+
+    data:
+      train_urls: ["corpus/train.{1..8}.jsonl.gz"]
+      validation_urls: ["corpus/val.jsonl.gz"]
+      cache_dir: cache/corpus
+      tokenizer: tokenizers/corpus
+
+Several sources go under ``configs``, each with its own name; ``train_weights``
+says how often each is sampled::
+
+    data:
+      cache_dir: cache/
+      configs:
+        code: {type: python_stdlib}
+        web: {train_urls: ["web/*.jsonl.zst"], validation_urls: ["web/val.jsonl"]}
+      train_weights: {code: 0.3, web: 0.7}
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Annotated, Any
+
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PlainSerializer,
+    PlainValidator,
+    PositiveInt,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+
+from pydantic_core import PydanticCustomError
+
+from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one
+
+SINGLE = "main"
+"""The name the only source of a non-mixture ``data:`` section gets."""
+
+Weights = dict[str, Annotated[float, Field(ge=0)]]
+
+
+class DataConfig(ConfigModel):
+    """The training and validation data: its sources, tokenizer and cache."""
+
+    tokenizer: str = "byte"
+    """``byte`` for the built-in byte-level tokenizer (256 byte ids plus ``<|endoftext|>``),
+    or the path of a Hugging Face ``tokenizer.json`` or of a directory containing one (with
+    its ``tokenizer_config.json``, whose ``eos_token`` and ``chat_template`` are used)."""
+
+    cache_dir: str = "cache/"
+    """Where the tokenized caches live: a local directory or an fsspec URL. A single source
+    caches each split in ``{cache_dir}/{split}``; a mixture's source ``name`` in
+    ``{cache_dir}/{name}/{split}`` unless it sets its own ``cache_dir``. A cache built from
+    other inputs, another tokenizer or another format is refused, never silently reused."""
+
+    enforce_eos: bool = True
+    """Append the end-of-text token after every document (and supervised example), so
+    documents joined into one stream stay separated."""
+
+    shuffle: bool | PositiveInt = True
+    """``true``: a keyed permutation of all of each source's sequences, a new one each epoch
+    (training waits for the source's cache to be complete, since the permutation needs its
+    size). An integer N: shuffle within consecutive eras of N sequences, so training starts
+    as soon as the first sequences are cached. ``false``: read in order, starting at once.
+    Either way the batch at step N depends only on ``trainer.seed`` and N. Evaluation always
+    reads in order."""
+
+    configs: dict[str, Typed("data_source", "url")] = Field(default_factory=dict)  # type: ignore[valid-type]
+    """Named sources to mix, each a data source section (``type``, default ``url``). Leave
+    empty and write the source's fields directly under ``data:`` for a single source."""
+
+    train_weights: Weights | list[tuple[NonNegativeInt, Weights]] | None = None
+    """How often each source of ``configs`` is sampled for training: a mapping from name to
+    weight (normalized; 0 leaves a source out of training but keeps its validation set), or a
+    list of ``[step, {name: weight}]`` stages, the first at step 0. Default: equal weights.
+    Changing the weights never re-tokenizes anything."""
+
+    mixture_block_size: PositiveInt = 2048
+    """Sequences per mixture block: each block holds each source's share (by
+    ``train_weights``) exactly, in a keyed random order."""
+
+    num_workers: PositiveInt = 1
+    """Processes tokenizing on this machine; shards (files) are spread over them. With
+    ``trainer.ray`` connected to a cluster, Ray workers are used instead. The cache is the
+    same whatever the number."""
+
+    skip_bad_data: bool = False
+    """Skip records that cannot be used (not UTF-8, not JSON, missing the text field, an
+    empty chat...) and count them in the logs, instead of stopping with the file and line."""
+
+    @model_validator(mode="after")
+    def _check_weights(self):
+        names = set(self.configs)
+        for step, weights in self._raw_stages():
+            unknown = set(weights) - names
+            if unknown:
+                raise ValueError(
+                    f"train_weights names {', '.join(sorted(unknown))}, not among data.configs "
+                    f"({', '.join(sorted(names)) or 'empty'})"
+                )
+            if not any(w > 0 for w in weights.values()):
+                raise ValueError(f"train_weights at step {step}: no source has a positive weight")
+        for step, weights in self.weight_stages():
+            for name, weight in weights.items():
+                if 0 < weight * self.mixture_block_size < 1:
+                    raise ValueError(
+                        f"train_weights at step {step}: {name!r} would get {weight * self.mixture_block_size:.2g} "
+                        f"of every {self.mixture_block_size} sequences, so it might never be drawn; raise "
+                        "mixture_block_size or its weight"
+                    )
+        steps = [step for step, _ in self._raw_stages()]
+        if steps[0] != 0 or steps != sorted(set(steps)):
+            raise ValueError(f"train_weights stages must start at step 0 and increase (got steps {steps})")
+        return self
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """The sources by name (a single source is named ``main``)."""
+        return dict(self.configs)
+
+    @property
+    def is_mixture(self) -> bool:
+        return len(self.configs) > 1 or SINGLE not in self.configs
+
+    def _raw_stages(self) -> list[tuple[int, dict[str, float]]]:
+        raw = self.train_weights
+        if raw is None:
+            return [(0, {name: 1.0 for name in self.configs})]
+        if isinstance(raw, dict):
+            return [(0, dict(raw))]
+        return [(int(step), dict(weights)) for step, weights in raw] or [(0, {})]
+
+    def weight_stages(self) -> list[tuple[int, dict[str, float]]]:
+        """``[(start_step, {name: normalized weight})]``; every source appears in each stage."""
+        stages = []
+        for step, weights in self._raw_stages():
+            total = sum(weights.values())
+            stages.append((step, {name: weights.get(name, 0.0) / total for name in self.configs}))
+        return stages
+
+    def cache_path(self, name: str, split: str) -> str:
+        """The cache directory of source ``name``'s ``split``."""
+        source = self.configs[name]
+        if source.cache_dir:
+            root = source.cache_dir
+        elif self.is_mixture:
+            root = posixpath.join(self.cache_dir, name)
+        else:
+            root = self.cache_dir
+        return posixpath.join(root.rstrip("/") or "/", split)
+
+
+def _own_fields() -> set[str]:
+    return set(DataConfig.model_fields)
+
+
+def validate_data_section(value: Any) -> DataConfig:
+    """The ``data:`` section: a :class:`DataConfig`, where a section without ``configs``
+    is one source written inline (its ``type``, default ``url``, and fields)."""
+    if isinstance(value, DataConfig):
+        return value
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise _fail((), "typed_section", f"expected a mapping, got {value!r}", value)
+    own = {k: v for k, v in value.items() if k in _own_fields()}
+    rest = {k: v for k, v in value.items() if k not in _own_fields()}
+    if "configs" in own:
+        if rest:
+            errors = [
+                {
+                    "type": PydanticCustomError(
+                        "misplaced_field",
+                        "with data.configs set, a source's fields go under data.configs.<name>; "
+                        "this section takes only: {known}",
+                        {"known": ", ".join(sorted(_own_fields()))},
+                    ),
+                    "loc": (k,),
+                    "input": v,
+                }
+                for k, v in rest.items()
+            ]
+            raise ValidationError.from_exception_data("config", errors)
+    else:
+        rest.setdefault("type", _inferred_type(rest))
+        own["configs"] = {SINGLE: _validate_one("data_source", "url", rest)}
+    return DataConfig.model_validate(own)
+
+
+def _inferred_type(section: dict) -> str:
+    """The source type for a section without ``type``: the registered source whose
+    ``inferred_from`` keys appear in it, else ``url``."""
+    from levanter_core.plugins import registry
+
+    reg = registry("data_source")
+    for name in reg.names():
+        cls = reg.get(name).config_cls
+        if any(key in section for key in getattr(cls, "inferred_from", ())):
+            return name
+    return "url"
+
+
+def data_known_fields(loc: tuple, section: Any) -> list[str]:
+    """The field names allowed at ``loc`` inside the ``data:`` section ``section`` (raw), for
+    did-you-mean hints: the section's own fields plus its inline source's, or a mixture
+    source's fields under ``configs.<name>``."""
+    from levanter_core.plugins import registry
+
+    section = section if isinstance(section, dict) else {}
+    reg = registry("data_source")
+
+    def source_fields(node: Any) -> list[str]:
+        node = node if isinstance(node, dict) else {}
+        name = node.get("type") or _inferred_type(node)
+        return sorted(reg.get(name).config_cls.model_fields) if name in reg else []
+
+    if not loc:
+        if "configs" in section:
+            return sorted(_own_fields())
+        return sorted(_own_fields() | set(source_fields(section)))
+    if loc[0] == "configs" and len(loc) == 2:
+        configs = section.get("configs")
+        return source_fields(configs.get(loc[1]) if isinstance(configs, dict) else None)
+    return []
+
+
+def _serialize(config: DataConfig) -> dict:
+    data = config.model_dump(mode="json")
+    if not config.is_mixture:  # written back inline, the way it was given
+        source = data.pop("configs")[SINGLE]
+        for key in ("train_weights", "mixture_block_size"):
+            data.pop(key)
+        data = {**source, **data}  # the section's cache_dir, not the source's (unset)
+    return data
+
+
+def _tag(func):
+    func.__levanter_data_section__ = True
+    return func
+
+
+DataSection = Annotated[
+    Any,
+    PlainValidator(_tag(validate_data_section)),
+    PlainSerializer(_serialize),
+    WithJsonSchema({"type": "object", "description": "the data section"}),
+]
+"""Annotation of ``TrainConfig.data``."""
+

@@ -1,0 +1,229 @@
+"""Who tokenizes the shards of a cache: local worker processes, or Ray tasks.
+
+The coordinator (a thread of the process building the cache, see :mod:`.cache`) calls
+:func:`run_shards` with a *work* function and the unfinished shards. Work for one shard
+is a generator of :class:`Progress` reports, each sent after the data it counts is
+stored. Shards go out in index order, so the ready prefix of the cache grows early;
+they may finish out of order. Every report comes back to the coordinator's thread.
+
+* Local: ``num_workers`` processes from a *spawn* context (the caller may have JAX
+  loaded, which must never be forked), fed shards from a queue. A cache in this
+  process's memory (``memory://``) is built by threads instead: other processes
+  cannot see it.
+* Ray: with ``trainer.ray.address`` set (``local``, ``auto`` or ``host:port``), each
+  shard is a streaming Ray task whose reports are its yielded values.
+
+A worker that raises or dies fails the whole build; :func:`run_shards` raises its
+error. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, Iterator
+
+from levanter_core.errors import DataError, UserError
+
+_POLL = 0.2  # seconds between checks for a stop request or a dead worker
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTask:
+    """One shard to tokenize, from its resume point (the ledger's counts)."""
+
+    index: int
+    name: str
+    records: int
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A shard's counts so far (from its start, resumed runs included); everything counted
+    is stored. ``problems``: messages of records skipped since the previous report."""
+
+    index: int
+    records: int
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+    problems: list[str]
+    finished: bool
+
+
+class BuildStopped(Exception):
+    """The build was asked to stop (``TokenCache.close()``) before it finished."""
+
+
+Work = Callable[[ShardTask], Iterator[Progress]]
+
+
+def run_shards(
+    work: Work,
+    tasks: list[ShardTask],
+    report: Callable[[Progress], None],
+    *,
+    num_workers: int,
+    ray=None,
+    stop: threading.Event,
+    processes: bool = True,
+) -> None:
+    """Run ``work`` on every task and call ``report`` (in this thread) with each report.
+    Returns when every shard is finished; raises the first worker error, or
+    :class:`BuildStopped` soon after ``stop`` is set. ``ray``: a ``RayConfig``, used when it
+    has an ``address``. ``processes=False``: local workers are threads of this process."""
+    if not tasks:
+        return
+    if ray is not None and ray.address:
+        if not processes:
+            raise DataError("a cache kept in this process's memory (memory://) cannot be built by Ray workers")
+        _run_ray(work, tasks, report, ray.address, stop)
+    else:
+        _run_local(work, tasks, report, num_workers, stop, processes)
+
+
+# -- local processes --------------------------------------------------------------------------
+
+
+def _serve(work: Work, todo, results, halt, own_process: bool) -> None:
+    """A worker's life: take shards until the queue's end marker, sending every report."""
+    if own_process:
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    while not halt.is_set():
+        task = todo.get()
+        if task is None:
+            return
+        try:
+            for progress in work(task):
+                if halt.is_set():
+                    return
+                results.put(("progress", progress))
+            results.put(("done", task.index))
+        except BaseException as e:  # reaches the coordinator, which fails the build
+            results.put(("error", _portable(e, task)))
+            return
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker process as soon as the coordinator's process is gone (killed), so no
+    orphan keeps writing while a restarted build resumes the same shards."""
+    while os.getppid() == parent:
+        time.sleep(0.05)
+    os._exit(1)
+
+
+def _portable(error: BaseException, task: ShardTask) -> BaseException:
+    """``error`` in a form that survives pickling: a :class:`UserError` as it is (its
+    message is for people), anything else as its traceback."""
+    if isinstance(error, UserError):
+        return error
+    return RuntimeError(f"tokenizing shard {task.index} ({task.name}) failed:\n{''.join(traceback.format_exception(error))}")
+
+
+def _run_local(work: Work, tasks: list[ShardTask], report, num_workers: int, stop: threading.Event, processes: bool) -> None:
+    count = min(num_workers, len(tasks))
+    if processes:
+        context = multiprocessing.get_context("spawn")
+        todo, results, halt = context.Queue(), context.Queue(), context.Event()
+        workers = [context.Process(target=_serve, args=(work, todo, results, halt, True), daemon=True) for _ in range(count)]
+    else:
+        todo, results, halt = queue.Queue(), queue.Queue(), threading.Event()
+        workers = [threading.Thread(target=_serve, args=(work, todo, results, halt, False), daemon=True) for _ in range(count)]
+    for task in tasks:  # in index order: the first shards go out first
+        todo.put(task)
+    for _ in workers:
+        todo.put(None)
+    for worker in workers:
+        worker.start()
+    remaining = len(tasks)
+    try:
+        while remaining:
+            if stop.is_set():
+                raise BuildStopped()
+            try:
+                kind, payload = results.get(timeout=_POLL)
+            except queue.Empty:
+                _check_alive(workers)
+                continue
+            if kind == "progress":
+                report(payload)
+            elif kind == "done":
+                remaining -= 1
+            else:
+                raise payload
+    finally:
+        halt.set()
+        _end(workers, wait=remaining == 0)
+
+
+def _check_alive(workers) -> None:
+    for worker in workers:
+        code = getattr(worker, "exitcode", None)
+        if code:  # a process that exited with an error before it could report one (killed, out of memory)
+            raise RuntimeError(f"a tokenizer worker process died (exit code {code}) before finishing its shard")
+
+
+def _end(workers, wait: bool) -> None:
+    """Let finished workers exit; terminate processes that are still busy."""
+    for worker in workers:
+        worker.join(timeout=10 if wait else 0.5)
+        if worker.is_alive() and hasattr(worker, "terminate"):
+            worker.terminate()
+            worker.join()
+
+
+# -- Ray --------------------------------------------------------------------------------------
+
+
+def _stream(work: Work, task: ShardTask) -> Iterator[Progress]:
+    """A Ray task's body: the shard's reports, as the values it streams back."""
+    yield from work(task)
+
+
+def _connect(address: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: threading.Event) -> None:
+    import ray
+    from ray.exceptions import RayTaskError
+
+    _connect(address)
+    stream = ray.remote(num_returns="streaming", max_retries=0)(_stream)
+    # No more tasks in flight than CPUs, so they start in index order.
+    capacity = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    pending = list(tasks)
+    running: dict = {}
+    try:
+        while pending or running:
+            while pending and len(running) < capacity:
+                task = pending.pop(0)
+                running[stream.remote(work, task)] = task
+            if stop.is_set():
+                raise BuildStopped()
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL)
+            for generator in ready:
+                try:
+                    report(ray.get(next(generator)))
+                except StopIteration:
+                    del running[generator]
+                except RayTaskError as e:
+                    raise (e.cause if isinstance(e.cause, UserError) else e) from None
+    finally:
+        for generator in running:
+            ray.cancel(generator, force=True)

@@ -1,0 +1,364 @@
+"""How records become training examples: the ``format`` of a data source.
+
+A source yields records (a line of text, or a JSON object / table row); its
+format turns each into token ids and, for formats that train on only part of
+each example, a *target mask* (1 where a token is one the model should learn
+to predict). Three formats ship with the core:
+
+* ``text`` (the default): one document per record, from its ``text_key``
+  field; documents are joined into one stream and cut into sequences;
+* ``chat``: a list of messages rendered with a chat template, trained on the
+  assistant turns only;
+* ``supervised``: an input and an output field, trained on the output only.
+
+Formats with a target mask are *packed*: several whole examples share one
+sequence, and attention does not cross from one to the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Annotated, Any, Literal, NamedTuple, Union
+
+import numpy as np
+from pydantic import Discriminator, Field, Tag
+
+from levanter_core.config.base import ConfigModel
+from levanter_core.data.tokenizer import Tokenizer
+from levanter_core.errors import DataError
+
+
+class Encoded(NamedTuple):
+    """One example's token ids (int32) and, for packed formats, its target mask
+    (uint8, same length: 1 where the token is a training target)."""
+
+    ids: np.ndarray
+    target_mask: np.ndarray | None = None
+
+
+class _Format(ConfigModel):
+    @property
+    def packed(self) -> bool:
+        """Whether examples are packed whole into sequences (with a target mask),
+        rather than joined into one stream."""
+        return False
+
+    def fingerprint(self) -> dict:
+        """What the cache must match: every field of the format."""
+        return self.model_dump(mode="json")
+
+    def encode_batch(
+        self, values: list, wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
+    ) -> list[Encoded | DataError]:
+        """Encode records ``values`` (each a ``str`` or a ``dict``), read from
+        ``wheres`` (``file:line``). A record that cannot be used gives a
+        :class:`DataError` naming its ``where`` in its place, so the caller may raise it
+        or skip and count it. ``eos_id`` (None: do not append) ends each example."""
+        raise NotImplementedError
+
+
+class TextFormat(_Format):
+    """Plain text: each record is one document."""
+
+    type: Literal["text"] = "text"
+    """``text``: one document per record."""
+
+    text_key: str = Field("text", min_length=1)
+    """The field of a JSON record that holds the document's text. Records that are already
+    text (lines of a ``.txt`` file, files of ``python_stdlib``) are used as they are."""
+
+    def encode_batch(self, values, wheres, tokenizer, eos_id):
+        texts: list[str] = []
+        problems: dict[int, DataError] = {}
+        for i, (value, where) in enumerate(zip(values, wheres)):
+            try:
+                texts.append(self.text_of(value, where))
+            except DataError as e:
+                problems[i] = e
+                texts.append("")
+        ids = tokenizer.encode_batch(texts)
+        out: list[Encoded | DataError] = []
+        for i, x in enumerate(ids):
+            if i in problems:
+                out.append(problems[i])
+            else:
+                out.append(Encoded(append_eos(x, eos_id)))
+        return out
+
+    def text_of(self, value, where: str) -> str:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, dict):
+            raise DataError(f"{where}: expected a JSON object with a {self.text_key!r} field, found {_clip(value)}")
+        if self.text_key not in value:
+            keys = ", ".join(map(repr, value)) or "none"
+            raise DataError(
+                f"{where}: no {self.text_key!r} field (the record's fields: {keys}); "
+                "set format.text_key to the field that holds the text"
+            )
+        text = value[self.text_key]
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field {self.text_key!r} should be a string, found {type(text).__name__} {_clip(text)}"
+            )
+        return text
+
+
+class ChatFormat(_Format):
+    """Conversations: each record holds a list of messages (``{"role": ..., "content": ...}``,
+    roles ``system``, ``user``, ``assistant``...) that a Jinja chat template renders into
+    one text, as Hugging Face's ``apply_chat_template`` does (same variables: ``messages``,
+    ``add_generation_prompt``, ``bos_token``, ``eos_token``; same ``trim_blocks`` and
+    ``lstrip_blocks`` settings; a sandboxed environment). The template's own special
+    tokens are encoded as such, and nothing else is added (no ``enforce_eos``: the
+    template says how a conversation ends).
+
+    The targets are each assistant message and what the template writes after it to end
+    the turn: the text between the conversation up to that message rendered with
+    ``add_generation_prompt`` and the conversation through that message. A template must
+    therefore render every conversation as an extension of its prefixes.
+
+    Without a template of its own or from the tokenizer, the built-in one is used: each
+    message as ``<|{role}|>``, a newline, the content, the end-of-text token and a newline;
+    the generation prompt is ``<|assistant|>`` and a newline."""
+
+    type: Literal["chat"] = "chat"
+    """``chat``: a list of messages per record, trained on the assistant turns."""
+
+    messages_field: str = Field("messages", min_length=1)
+    """The field of a record that holds the list of messages."""
+
+    chat_template: str | None = None
+    """A Jinja chat template. None: the tokenizer's (``chat_template`` in its
+    ``tokenizer_config.json``), else the built-in template described above."""
+
+    mask_user_turns: bool = True
+    """Train on the assistant turns only. ``false``: train on every token of the
+    conversation (system and user messages and the template's markup too)."""
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def encode_batch(self, values, wheres, tokenizer, eos_id):
+        template = _compile(self.chat_template or tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE)
+        specials = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+        examples: list[tuple[str, list[tuple[int, int]]] | DataError] = []
+        for value, where in zip(values, wheres):
+            try:
+                examples.append(self.render(value, where, template, specials))
+            except DataError as e:
+                examples.append(e)
+        return _encode_targets(examples, tokenizer, add_special_tokens=False, eos_id=None)
+
+    def render(self, value, where: str, template, specials: dict) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text, and the character spans ``[start, end)`` to train on."""
+        messages = self.messages_of(value, where)
+        full = _render(template, messages, False, specials, where)
+        if not self.mask_user_turns:
+            return full, [(0, len(full))]
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = _render(template, messages[:i], True, specials, where)
+            through = _render(template, messages[: i + 1], False, specials, where)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise DataError(
+                    f"{where}: the chat template does not render message {i} as an extension of the "
+                    "messages before it, so its tokens cannot be told apart; use a template that "
+                    "renders conversations prefix by prefix (format.chat_template)"
+                )
+            spans.append((len(before), len(through)))
+        if not spans:
+            raise DataError(f"{where}: no assistant message, so nothing to train on (roles: {_roles(messages)})")
+        return full, spans
+
+    def messages_of(self, value, where: str) -> list[dict]:
+        """The record's messages, checked: a non-empty list of objects with string
+        ``role`` and ``content``."""
+        if not isinstance(value, dict) or self.messages_field not in value:
+            keys = ", ".join(map(repr, value)) if isinstance(value, dict) else f"not an object: {_clip(value)}"
+            raise DataError(
+                f"{where}: no {self.messages_field!r} field (the record's fields: {keys or 'none'}); "
+                "set format.messages_field to the field that holds the messages"
+            )
+        messages = value[self.messages_field]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: {self.messages_field!r} should be a non-empty list of messages, found {_clip(messages)}")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise DataError(f"{where}: message {i} should be an object with 'role' and 'content', found {_clip(message)}")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    found = "nothing" if key not in message else f"{type(message[key]).__name__} {_clip(message[key])}"
+                    raise DataError(f"{where}: message {i} should have a string {key!r}, found {found}")
+        return messages
+
+
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The chat template used when neither the format nor the tokenizer has one."""
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str):
+    """A chat template compiled in a sandbox, with the settings and the ``raise_exception``
+    helper that Hugging Face's templates expect."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_from_template
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"format.chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_from_template(message: str):
+    raise _TemplateRaised(message)
+
+
+def _render(template, messages: list[dict], add_generation_prompt: bool, specials: dict, where: str) -> str:
+    import jinja2
+
+    try:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+    except _TemplateRaised as e:
+        raise DataError(f"{where}: the chat template refused this conversation: {e}") from None
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+        raise DataError(f"{where}: the chat template failed on this conversation ({type(e).__name__}: {e})") from None
+
+
+def _roles(messages: list[dict]) -> str:
+    return ", ".join(dict.fromkeys(m["role"] for m in messages))
+
+
+class SupervisedFormat(_Format):
+    """Input/output pairs: each record's input, the separator and its output are encoded
+    as one text, trained on the output (and the end-of-text token after it)."""
+
+    type: Literal["supervised"] = "supervised"
+    """``supervised``: an input and an output field per record, trained on the output."""
+
+    input_field: str = Field("prompt", min_length=1)
+    """The field of a record that holds the input (the prompt)."""
+
+    output_field: str = Field("response", min_length=1)
+    """The field of a record that holds the output to learn (the response)."""
+
+    separator: str = ""
+    """Text put between the input and the output (``"\\n"``, ``" "``...); not trained on."""
+
+    mask_inputs: bool = True
+    """Train on the output only. ``false``: train on the input and separator too."""
+
+    @property
+    def packed(self) -> bool:
+        return True
+
+    def encode_batch(self, values, wheres, tokenizer, eos_id):
+        examples: list[tuple[str, list[tuple[int, int]]] | DataError] = []
+        for value, where in zip(values, wheres):
+            try:
+                prompt, output = self._field(value, self.input_field, where), self._output(value, where)
+            except DataError as e:
+                examples.append(e)
+                continue
+            text = prompt + self.separator + output
+            examples.append((text, [(len(text) - len(output) if self.mask_inputs else 0, len(text))]))
+        return _encode_targets(examples, tokenizer, add_special_tokens=True, eos_id=eos_id)
+
+    def _output(self, value: dict, where: str) -> str:
+        output = self._field(value, self.output_field, where)
+        if not output:
+            raise DataError(f"{where}: field {self.output_field!r} is empty, so there is nothing to train on")
+        return output
+
+    def _field(self, value, field: str, where: str) -> str:
+        if not isinstance(value, dict):
+            raise DataError(f"{where}: expected a JSON object with {self.input_field!r} and {self.output_field!r}, found {_clip(value)}")
+        if field not in value:
+            keys = ", ".join(map(repr, value)) or "none"
+            which = "input_field" if field == self.input_field else "output_field"
+            raise DataError(f"{where}: no {field!r} field (the record's fields: {keys}); set format.{which}")
+        text = value[field]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field {field!r} should be a string, found {type(text).__name__} {_clip(text)}")
+        return text
+
+
+def _encode_targets(
+    examples: list[tuple[str, list[tuple[int, int]]] | DataError],
+    tokenizer: Tokenizer,
+    add_special_tokens: bool,
+    eos_id: int | None,
+) -> list[Encoded | DataError]:
+    """Encode each example's text in one batch, its target mask 1 on the tokens of its
+    character spans; errors stay in their places."""
+    texts = [e[0] for e in examples if not isinstance(e, DataError)]
+    encoded = iter(tokenizer.encode_with_offsets(texts, add_special_tokens=add_special_tokens))
+    out: list[Encoded | DataError] = []
+    for example in examples:
+        if isinstance(example, DataError):
+            out.append(example)
+            continue
+        ids, offsets = next(encoded)
+        out.append(_end_with_eos(ids, _span_mask(offsets, example[1]), eos_id))
+    return out
+
+
+def _span_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for each token whose character span overlaps one of ``spans``. A token that
+    straddles a span's edge is a target: it holds some of the text to learn."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    for lo, hi in spans:
+        mask |= (starts < hi) & (ends > lo)
+    return mask.astype(np.uint8)
+
+
+def _end_with_eos(ids: np.ndarray, mask: np.ndarray, eos_id: int | None) -> Encoded:
+    """The example ending in ``eos_id`` (None: unchanged), which is a target: the model
+    learns where an output ends, whether the tokenizer added the token or we do."""
+    if eos_id is None:
+        return Encoded(ids, mask)
+    if not (len(ids) and ids[-1] == eos_id):
+        ids = np.concatenate([ids, np.array([eos_id], np.int32)])
+        mask = np.concatenate([mask, np.zeros(1, np.uint8)])
+    mask[-1] = 1
+    return Encoded(ids, mask)
+
+
+def append_eos(ids: np.ndarray, eos_id: int | None) -> np.ndarray:
+    """``ids`` ending in ``eos_id`` (unchanged if it already does, or ``eos_id`` is None)."""
+    if eos_id is None or (len(ids) and ids[-1] == eos_id):
+        return ids
+    return np.concatenate([ids, np.array([eos_id], np.int32)])
+
+
+def _clip(value, limit: int = 80) -> str:
+    text = value.strip() if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _format_type(value: Any) -> str:
+    # A format section without ``type`` is text, as is a source without ``format``.
+    if isinstance(value, dict):
+        return value.get("type", "text")
+    return getattr(value, "type", "text")
+
+
+DataFormat = Annotated[
+    Union[Annotated[TextFormat, Tag("text")], Annotated[ChatFormat, Tag("chat")], Annotated[SupervisedFormat, Tag("supervised")]],
+    Discriminator(_format_type),
+]
+"""The ``format`` of a data source, chosen by its ``type`` (default ``text``)."""

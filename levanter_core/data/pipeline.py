@@ -1,0 +1,120 @@
+"""The data a run needs, assembled from the ``data:`` section: the tokenizer, a
+cache per source and split (built in the background), the training stream and
+the validation sets.
+
+This is the one place that connects the pieces; each lives in its own module:
+sources (:mod:`.source`), formats (:mod:`.formats`), the cache (:mod:`.cache`),
+sequences, shuffling and mixtures (:mod:`.dataset`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Iterator
+
+from levanter_core.data.cache import TokenCache, open_cache
+from levanter_core.data.config import DataConfig
+from levanter_core.data.dataset import SequenceDataset, TrainStream, sequence_dataset
+from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
+from levanter_core.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LmData:
+    """What training reads: the tokenizer, the training stream (``batch(step, size)``),
+    and each source's validation sequences by name."""
+
+    tokenizer: Tokenizer
+    train: TrainStream
+    validation: dict[str, SequenceDataset]
+    caches: dict[tuple[str, str], TokenCache]
+
+    def building(self) -> dict[str, TokenCache]:
+        """The training caches still being built, by source name."""
+        return {name: c for (name, split), c in self.caches.items() if split == "train" and not c.complete}
+
+    def skipped(self) -> dict[str, int]:
+        """Bad records skipped so far (``data.skip_bad_data``), per ``source/split``."""
+        counts = {}
+        for (name, split), cache in self.caches.items():
+            n = sum(cache.skipped().values())
+            if n:
+                counts[f"{name}/{split}"] = n
+        return counts
+
+    def close(self) -> None:
+        """Stop the background builds (what they finished stays in the cache)."""
+        for cache in self.caches.values():
+            cache.close()
+
+
+def _open(config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ray, background: bool, progress: bool):
+    source = config.configs[name]
+    try:
+        return open_cache(
+            config.cache_path(name, split),
+            source,
+            split,
+            tokenizer,
+            enforce_eos=config.enforce_eos,
+            skip_bad_data=config.skip_bad_data,
+            num_workers=config.num_workers,
+            ray=ray,
+            background=background,
+            progress=progress,
+        )
+    except DataError as e:
+        where = "data" if not config.is_mixture else f"data.configs.{name}"
+        raise DataError(f"{where} ({split}): {e}") from None
+
+
+def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
+    """``(source name, split)`` of every cache a run needs, training first."""
+    stages = config.weight_stages()
+    for name, source in config.configs.items():
+        trained = any(weights[name] > 0 for _, weights in stages)
+        if trained:
+            if not source.has_split("train"):
+                field = "data" if not config.is_mixture else f"data.configs.{name}"
+                raise DataError(f"{field}: no training data is configured for source {name!r} (set its train_urls)")
+            yield name, "train"
+    for name, source in config.configs.items():
+        if source.has_split("validation"):
+            yield name, "validation"
+
+
+def build_lm_data(config: DataConfig, *, seq_len: int, seed: int, ray=None, progress: bool = True) -> LmData:
+    """Start (or reuse) every cache in the background and wire up the datasets.
+
+    Returns at once: reading a batch waits for the data it needs. Problems with the
+    configuration or an existing cache (refused, unreadable inputs) raise
+    :class:`DataError` here; problems found while tokenizing are raised by the reads."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    caches: dict[tuple[str, str], TokenCache] = {}
+    try:
+        for name, split in _splits(config):
+            caches[name, split] = _open(config, name, split, tokenizer, ray=ray, background=True, progress=False)
+    except BaseException:
+        for cache in caches.values():
+            cache.close()
+        raise
+    datasets = {}
+    for (name, split), cache in caches.items():
+        datasets[name, split] = sequence_dataset(cache, seq_len, packed=config.configs[name].format.packed)
+    train = {name: ds for (name, split), ds in datasets.items() if split == "train"}
+    validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
+    for name, cache in caches.items():
+        if not cache.complete:
+            logger.info("%s/%s: the cache is being built in the background (%s)", *name, cache.path)
+    return LmData(tokenizer, TrainStream.from_config(train, config, seed), validation, caches)
+
+
+def build_caches(config: DataConfig, *, ray=None, progress: bool = True) -> Iterator[tuple[str, str, TokenCache]]:
+    """Build every cache of ``config`` now, one after the other (``levanter cache``)."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    for name, split in _splits(config):
+        cache = _open(config, name, split, tokenizer, ray=ray, background=False, progress=progress)
+        yield name, split, cache

@@ -1,0 +1,276 @@
+"""The data pipeline end to end: `levanter cache`, training that starts before its cache
+is complete, mixtures with per-source evaluation, chat data packed with segment-aware
+attention, and bad data through the CLI."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+import levanter_core.plugins as plugins
+from conftest import run_cli
+from levanter_core.config.train import load_train_config
+from levanter_core.data.pipeline import build_caches, build_lm_data
+from levanter_core.trainer.run import run_training
+from slow_source import SlowSourcePlugin
+
+MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def code_docs(n, offset=0):
+    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
+
+
+def prose_docs(n):
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "slept"]
+    return [{"text": " ".join(words[(i + j) % len(words)] for j in range(30)) + "."} for i in range(n)]
+
+
+def run_config(tmp_path, data, *, run_id="pipe", steps=6, **trainer):
+    config = {
+        "data": data,
+        "model": MODEL,
+        "trainer": {
+            "id": run_id,
+            "train_batch_size": 4,
+            "num_train_steps": steps,
+            "steps_per_eval": 3,
+            "max_eval_batches": 2,
+            "log_dir": str(tmp_path / "logs"),
+            "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
+            **trainer,
+        },
+        "optimizer": {"learning_rate": 1e-2, "warmup": 0},
+    }
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def metrics(tmp_path, run_id="pipe"):
+    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def ledger(path):
+    with open(os.path.join(path, "ledger.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def slow_source():
+    plugins.reset()
+    plugins.register_plugin(SlowSourcePlugin(), name="slow-source")
+    yield
+    plugins.reset()
+
+
+@pytest.mark.slow
+def test_training_starts_before_the_cache_is_complete_and_reads_the_same_batches(tmp_path, slow_source):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for shard in range(10):
+        write_jsonl(data_dir / f"train-{shard}.jsonl", code_docs(40, offset=40 * shard))
+    write_jsonl(data_dir / "valid.jsonl", code_docs(10, offset=1000))
+    data = {
+        "type": "slow_url",
+        "seconds_per_shard": 1.5,
+        "train_urls": [str(data_dir / "train-{0..9}.jsonl")],
+        "validation_urls": [str(data_dir / "valid.jsonl")],
+        "cache_dir": str(tmp_path / "cache"),
+        "shuffle": False,
+    }
+    config, _ = load_train_config(run_config(tmp_path, data, steps=8))
+
+    run_training(config, progress=False)
+
+    logged = metrics(tmp_path)
+    # Every step trained while the cache held only part of the documents; the run's end
+    # stopped the build, which the ledger shows unfinished.
+    assert logged[1]["step"] == 1 and logged[1]["data/main/train_documents_cached"] < 400
+    assert not ledger(tmp_path / "cache" / "train")["complete"]
+    # Finished (as `levanter cache` does), the same run reads exactly the same batches.
+    for _ in build_caches(config.data, progress=False):
+        pass
+    assert ledger(tmp_path / "cache" / "train")["num_documents"] == 400
+    again, _ = load_train_config(run_config(tmp_path, data, run_id="again", steps=8))
+    run_training(again, progress=False)
+    assert [m["train/loss"] for m in metrics(tmp_path, "again") if "train/loss" in m] == [
+        m["train/loss"] for m in logged if "train/loss" in m
+    ]
+
+
+def test_cache_command_builds_ahead_with_progress_and_training_reuses_it(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    data = {
+        "train_urls": [write_jsonl(data_dir / "train.jsonl", code_docs(200))],
+        "validation_urls": [write_jsonl(data_dir / "valid.jsonl", code_docs(20, offset=500))],
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    config = run_config(tmp_path, data, steps=2)
+
+    built = run_cli("cache", config)
+
+    assert built.returncode == 0, built.stderr
+    assert "train: 200 documents" in built.stdout and "validation: 20 documents" in built.stdout
+    assert "tokens/s" in built.stderr  # the progress bar
+    stamp = os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns
+    trained = run_cli("train", config, "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    assert os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns == stamp
+
+
+def mixture_data(tmp_path, weights):
+    """Two sources, code and prose; their files are written the first time only."""
+    data_dir = tmp_path / "data"
+    if not data_dir.exists():
+        data_dir.mkdir()
+        write_jsonl(data_dir / "code.jsonl", code_docs(120))
+        write_jsonl(data_dir / "code-val.jsonl", code_docs(12, offset=900))
+        write_jsonl(data_dir / "prose.jsonl", prose_docs(120))
+        write_jsonl(data_dir / "prose-val.jsonl", prose_docs(12))
+    return {
+        "cache_dir": str(tmp_path / "cache"),
+        "configs": {
+            name: {"train_urls": [str(data_dir / f"{name}.jsonl")], "validation_urls": [str(data_dir / f"{name}-val.jsonl")]}
+            for name in ("code", "prose")
+        },
+        "train_weights": weights,
+        "mixture_block_size": 8,
+    }
+
+
+def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tmp_path):
+    config, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, {"code": 0.75, "prose": 0.25})))
+    run_training(config, progress=False)
+
+    evals = [m for m in metrics(tmp_path) if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [0, 3, 6]
+    for m in evals:
+        assert {"eval/code/loss", "eval/prose/loss"} <= set(m)
+        assert min(m["eval/code/loss"], m["eval/prose/loss"]) <= m["eval/loss"] <= max(m["eval/code/loss"], m["eval/prose/loss"])
+    caches = [tmp_path / "cache" / name / split for name in ("code", "prose") for split in ("train", "validation")]
+    stamps = [os.stat(c / "ledger.json").st_mtime_ns for c in caches]
+
+    staged = [[0, {"code": 0.0, "prose": 1.0}], [3, {"code": 1.0, "prose": 0.0}]]
+    other, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, staged), run_id="staged"))
+    data = build_lm_data(other.data, seq_len=32, seed=0, progress=False)
+    try:
+        prose_only, code_only = data.train.batch(0, 8), data.train.batch(3, 8)
+    finally:
+        data.close()
+    # Prose has no digits; every 32 bytes of the code has some.
+    has_digit = [[any(ch.isdigit() for ch in data.tokenizer.decode(row)) for row in b.tokens] for b in (prose_only, code_only)]
+    assert has_digit == [[False] * 8, [True] * 8]
+    assert [os.stat(c / "ledger.json").st_mtime_ns for c in caches] == stamps  # nothing re-tokenized
+
+
+def chat_records(n):
+    records = []
+    for i in range(n):
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"what is {i} plus {i}?"},
+                    {"role": "assistant", "content": f"{2 * i}"},
+                ]
+            }
+        )
+    return records
+
+
+def test_chat_data_is_packed_with_segments_and_trains_only_on_answers(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    data = {
+        "train_urls": [write_jsonl(data_dir / "chat.jsonl", chat_records(200))],
+        "validation_urls": [write_jsonl(data_dir / "chat-val.jsonl", chat_records(10))],
+        "format": {"type": "chat"},
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    config, _ = load_train_config(run_config(tmp_path, data, steps=4))
+    lm_data = build_lm_data(config.data, seq_len=128, seed=0, progress=False)
+    try:
+        batch = lm_data.train.batch(0, 4)
+    finally:
+        lm_data.close()
+
+    assert batch.segment_ids is not None and all(len(set(row[row > 0])) >= 2 for row in batch.segment_ids)
+    # The positions whose next token is trained on predict exactly the assistants' answers.
+    for tokens, mask in zip(batch.tokens, batch.loss_mask):
+        targets = tokens[1:][mask[:-1] > 0]
+        text = lm_data.tokenizer.decode(targets)
+        assert "plus" not in text and "user" not in text
+        assert any(ch.isdigit() for ch in text)
+
+    run_training(config, progress=False)
+    losses = [m["train/loss"] for m in metrics(tmp_path) if "train/loss" in m]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+def test_a_bad_line_stops_the_run_with_file_and_line_unless_skipping(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    lines = [json.dumps(d) for d in code_docs(100)]
+    lines[41] = '{"text": "unterminated'
+    (data_dir / "train.jsonl").write_text("\n".join(lines) + "\n")
+    data = {"train_urls": [str(data_dir / "train.jsonl")], "cache_dir": str(tmp_path / "cache")}
+    config = run_config(tmp_path, data, steps=2)
+
+    failed = run_cli("train", config, "--no-progress")
+
+    assert failed.returncode == 2
+    assert f"{data_dir / 'train.jsonl'}:42: not valid JSON" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert not any(name.startswith("step-") for name in os.listdir(tmp_path / "ckpt" / "pipe"))
+
+    skipped = run_cli("train", config, "--no-progress", "--data.skip_bad_data", "true", "--data.cache_dir", str(tmp_path / "cache2"))
+    assert skipped.returncode == 0, skipped.stderr
+    assert any(m.get("data/skipped/main/train") == 1 for m in metrics(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_packed_examples_do_not_attend_across_their_boundary(model_type):
+    """The second of two packed examples is computed as if it were alone: identical for a
+    rotary model (positions are relative); for GPT-2's absolute positions, unchanged by
+    what the first example holds."""
+    import haliax as hax
+    import jax
+
+    from levanter_core.config.base import validate_section
+    from levanter_core.models.lm import LmExample, _attn_kwargs
+
+    fields = {"type": model_type, "hidden_dim": 32, "num_heads": 2, "num_layers": 2, "seq_len": 16}
+    if model_type == "llama":
+        fields.update(intermediate_dim=64, num_kv_heads=2)
+    config = validate_section("model", fields)
+    Vocab = hax.Axis("vocab", 64)
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    Pos = config.Pos
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(0, 64, 6), rng.integers(0, 64, 10)
+    other_first = rng.integers(0, 64, 6)
+
+    def hidden(tokens, segments):
+        example = LmExample(
+            hax.named(np.asarray(tokens, np.int32), (Pos,)),
+            segment_ids=hax.named(np.asarray(segments, np.int32), (Pos,)),
+        )
+        return model.activations(example.tokens, **_attn_kwargs(example)).array
+
+    packed = hidden(np.concatenate([first, second]), [1] * 6 + [2] * 10)
+    if model_type == "llama":
+        alone = hidden(np.concatenate([second, first]), [1] * 10 + [2] * 6)
+        np.testing.assert_allclose(packed[6:], alone[:10], atol=2e-5)
+    repacked = hidden(np.concatenate([other_first, second]), [1] * 6 + [2] * 10)
+    np.testing.assert_allclose(packed[6:], repacked[6:], atol=2e-5)
+    unsegmented = model.activations(hax.named(np.concatenate([first, second]).astype(np.int32), (Pos,))).array
+    assert np.abs(unsegmented[6:] - packed[6:]).max() > 1e-3  # without segments, the second sees the first

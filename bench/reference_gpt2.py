@@ -46,19 +46,10 @@ EOS = "<|endoftext|>"
 def train_tokenizer(source, path: str) -> None:
     """Train a byte-level BPE tokenizer with ``VOCAB_SIZE`` tokens on the training split of
     ``source`` and save it to ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from levanter_core.testing import train_bpe_tokenizer
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((doc.text for doc in source.documents("train")), trainer=trainer)
-    tokenizer.save(path)
+    texts = (r.value for shard in source.shards("train") for r in source.records("train", shard))
+    train_bpe_tokenizer((t for t in texts if isinstance(t, str)), path, vocab_size=VOCAB_SIZE, special_tokens=(EOS,))
 
 
 # -- the matmul yardstick ------------------------------------------------------------------
@@ -212,7 +203,7 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None) -> dict:
     """Run the reference work in ``workdir`` and return every figure as JSON-able data."""
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
-    from levanter_core.data.cache import build_or_load_cache
+    from levanter_core.data.pipeline import build_caches
     from levanter_core.data.source import PythonStdlibSourceConfig
     from levanter_core.data.tokenizer import load_tokenizer
     from levanter_core.trainer.run import run_training
@@ -232,9 +223,8 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None) -> dict:
     config = validate_train_config(train_config(workdir, tokenizer_path, steps, run_id, save_every), Sources("bench"))
 
     # Build the caches here, through the same code, so their time is known; the run reuses them.
-    tokenizer = load_tokenizer(tokenizer_path)
     start = time.perf_counter()
-    caches = {split: build_or_load_cache(config.data, split, tokenizer, progress=False) for split in files}
+    caches = {split: cache for _, split, cache in build_caches(config.data, progress=False)}
     cache_seconds = time.perf_counter() - start
 
     run_dir = os.path.join(config.trainer.log_dir, run_id)
@@ -266,6 +256,7 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None) -> dict:
     step_times = [tokens_per_step / r for r in rates]
 
     tokens_per_second = statistics.median(rates)
+    tokenizer = load_tokenizer(tokenizer_path)
     flops_per_token = config.model.flops_per_token(tokenizer.vocab_size)
     model_gflops = tokens_per_second * flops_per_token / 1e9
     matmul = {k: (matmul_before[k] + matmul_after[k]) / 2 for k in ("best", "median")}

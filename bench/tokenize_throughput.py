@@ -20,32 +20,13 @@ import time
 from levanter_core.data.cache import open_cache
 from levanter_core.data.source import PythonStdlibSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
-
-VOCAB_SIZE = 8192
-EOS = "<|endoftext|>"
-
-
-def train_tokenizer(source: PythonStdlibSourceConfig, path: str) -> None:
-    """A byte-level BPE with ``VOCAB_SIZE`` tokens trained on the source's training files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    texts = (r.value for shard in source.shards("train") for r in source.records("train", shard) if isinstance(r.value, str))
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.save(path)
-
+from reference_gpt2 import train_tokenizer  # the same tokenizer as the training benchmark
 
 def measure(source, tokenizer, path: str, workers: int) -> dict:
     start = time.perf_counter()
-    cache = open_cache(path, source, "train", tokenizer, enforce_eos=True, skip_bad_data=False, num_workers=workers, background=False)
+    cache = open_cache(
+        path, source, "train", tokenizer, enforce_eos=True, skip_bad_data=False, num_workers=workers, background=False
+    )
     seconds = time.perf_counter() - start
     return {"workers": workers, "seconds": seconds, "documents": cache.num_documents, "tokens": cache.num_tokens}
 
@@ -63,7 +44,8 @@ def main() -> None:
     tokenizer = load_tokenizer(tokenizer_path)
     results = [measure(source, tokenizer, os.path.join(workdir, f"cache-{w}-{time.time_ns()}"), w) for w in args.workers]
 
-    print(f"corpus: {results[0]['documents']} files, {results[0]['tokens']:,} tokens (BPE {tokenizer.vocab_size}); cpus: {os.cpu_count()}")
+    first = results[0]
+    print(f"corpus: {first['documents']} files, {first['tokens']:,} tokens (BPE {tokenizer.vocab_size}); cpus: {os.cpu_count()}")
     print("| workers | wall time (s) | tokens/s | docs/s |")
     print("|---|---|---|---|")
     for r in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 
 def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: list[str] = ()):
@@ -25,3 +26,25 @@ def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: 
     ]  # fmt: skip
     config, _ = load_train_config(config_path, args)
     return run_training(config, config_path=config_path, progress=False)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], path: str, *, vocab_size: int, special_tokens: tuple[str, ...] = ("<|endoftext|>",)
+) -> str:
+    """Train a byte-level BPE tokenizer on ``texts`` with the ``tokenizers`` library (offline,
+    in seconds for small corpora) and save it as the ``tokenizer.json`` at ``path``. Returns
+    ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(path)
+    return path

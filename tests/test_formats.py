@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from levanter_core.data import UrlSourceConfig, load_tokenizer
 from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE, ChatFormat, SupervisedFormat, TextFormat
 from levanter_core.errors import DataError
+from levanter_core.testing import train_bpe_tokenizer
 
 EOS = 256  # the byte tokenizer's <|endoftext|>
 
@@ -32,21 +33,10 @@ ASSISTANT = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
 @pytest.fixture(scope="module")
 def chat_tokenizer_dir(tmp_path_factory):
     """A small byte-level BPE trained here, with a ChatML template in its tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        show_progress=False,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = [m["content"] for m in CONVERSATION] + ["user assistant system", "the cat sat on the mat"]
-    tok.train_from_iterator(corpus * 20, trainer)
     directory = tmp_path_factory.mktemp("chat_tok")
-    tok.save(str(directory / "tokenizer.json"))
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    train_bpe_tokenizer(corpus * 20, str(directory / "tokenizer.json"), vocab_size=400, special_tokens=specials)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory

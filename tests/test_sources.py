@@ -20,6 +20,7 @@ import zstandard
 
 from levanter_core.data import PythonStdlibSourceConfig, UrlSourceConfig, expand_braces, load_tokenizer, read_records
 from levanter_core.errors import DataError
+from levanter_core.testing import train_bpe_tokenizer
 
 EOS = 256  # the byte tokenizer's <|endoftext|>
 
@@ -369,21 +370,10 @@ def test_byte_tokenizer_offsets_are_characters():
 
 @pytest.fixture
 def hf_tokenizer_dir(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        show_progress=False,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["the cat sat on the mat", "the dog ate the hat"] * 20, trainer)
     directory = tmp_path / "tok"
     directory.mkdir()
-    tok.save(str(directory / "tokenizer.json"))
+    texts = ["the cat sat on the mat", "the dog ate the hat"] * 20
+    train_bpe_tokenizer(texts, str(directory / "tokenizer.json"), vocab_size=300)
     return directory
 
 

@@ -93,10 +93,15 @@ def run_shards(
 # -- local processes --------------------------------------------------------------------------
 
 
-def _serve(work: Work, todo, results, halt, own_process: bool) -> None:
-    """A worker's life: take shards until the queue's end marker, sending every report."""
+def _serve(work: Work, todo, results, halt, own_process: bool, threads: int | None = None) -> None:
+    """A worker's life: take shards until the queue's end marker, sending every report.
+
+    ``threads``: the cores this process may use. The Rust ``tokenizers`` library encodes a
+    batch on every core by default; several workers doing that would only contend."""
     if own_process:
         threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        if threads is not None:
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     while not halt.is_set():
         task = todo.get()
         if task is None:
@@ -133,7 +138,11 @@ def _run_local(work: Work, tasks: list[ShardTask], report, num_workers: int, sto
     if processes:
         context = multiprocessing.get_context("spawn")
         todo, results, halt = context.Queue(), context.Queue(), context.Event()
-        workers = [context.Process(target=_serve, args=(work, todo, results, halt, True), daemon=True) for _ in range(count)]
+        threads = max(1, (os.cpu_count() or 1) // count)
+        workers = [
+            context.Process(target=_serve, args=(work, todo, results, halt, True, threads), daemon=True)
+            for _ in range(count)
+        ]
     else:
         todo, results, halt = queue.Queue(), queue.Queue(), threading.Event()
         workers = [threading.Thread(target=_serve, args=(work, todo, results, halt, False), daemon=True) for _ in range(count)]

@@ -44,11 +44,12 @@ class RayConfig(ConfigModel):
     None: no Ray unless ``auto_start_cluster`` applies."""
     start_workers: bool = True
     """Whether the training hosts join the cluster as workers (they tokenize too). False:
-    you start the cluster's workers yourself."""
+    you start the cluster's workers yourself. For multi-process runs, which this version
+    does not run yet."""
     auto_start_cluster: bool = True
-    """In a multi-process run with no ``address``, start a Ray cluster over the training
-    hosts (process 0 is the head). A single-process run without ``address`` tokenizes with
-    local processes (``data.num_workers``) and does not start Ray."""
+    """For multi-process runs with no ``address`` (not run by this version yet): start a
+    Ray cluster over the training hosts. A single-process run without ``address``
+    tokenizes with local processes (``data.num_workers``) and never starts Ray."""
 
 
 class TrainerConfig(ConfigModel):

@@ -386,10 +386,6 @@ class _TrainLoop:
             if initial:
                 result.initial_eval_loss = initial["eval/loss"]
                 self.tracker.log(initial, step=0)
-        building = self.data.building()
-        if building:
-            ready = ", ".join(f"{name}: {c.num_documents:,} documents" for name, c in building.items())
-            print(f"training starts while the training data is still being tokenized ({ready} so far)", flush=True)
 
         batch_size = self.trainer.plan.batch_size
         prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size), start, self.num_steps)
@@ -408,6 +404,8 @@ class _TrainLoop:
             carried: dict[str, Any] = {}  # logged with the next step
             for _ in range(start, self.num_steps):
                 index, batch = prefetch.get()
+                if index == start:
+                    self._say_if_still_building()
                 state, metrics = self.trainer.train_step(state, batch)
                 if pending is not None:
                     self._finish(pending, throughput, bar, result)
@@ -444,6 +442,12 @@ class _TrainLoop:
             times = sorted(throughput.step_times)
             result.tokens_per_second = self.tokens_per_step / times[len(times) // 2]
         return state
+
+    def _say_if_still_building(self) -> None:
+        building = self.data.building()
+        if building:
+            ready = ", ".join(f"{name}: {c.num_documents:,} documents" for name, c in building.items())
+            print(f"training starts while the training data is still being tokenized ({ready} so far)", flush=True)
 
     def _finish(self, pending: dict, throughput, bar, result: RunResult) -> None:
         step = pending["step"]

@@ -22,6 +22,7 @@ from levanter_core.data.source import PythonStdlibSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
 from reference_gpt2 import train_tokenizer  # the same tokenizer as the training benchmark
 
+
 def measure(source, tokenizer, path: str, workers: int) -> dict:
     start = time.perf_counter()
     cache = open_cache(
@@ -34,7 +35,9 @@ def measure(source, tokenizer, path: str, workers: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--workdir", default=None, help="where the tokenizer and caches go (default: a temporary directory)")
+    parser.add_argument(
+        "--workdir", default=None, help="where the tokenizer and caches go (default: a temporary directory)"
+    )
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="tokenize-bench-")
     source = PythonStdlibSourceConfig(validation_fraction=0)
@@ -42,14 +45,20 @@ def main() -> None:
     if not os.path.exists(tokenizer_path):
         train_tokenizer(source, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
-    results = [measure(source, tokenizer, os.path.join(workdir, f"cache-{w}-{time.time_ns()}"), w) for w in args.workers]
+    results = [
+        measure(source, tokenizer, os.path.join(workdir, f"cache-{w}-{time.time_ns()}"), w) for w in args.workers
+    ]
 
     first = results[0]
-    print(f"corpus: {first['documents']} files, {first['tokens']:,} tokens (BPE {tokenizer.vocab_size}); cpus: {os.cpu_count()}")
+    print(
+        f"corpus: {first['documents']} files, {first['tokens']:,} tokens (BPE {tokenizer.vocab_size}); cpus: {os.cpu_count()}"
+    )
     print("| workers | wall time (s) | tokens/s | docs/s |")
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['workers']} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:,.0f} | {r['documents'] / r['seconds']:,.0f} |")
+        print(
+            f"| {r['workers']} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:,.0f} | {r['documents'] / r['seconds']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -77,11 +77,17 @@ def test_built_once_then_reused(tmp_path, caplog):
     assert BYTE.decode(cache.tokens(int(offsets[1500]), int(offsets[1501]))) == "file 1 line 0 <|endoftext|>"
     ledger = cache.ledger
     assert ledger["identity"] == {
-        "tokenizer": "byte-v1", "vocab_size": 257, "eos_id": 256, "format": {"type": "text", "text_key": "text"}, "enforce_eos": True,
+        "tokenizer": "byte-v1",
+        "vocab_size": 257,
+        "eos_id": 256,
+        "format": {"type": "text", "text_key": "text"},
+        "enforce_eos": True,
     }
     assert ledger["token_dtype"] == "uint16" and ledger["num_tokens"] == len(expected_tokens(texts))
     assert [s["name"].rsplit("/", 1)[1] for s in ledger["shards"]] == ["part00.jsonl", "part01.jsonl", "part02.jsonl"]
-    assert all(s["finished"] and s["records"] == s["documents"] == 1500 and s["skipped"] == {} for s in ledger["shards"])
+    assert all(
+        s["finished"] and s["records"] == s["documents"] == 1500 and s["skipped"] == {} for s in ledger["shards"]
+    )
     assert sum(s["tokens"] for s in ledger["shards"]) == ledger["num_tokens"]
 
     ledger_file = tmp_path / "cache" / "ledger.json"
@@ -113,13 +119,17 @@ def built(tmp_path):
 def test_refuses_another_tokenizer(built):
     tmp_path, src = built
     other = HfTokenizer(str(tmp_path / "tok.json"), BYTE.to_tokenizer_json())
-    with pytest.raises(DataError, match=r"tokenizer 'byte'\): tokenizer \(cached: 'byte-v1', now: 'hf-.*remove .*cache"):
+    with pytest.raises(
+        DataError, match=r"tokenizer 'byte'\): tokenizer \(cached: 'byte-v1', now: 'hf-.*remove .*cache"
+    ):
         build(tmp_path / "cache", src, tokenizer=other)
 
 
 def test_refuses_another_format(built):
     tmp_path, _ = built
-    with pytest.raises(DataError, match=r"format \(cached: \{'type': 'text', 'text_key': 'body'\}, now: .*'text_key': 'text'"):
+    with pytest.raises(
+        DataError, match=r"format \(cached: \{'type': 'text', 'text_key': 'body'\}, now: .*'text_key': 'text'"
+    ):
         build(tmp_path / "cache", source(tmp_path / "data"))
 
 

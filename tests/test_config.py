@@ -200,3 +200,70 @@ def test_train_help_explains_every_field():
                   "model[type=gpt2].hidden_dim", "trainer.checkpointer[type=tensorstore].save_interval"):
         assert field in result.stdout, field
     assert "Sequences per optimizer step" in result.stdout
+
+
+MIXTURE = """\
+data:
+  cache_dir: {cache}
+  configs:
+    code:
+      type: python_stdlib
+    web:
+      train_urls: ["web/{{1..4}}.jsonl"]
+      format: {{type: chat}}
+  train_weights: {weights}
+model:
+  type: gpt2
+"""
+
+
+def test_a_mixture_loads_and_round_trips(tmp_path):
+    path = write(tmp_path, MIXTURE.format(cache=tmp_path / "cache", weights="[[0, {code: 1}], [100, {code: 1, web: 3}]]"))
+    config, _ = load_train_config(path)
+
+    assert config.data.is_mixture and list(config.data.configs) == ["code", "web"]
+    assert config.data.configs["web"].format.type == "chat"
+    assert config.data.weight_stages() == [(0, {"code": 1.0, "web": 0.0}), (100, {"code": 0.25, "web": 0.75})]
+    assert config.data.cache_path("web", "train") == f"{tmp_path}/cache/web/train"
+    dumped = config.model_dump(mode="json")
+    assert TrainConfig.model_validate(dumped) == config
+
+
+def test_a_single_source_is_written_back_inline(good):
+    config, _ = load_train_config(good)
+    data = config.model_dump(mode="json")["data"]
+    assert data["type"] == "python_stdlib" and "configs" not in data
+    assert config.data.cache_path("main", "train").endswith("/cache/train")
+
+
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ("{code: 1, wiki: 1}", "train_weights names wiki, not among data.configs (code, web)"),
+        ("{code: 0, web: 0}", "no source has a positive weight"),
+        ("[[5, {code: 1}]]", "must start at step 0"),
+        ("{code: 1, web: 0.0001}", "'web' would get 0.2 of every 2048 sequences"),
+    ],
+)
+def test_bad_mixture_weights_are_explained(tmp_path, weights, expected):
+    path = write(tmp_path, MIXTURE.format(cache=tmp_path / "cache", weights=weights))
+    assert expected in load_error(path)
+
+
+def test_source_fields_beside_configs_are_pointed_to_their_place(tmp_path):
+    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace("  configs:", "  train_urls: [a.jsonl]\n  configs:")
+    message = load_error(write(tmp_path, text))
+    assert "data.train_urls" in message and "go under data.configs.<name>" in message
+
+
+def test_typos_in_the_data_section_get_suggestions(good, tmp_path):
+    message = load_error(good, ["--data.max_filez", "3"])
+    assert "data.max_filez" in message and "did you mean 'max_files'?" in message
+    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace("      type: python_stdlib", "      type: python_stdlib\n      max_filez: 3")
+    message = load_error(write(tmp_path, text, "typo.yaml"))
+    assert "data.configs.code.max_filez" in message and "did you mean 'max_files'?" in message
+
+
+def test_an_unknown_format_type_lists_the_formats(good):
+    message = load_error(good, ["--data.format", "{type: markdown}"])
+    assert "data.format" in message and "chat" in message and "supervised" in message

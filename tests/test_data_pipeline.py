@@ -140,7 +140,10 @@ def mixture_data(tmp_path, weights):
     return {
         "cache_dir": str(tmp_path / "cache"),
         "configs": {
-            name: {"train_urls": [str(data_dir / f"{name}.jsonl")], "validation_urls": [str(data_dir / f"{name}-val.jsonl")]}
+            name: {
+                "train_urls": [str(data_dir / f"{name}.jsonl")],
+                "validation_urls": [str(data_dir / f"{name}-val.jsonl")],
+            }
             for name in ("code", "prose")
         },
         "train_weights": weights,
@@ -156,7 +159,11 @@ def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tm
     assert [m["step"] for m in evals] == [0, 3, 6]
     for m in evals:
         assert {"eval/code/loss", "eval/prose/loss"} <= set(m)
-        assert min(m["eval/code/loss"], m["eval/prose/loss"]) <= m["eval/loss"] <= max(m["eval/code/loss"], m["eval/prose/loss"])
+        assert (
+            min(m["eval/code/loss"], m["eval/prose/loss"])
+            <= m["eval/loss"]
+            <= max(m["eval/code/loss"], m["eval/prose/loss"])
+        )
     caches = [tmp_path / "cache" / name / split for name in ("code", "prose") for split in ("train", "validation")]
     stamps = [os.stat(c / "ledger.json").st_mtime_ns for c in caches]
 
@@ -168,7 +175,9 @@ def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tm
     finally:
         data.close()
     # Prose has no digits; every 32 bytes of the code has some.
-    has_digit = [[any(ch.isdigit() for ch in data.tokenizer.decode(row)) for row in b.tokens] for b in (prose_only, code_only)]
+    has_digit = [
+        [any(ch.isdigit() for ch in data.tokenizer.decode(row)) for row in b.tokens] for b in (prose_only, code_only)
+    ]
     assert has_digit == [[False] * 8, [True] * 8]
     assert [os.stat(c / "ledger.json").st_mtime_ns for c in caches] == stamps  # nothing re-tokenized
 
@@ -232,7 +241,9 @@ def test_a_bad_line_stops_the_run_with_file_and_line_unless_skipping(tmp_path):
     assert "Traceback" not in failed.stderr
     assert not any(name.startswith("step-") for name in os.listdir(tmp_path / "ckpt" / "pipe"))
 
-    skipped = run_cli("train", config, "--no-progress", "--data.skip_bad_data", "true", "--data.cache_dir", str(tmp_path / "cache2"))
+    skipped = run_cli(
+        "train", config, "--no-progress", "--data.skip_bad_data", "true", "--data.cache_dir", str(tmp_path / "cache2")
+    )
     assert skipped.returncode == 0, skipped.stderr
     assert any(m.get("data/skipped/main/train") == 1 for m in metrics(tmp_path))
 
@@ -274,3 +285,44 @@ def test_packed_examples_do_not_attend_across_their_boundary(model_type):
     np.testing.assert_allclose(packed[6:], repacked[6:], atol=2e-5)
     unsegmented = model.activations(hax.named(np.concatenate([first, second]).astype(np.int32), (Pos,))).array
     assert np.abs(unsegmented[6:] - packed[6:]).max() > 1e-3  # without segments, the second sees the first
+
+
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        (["", "  "], "the train split has no documents: its inputs"),
+        ([json.dumps({"text": "short"})], "holds 6 tokens, not one sequence of seq_len 32"),
+    ],
+    ids=["empty", "shorter-than-a-sequence"],
+)
+def test_too_little_data_is_an_error_before_training(tmp_path, lines, expected):
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    data = {"train_urls": [str(tmp_path / "train.jsonl")], "cache_dir": str(tmp_path / "cache")}
+
+    result = run_cli("train", run_config(tmp_path, data, steps=2), "--no-progress")
+
+    assert result.returncode == 2 and expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any("train/loss" in m for m in metrics(tmp_path))  # not one step trained
+
+
+def test_a_hugging_face_dataset_on_disk_trains_through_the_plugin(tmp_path):
+    """``data: {id: <folder>}`` selects levanter-data-hf's source; nothing touches a network."""
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "saved"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(code_docs(100)),
+            "validation": datasets.Dataset.from_list(code_docs(10, offset=500)),
+        }
+    ).save_to_disk(str(folder))
+    data = {"id": str(folder), "cache_dir": str(tmp_path / "cache")}
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}
+
+    result = run_cli("train", run_config(tmp_path, data, steps=3), "--no-progress", env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert ledger(tmp_path / "cache" / "train")["num_documents"] == 100
+    assert ledger(tmp_path / "cache" / "validation")["num_documents"] == 10
+    logged = metrics(tmp_path)
+    assert [m["step"] for m in logged if "train/loss" in m] == [1, 2, 3] and "eval/loss" in logged[0]

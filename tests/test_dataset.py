@@ -83,9 +83,11 @@ class GrowingCache:
     def wait_for(self, *, tokens: int = 0, documents: int = 0) -> None:
         with self._changed:
             self._changed.wait_for(
-                lambda: self._error is not None
-                or self._complete
-                or (self.num_tokens >= tokens and self.num_documents >= documents)
+                lambda: (
+                    self._error is not None
+                    or self._complete
+                    or (self.num_tokens >= tokens and self.num_documents >= documents)
+                )
             )
             if self._error is not None:
                 raise self._error

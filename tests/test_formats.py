@@ -106,7 +106,10 @@ def test_chat_options(chat_tokenizer_dir):
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"text": "hi"}, r"data\.jsonl:7: no 'messages' field \(the record's fields: 'text'\); set format\.messages_field"),
+        (
+            {"text": "hi"},
+            r"data\.jsonl:7: no 'messages' field \(the record's fields: 'text'\); set format\.messages_field",
+        ),
         ("a line of text", r"data\.jsonl:7: no 'messages' field \(the record's fields: not an object"),
         ({"messages": []}, r"data\.jsonl:7: 'messages' should be a non-empty list of messages, found \[\]"),
         ({"messages": [{"content": "hi"}]}, r"data\.jsonl:7: message 0 should have a string 'role', found nothing"),
@@ -114,14 +117,19 @@ def test_chat_options(chat_tokenizer_dir):
             {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
             r"data\.jsonl:7: message 1 should have a string 'content', found NoneType null",
         ),
-        ({"messages": [{"role": "user", "content": "q"}]}, r"data\.jsonl:7: no assistant message, so nothing to train on \(roles: user\)"),
+        (
+            {"messages": [{"role": "user", "content": "q"}]},
+            r"data\.jsonl:7: no assistant message, so nothing to train on \(roles: user\)",
+        ),
     ],
 )
 def test_malformed_chats_are_data_errors_in_place(record, message):
     tok = load_tokenizer("byte")
     good = {"messages": CONVERSATION[1:3]}
 
-    first, bad, last = ChatFormat().encode_batch([good, record, good], ["data.jsonl:6", "data.jsonl:7", "data.jsonl:8"], tok, EOS)
+    first, bad, last = ChatFormat().encode_batch(
+        [good, record, good], ["data.jsonl:6", "data.jsonl:7", "data.jsonl:8"], tok, EOS
+    )
 
     assert np.array_equal(first.ids, last.ids) and first.target_mask.sum() > 0
     with pytest.raises(DataError, match=message):
@@ -133,16 +141,22 @@ def test_templates_that_cannot_be_used():
     record = {"messages": CONVERSATION[1:3]}
     # Marks the last message, so a prefix renders differently from the whole conversation.
     last_marked = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}\n{% endfor %}"
-    refusing = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+    refusing = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+    )
 
     with pytest.raises(DataError, match=r"data\.jsonl:7: the chat template does not render message 1 as an extension"):
         raise encode_one(ChatFormat(chat_template=last_marked), record, tok)
-    with pytest.raises(DataError, match=r"data\.jsonl:7: the chat template refused this conversation: a system message comes first"):
+    with pytest.raises(
+        DataError, match=r"data\.jsonl:7: the chat template refused this conversation: a system message comes first"
+    ):
         raise encode_one(ChatFormat(chat_template=refusing), record, tok)
     with pytest.raises(DataError, match=r"format\.chat_template: not a valid Jinja template \(line 1"):
         encode_one(ChatFormat(chat_template="{% for m in messages %}"), record, tok)
     sandboxed = "{{ messages.__class__.__mro__ }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(DataError, match=r"data\.jsonl:7: the chat template failed on this conversation \(SecurityError"):
+    with pytest.raises(
+        DataError, match=r"data\.jsonl:7: the chat template failed on this conversation \(SecurityError"
+    ):
         raise encode_one(ChatFormat(chat_template=sandboxed), record, tok)
 
 
@@ -164,7 +178,10 @@ def test_supervised_trains_on_the_output_and_eos():
 def test_supervised_with_a_trained_tokenizer(chat_tokenizer_dir):
     tok = load_tokenizer(str(chat_tokenizer_dir))
     fmt = SupervisedFormat(input_field="question", output_field="answer", separator="\n")
-    records = [{"question": "What is the cat on?", "answer": "The mat."}, {"question": "Dog?", "answer": "It ate the hat"}]
+    records = [
+        {"question": "What is the cat on?", "answer": "The mat."},
+        {"question": "Dog?", "answer": "It ate the hat"},
+    ]
 
     encoded = fmt.encode_batch(records, ["q.jsonl:1", "q.jsonl:2"], tok, tok.eos_id)
 
@@ -175,8 +192,14 @@ def test_supervised_with_a_trained_tokenizer(chat_tokenizer_dir):
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"prompt": "q"}, r"q\.jsonl:2: no 'response' field \(the record's fields: 'prompt'\); set format\.output_field"),
-        ({"response": "a"}, r"q\.jsonl:2: no 'prompt' field \(the record's fields: 'response'\); set format\.input_field"),
+        (
+            {"prompt": "q"},
+            r"q\.jsonl:2: no 'response' field \(the record's fields: 'prompt'\); set format\.output_field",
+        ),
+        (
+            {"response": "a"},
+            r"q\.jsonl:2: no 'prompt' field \(the record's fields: 'response'\); set format\.input_field",
+        ),
         ({"prompt": "q", "response": ""}, r"q\.jsonl:2: field 'response' is empty, so there is nothing to train on"),
         ({"prompt": 7, "response": "a"}, r"q\.jsonl:2: field 'prompt' should be a string, found int 7"),
         ("just text", r"q\.jsonl:2: expected a JSON object with 'prompt' and 'response', found just text"),
@@ -204,7 +227,10 @@ def test_text_format_reads_its_key_and_names_missing_fields():
     )
 
     assert ok.ids.tolist() == [97, 98, EOS] and ok.target_mask is None and line.ids.tolist() == [99, 100, EOS]
-    assert str(missing) == "t:3: no 'content' field (the record's fields: 'text'); set format.text_key to the field that holds the text"
+    assert (
+        str(missing)
+        == "t:3: no 'content' field (the record's fields: 'text'); set format.text_key to the field that holds the text"
+    )
     assert str(wrong) == "t:4: field 'content' should be a string, found int 5"
     assert not fmt.packed and ChatFormat().packed and SupervisedFormat().packed
 
@@ -218,7 +244,9 @@ def test_format_is_chosen_by_type_in_a_source_section():
     assert fmt({"type": "chat", "mask_user_turns": False}) == ChatFormat(mask_user_turns=False)
     assert fmt({"type": "supervised", "separator": "\n"}) == SupervisedFormat(separator="\n")
     assert ChatFormat().fingerprint() != ChatFormat(chat_template=BUILTIN_CHAT_TEMPLATE).fingerprint()
-    with pytest.raises(ValidationError, match="'audio' .* does not match any of the expected tags: 'text', 'chat', 'supervised'"):
+    with pytest.raises(
+        ValidationError, match="'audio' .* does not match any of the expected tags: 'text', 'chat', 'supervised'"
+    ):
         fmt({"type": "audio"})
     with pytest.raises(ValidationError, match="messages_fieldd"):
         fmt({"type": "chat", "messages_fieldd": "m"})

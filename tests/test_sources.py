@@ -111,7 +111,9 @@ def test_file_kind_comes_from_the_name(tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n")
     (tmp_path / "t.parquet.gz").write_bytes(b"")
 
-    with pytest.raises(DataError, match=r"data\.csv: cannot tell the format .* expected \.jsonl, \.json, \.parquet, \.txt"):
+    with pytest.raises(
+        DataError, match=r"data\.csv: cannot tell the format .* expected \.jsonl, \.json, \.parquet, \.txt"
+    ):
         list(read_records(str(tmp_path / "data.csv")))
     with pytest.raises(DataError, match="Parquet files are compressed internally"):
         list(read_records(str(tmp_path / "t.parquet.gz")))
@@ -396,7 +398,11 @@ def test_hf_tokenizer_from_file_and_directory(hf_tokenizer_dir):
 
 def test_tokenizer_config_gives_chat_template_and_special_tokens(hf_tokenizer_dir):
     plain = load_tokenizer(str(hf_tokenizer_dir))
-    config = {"eos_token": {"content": "<|endoftext|>"}, "bos_token": "<|endoftext|>", "chat_template": "{{ messages }}"}
+    config = {
+        "eos_token": {"content": "<|endoftext|>"},
+        "bos_token": "<|endoftext|>",
+        "chat_template": "{{ messages }}",
+    }
     (hf_tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
     tok = load_tokenizer(str(hf_tokenizer_dir))
@@ -404,7 +410,9 @@ def test_tokenizer_config_gives_chat_template_and_special_tokens(hf_tokenizer_di
     assert (tok.chat_template, tok.bos_token, tok.eos_token) == ("{{ messages }}", "<|endoftext|>", "<|endoftext|>")
     assert tok.fingerprint != plain.fingerprint  # chats would render differently
 
-    (hf_tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool", "template": "x"}]}))
+    (hf_tokenizer_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool", "template": "x"}]})
+    )
     (hf_tokenizer_dir / "chat_template.jinja").write_text("{{ bos_token }}")
     assert load_tokenizer(str(hf_tokenizer_dir)).chat_template == "{{ bos_token }}"
 

@@ -7,7 +7,14 @@ pieces together for a training run.
 from levanter_core.data.cache import TokenCache, open_cache, read_cache
 from levanter_core.data.config import DataConfig
 from levanter_core.data.dataset import Batch, SequenceDataset, TrainStream, eval_batches, sequence_dataset
-from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE, ChatFormat, DataFormat, Encoded, SupervisedFormat, TextFormat
+from levanter_core.data.formats import (
+    BUILTIN_CHAT_TEMPLATE,
+    ChatFormat,
+    DataFormat,
+    Encoded,
+    SupervisedFormat,
+    TextFormat,
+)
 from levanter_core.data.pipeline import LmData, build_caches, build_lm_data
 from levanter_core.data.source import (
     DataSourceConfig,

@@ -270,9 +270,13 @@ def tokenize_shard(job: _Job, task: ShardTask) -> Iterator[Progress]:
     yield dataclasses.replace(_store_batch(job, tokenizer, writer, progress, batch), finished=True)
 
 
-def _store_batch(job: _Job, tokenizer: Tokenizer, writer: _ShardWriter, before: Progress, batch: list[Record]) -> Progress:
+def _store_batch(
+    job: _Job, tokenizer: Tokenizer, writer: _ShardWriter, before: Progress, batch: list[Record]
+) -> Progress:
     readable = [r for r in batch if not isinstance(r.value, DataError)]
-    encoded = iter(job.source.format.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id))
+    encoded = iter(
+        job.source.format.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id)
+    )
     documents, problems, skipped = [], [], collections.Counter(before.skipped)
     for record in batch:
         result = record.value if isinstance(record.value, DataError) else next(encoded)
@@ -327,7 +331,15 @@ def _new_ledger(split: str, identity: dict, tokenizer: Tokenizer, source: DataSo
 
 
 def _new_shard(name: str, fingerprint) -> dict:
-    return {"name": name, "fingerprint": fingerprint, "records": 0, "documents": 0, "tokens": 0, "finished": False, "skipped": {}}
+    return {
+        "name": name,
+        "fingerprint": fingerprint,
+        "records": 0,
+        "documents": 0,
+        "tokens": 0,
+        "finished": False,
+        "skipped": {},
+    }
 
 
 def _reconcile(path: str, old: dict, new: dict) -> dict:
@@ -348,14 +360,22 @@ def _reconcile(path: str, old: dict, new: dict) -> dict:
     if old_names != new_names:
         added = [n for n in new_names if n not in old_names]
         removed = [n for n in old_names if n not in new_names]
-        differences.append(f"inputs (added: {added or 'none'}, removed: {removed or 'none'}{'' if added or removed else ', reordered'})")
+        differences.append(
+            f"inputs (added: {added or 'none'}, removed: {removed or 'none'}{'' if added or removed else ', reordered'})"
+        )
     else:
         for stored, wanted in zip(old["shards"], new["shards"]):
             if stored["finished"] and stored["fingerprint"] != wanted["fingerprint"]:
-                differences.append(f"input {wanted['name']} changed after it was cached (cached: {stored['fingerprint']!r}, now: {wanted['fingerprint']!r})")
+                differences.append(
+                    f"input {wanted['name']} changed after it was cached (cached: {stored['fingerprint']!r}, now: {wanted['fingerprint']!r})"
+                )
     if differences:
-        tokenizer_note = f" (tokenizer {old.get('tokenizer_name')!r})" if any(d.startswith("tokenizer") for d in differences) else ""
-        raise DataError(f"{path}: this cache was built from other settings{tokenizer_note}: {'; '.join(differences)}; {remedy}")
+        tokenizer_note = (
+            f" (tokenizer {old.get('tokenizer_name')!r})" if any(d.startswith("tokenizer") for d in differences) else ""
+        )
+        raise DataError(
+            f"{path}: this cache was built from other settings{tokenizer_note}: {'; '.join(differences)}; {remedy}"
+        )
     ledger = copy.deepcopy(old)
     for i, (stored, wanted) in enumerate(zip(old["shards"], new["shards"])):
         if stored["fingerprint"] != wanted["fingerprint"]:
@@ -382,7 +402,9 @@ def _no_documents(path: str, split: str, ledger: dict) -> DataError:
     for shard in ledger["shards"]:
         skipped.update(shard["skipped"])
     note = f" ({sum(skipped.values())} records skipped: {dict(skipped)})" if skipped else ""
-    return DataError(f"the {split} split has no documents{note}: its inputs {listing} hold no usable records (cache {path})")
+    return DataError(
+        f"the {split} split has no documents{note}: its inputs {listing} hold no usable records (cache {path})"
+    )
 
 
 # -- the coordinator --------------------------------------------------------------------------
@@ -452,7 +474,9 @@ class _Build:
         except BaseException as e:
             with self.condition:
                 stopped = isinstance(e, BuildStopped)
-                self.error = DataError(f"{self.path}: the cache build was stopped before it completed") if stopped else e
+                self.error = (
+                    DataError(f"{self.path}: the cache build was stopped before it completed") if stopped else e
+                )
             raise
         finally:
             bar.close()
@@ -465,7 +489,12 @@ class _Build:
         made = self.ledger["num_tokens"] - tokens_before
         logger.info(
             "built the cache %s: %d documents, %d tokens (%d new in %.1fs, %.3g tokens/s)",
-            self.path, self.ledger["num_documents"], self.ledger["num_tokens"], made, seconds, made / max(seconds, 1e-9),
+            self.path,
+            self.ledger["num_documents"],
+            self.ledger["num_tokens"],
+            made,
+            seconds,
+            made / max(seconds, 1e-9),
         )
 
     def _run_in_background(self) -> None:
@@ -481,7 +510,9 @@ class _Build:
     def _report(self, p: Progress, bar: tqdm, started: float) -> None:
         with self.condition:
             shard = self.ledger["shards"][p.index]
-            shard.update(records=p.records, documents=p.documents, tokens=p.tokens, skipped=p.skipped, finished=p.finished)
+            shard.update(
+                records=p.records, documents=p.documents, tokens=p.tokens, skipped=p.skipped, finished=p.finished
+            )
             problems = self.ledger["problems"]
             problems.extend(p.problems[: MAX_PROBLEMS - len(problems)])
             self.ledger["num_documents"] = sum(s["documents"] for s in self.ledger["shards"])
@@ -615,7 +646,9 @@ class TokenCache:
         if stop > self._num_tokens:
             self._refresh()
         if not 0 <= start <= stop <= self._num_tokens:
-            raise IndexError(f"{self.path}: tokens {start}..{stop} are outside the ready prefix of {self._num_tokens} tokens")
+            raise IndexError(
+                f"{self.path}: tokens {start}..{stop} are outside the ready prefix of {self._num_tokens} tokens"
+            )
         pieces = []
         first = int(np.searchsorted(self._token_starts, start, side="right")) - 1
         for i in range(max(first, 0), len(self._shards)):
@@ -633,7 +666,9 @@ class TokenCache:
             return self._arrays[(index, name)]
         array = self._storage.open_array(_shard_key(index, name))
         if array is None:
-            raise DataError(f"{self.path}: {_shard_key(index, name)} is missing although the ledger counts it; remove {self.path} to rebuild it")
+            raise DataError(
+                f"{self.path}: {_shard_key(index, name)} is missing although the ledger counts it; remove {self.path} to rebuild it"
+            )
         if shard["finished"]:
             self._arrays[(index, name)] = array
         return array
@@ -679,7 +714,9 @@ class TokenCache:
             if ledger != last:
                 last, changed_at = ledger, time.monotonic()
             elif time.monotonic() - changed_at > STALE_AFTER:
-                raise DataError(f"{self.path}: the cache has not grown for {STALE_AFTER:.0f}s; is the process building it still running?")
+                raise DataError(
+                    f"{self.path}: the cache has not grown for {STALE_AFTER:.0f}s; is the process building it still running?"
+                )
             time.sleep(1.0)
 
     def close(self) -> None:
@@ -736,7 +773,9 @@ def open_cache(
     stored = storage.read_ledger()
     ledger = wanted if stored is None else _reconcile(path, stored, wanted)
     if ledger["complete"]:
-        logger.info("reusing the cache %s: %d documents, %d tokens", path, ledger["num_documents"], ledger["num_tokens"])
+        logger.info(
+            "reusing the cache %s: %d documents, %d tokens", path, ledger["num_documents"], ledger["num_tokens"]
+        )
         return TokenCache(path, storage, ledger)
     job = _Job(
         path=path,

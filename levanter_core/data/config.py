@@ -253,4 +253,3 @@ DataSection = Annotated[
     WithJsonSchema({"type": "object", "description": "the data section"}),
 ]
 """Annotation of ``TrainConfig.data``."""
-

@@ -130,10 +130,14 @@ def _portable(error: BaseException, task: ShardTask) -> BaseException:
     message is for people), anything else as its traceback."""
     if isinstance(error, UserError):
         return error
-    return RuntimeError(f"tokenizing shard {task.index} ({task.name}) failed:\n{''.join(traceback.format_exception(error))}")
+    return RuntimeError(
+        f"tokenizing shard {task.index} ({task.name}) failed:\n{''.join(traceback.format_exception(error))}"
+    )
 
 
-def _run_local(work: Work, tasks: list[ShardTask], report, num_workers: int, stop: threading.Event, processes: bool) -> None:
+def _run_local(
+    work: Work, tasks: list[ShardTask], report, num_workers: int, stop: threading.Event, processes: bool
+) -> None:
     count = min(num_workers, len(tasks))
     if processes:
         context = multiprocessing.get_context("spawn")
@@ -145,7 +149,9 @@ def _run_local(work: Work, tasks: list[ShardTask], report, num_workers: int, sto
         ]
     else:
         todo, results, halt = queue.Queue(), queue.Queue(), threading.Event()
-        workers = [threading.Thread(target=_serve, args=(work, todo, results, halt, False), daemon=True) for _ in range(count)]
+        workers = [
+            threading.Thread(target=_serve, args=(work, todo, results, halt, False), daemon=True) for _ in range(count)
+        ]
     for task in tasks:  # in index order: the first shards go out first
         todo.put(task)
     for _ in workers:

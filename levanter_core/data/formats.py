@@ -186,10 +186,14 @@ class ChatFormat(_Format):
             )
         messages = value[self.messages_field]
         if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: {self.messages_field!r} should be a non-empty list of messages, found {_clip(messages)}")
+            raise DataError(
+                f"{where}: {self.messages_field!r} should be a non-empty list of messages, found {_clip(messages)}"
+            )
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise DataError(f"{where}: message {i} should be an object with 'role' and 'content', found {_clip(message)}")
+                raise DataError(
+                    f"{where}: message {i} should be an object with 'role' and 'content', found {_clip(message)}"
+                )
             for key in ("role", "content"):
                 if not isinstance(message.get(key), str):
                     found = "nothing" if key not in message else f"{type(message[key]).__name__} {_clip(message[key])}"
@@ -285,7 +289,9 @@ class SupervisedFormat(_Format):
 
     def _field(self, value, field: str, where: str) -> str:
         if not isinstance(value, dict):
-            raise DataError(f"{where}: expected a JSON object with {self.input_field!r} and {self.output_field!r}, found {_clip(value)}")
+            raise DataError(
+                f"{where}: expected a JSON object with {self.input_field!r} and {self.output_field!r}, found {_clip(value)}"
+            )
         if field not in value:
             keys = ", ".join(map(repr, value)) or "none"
             which = "input_field" if field == self.input_field else "output_field"
@@ -358,7 +364,11 @@ def _format_type(value: Any) -> str:
 
 
 DataFormat = Annotated[
-    Union[Annotated[TextFormat, Tag("text")], Annotated[ChatFormat, Tag("chat")], Annotated[SupervisedFormat, Tag("supervised")]],
+    Union[
+        Annotated[TextFormat, Tag("text")],
+        Annotated[ChatFormat, Tag("chat")],
+        Annotated[SupervisedFormat, Tag("supervised")],
+    ],
     Discriminator(_format_type),
 ]
 """The ``format`` of a data source, chosen by its ``type`` (default ``text``)."""

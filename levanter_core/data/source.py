@@ -95,7 +95,17 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 # What fsspec's file systems report that changes when a file is rewritten: local and
 # memory files, object stores (S3, GCS, Azure) and HTTP servers.
-_VERSION_KEYS = ("mtime", "created", "LastModified", "last_modified", "updated", "generation", "ETag", "etag", "Last-Modified")
+_VERSION_KEYS = (
+    "mtime",
+    "created",
+    "LastModified",
+    "last_modified",
+    "updated",
+    "generation",
+    "ETag",
+    "etag",
+    "Last-Modified",
+)
 _PARQUET_BATCH_ROWS = 1024
 
 
@@ -327,7 +337,11 @@ def _json_items(url: str, raw: bytes) -> tuple[list, Record | None]:
     lists = [key for key, value in document.items() if isinstance(value, list)] if isinstance(document, dict) else []
     if len(lists) == 1:
         return document[lists[0]], None
-    found = f"an object with keys {', '.join(map(repr, document)) or 'none'}" if isinstance(document, dict) else _clip(document)
+    found = (
+        f"an object with keys {', '.join(map(repr, document)) or 'none'}"
+        if isinstance(document, dict)
+        else _clip(document)
+    )
     message = f"{url}: expected a JSON array of objects, or an object with exactly one list of objects; found {found}"
     return [], Record(DataError(message), url)
 
@@ -433,7 +447,11 @@ class PythonStdlibSourceConfig(DataSourceConfig):
         for lo, group in _groups(self.files(split)):
             listing = [(p, os.path.getsize(os.path.join(root, p))) for p in group]
             shards[f"files[{lo}:{lo + len(group)}]"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-        return {"type": "python_stdlib", "python": f"{sys.implementation.name} {platform.python_version()}", "shards": shards}
+        return {
+            "type": "python_stdlib",
+            "python": f"{sys.implementation.name} {platform.python_version()}",
+            "shards": shards,
+        }
 
     def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
         root = _stdlib_root()

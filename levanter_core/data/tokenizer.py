@@ -133,7 +133,11 @@ class ByteTokenizer(Tokenizer):
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as RustTokenizer
 
-        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+        printable = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), 256),
+        ]
         others = [b for b in range(256) if b not in printable]
         chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
         tok = RustTokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))

@@ -62,11 +62,18 @@ _NATIVE_KVSTORES = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
 # -- storage ----------------------------------------------------------------------------------
 
 
+_READ_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 256 << 20}})
+"""Arrays opened for reading share a cache of decoded chunks, so the sequences of a batch
+(and the next batches) rarely decompress a chunk twice. Cached chunks are revalidated
+against storage when read, so a growing shard is never read stale."""
+
+
 def _open_zarr(kvstore: ts.KvStore, create_dtype: np.dtype | None) -> ts.TensorStore | None:
     """The zarr array in ``kvstore``; created empty if missing and ``create_dtype`` is
     given, else None when missing."""
     try:
-        return ts.open({"driver": "zarr"}, kvstore=kvstore, open=True).result()
+        context = _READ_CONTEXT if create_dtype is None else None
+        return ts.open({"driver": "zarr"}, kvstore=kvstore, open=True, context=context).result()
     except ValueError as e:
         if "NOT_FOUND" not in str(e):
             raise

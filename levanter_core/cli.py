@@ -82,9 +82,10 @@ def cache(
     """Tokenize the data of a training config ahead of training, into its cache.
 
     Builds (or finishes, after an interruption) the cache of every split of every
-    source of the ``data:`` section, with ``data.num_workers`` processes or on the
-    ``trainer.ray`` cluster, and prints what each holds. A later ``levanter train``
-    with the same data settings reuses it. Overrides work as for ``train``.
+    source of the data section, with data.num_workers processes or on the
+    trainer.ray cluster, and prints what each holds. A later `levanter train`
+    with the same data settings reuses it. Overrides work as for train, e.g.
+    --data.num_workers 4.
     """
     from levanter_core.config.train import load_train_config
     from levanter_core.data.pipeline import build_caches

@@ -125,6 +125,9 @@ def test_cache_command_builds_ahead_with_progress_and_training_reuses_it(tmp_pat
     stamp = os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns
     trained = run_cli("train", config, "--no-progress")
     assert trained.returncode == 0, trained.stderr
+    # Another sequence length cuts the same cache differently: nothing is tokenized again.
+    shorter = run_cli("train", config, "--no-progress", "--model.seq_len", "16", "--trainer.id", "short")
+    assert shorter.returncode == 0, shorter.stderr
     assert os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns == stamp
 
 

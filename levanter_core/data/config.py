@@ -120,10 +120,9 @@ class DataConfig(ConfigModel):
             raise ValueError(f"train_weights stages must start at step 0 and increase (got steps {steps})")
         return self
 
-    @property
-    def sources(self) -> dict[str, Any]:
-        """The sources by name (a single source is named ``main``)."""
-        return dict(self.configs)
+    def field_of(self, name: str) -> str:
+        """The dotted config field of source ``name``, for messages."""
+        return f"data.configs.{name}" if self.is_mixture else "data"
 
     @property
     def is_mixture(self) -> bool:

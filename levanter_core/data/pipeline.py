@@ -67,8 +67,7 @@ def _open(config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ra
             progress=progress,
         )
     except DataError as e:
-        where = "data" if not config.is_mixture else f"data.configs.{name}"
-        raise DataError(f"{where} ({split}): {e}") from None
+        raise DataError(f"{config.field_of(name)} ({split}): {e}") from None
 
 
 def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
@@ -78,8 +77,9 @@ def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
         trained = any(weights[name] > 0 for _, weights in stages)
         if trained:
             if not source.has_split("train"):
-                field = "data" if not config.is_mixture else f"data.configs.{name}"
-                raise DataError(f"{field}: no training data is configured for source {name!r} (set its train_urls)")
+                raise DataError(
+                    f"{config.field_of(name)}: no training data is configured for source {name!r} (set its train_urls)"
+                )
             yield name, "train"
     for name, source in config.configs.items():
         if source.has_split("validation"):

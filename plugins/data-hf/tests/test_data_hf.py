@@ -298,11 +298,11 @@ def test_a_data_section_with_an_id_selects_the_hf_source(hf_plugin_only, jsonl_d
     data = validate_data_section(
         {"id": jsonl_dir, "cache_dir": str(tmp_path / "cache"), "format": {"type": "text", "text_key": "text"}}
     )
-    source = data.sources["main"]
+    source = data.configs["main"]
     assert isinstance(source, HfSourceConfig) and source.type == "hf"
     assert data.cache_path("main", "train") == f"{tmp_path}/cache/train"
     assert [r.value for r in _all_records(source, "train")] == _expected("train")
-    assert validate_data_section({"train_urls": ["x.jsonl"]}).sources["main"].type == "url"
+    assert validate_data_section({"train_urls": ["x.jsonl"]}).configs["main"].type == "url"
 
 
 def test_the_entry_point_registers_the_plugin():

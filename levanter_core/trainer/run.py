@@ -171,7 +171,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     print(f"run directory: {run_dir}", flush=True)
     run = _Run(run_id, run_dir, resolved, plugins, record_files, wall_start)
 
-    # The caches are built in the background while the model compiles; batches wait for them.
+    # The caches build in the background while the model is set up; batches wait for them.
     data = build_lm_data(
         config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, ray=trainer_cfg.ray, progress=progress
     )
@@ -354,10 +354,17 @@ class _TrainLoop:
         size, limit = self.trainer.plan.eval_batch_size, self.trainer.config.max_eval_batches
         losses, counts = {}, {}
         for name, dataset in self.data.validation.items():
-            batches = list(eval_batches(dataset, size, limit))
-            losses[name], counts[name] = self.trainer.evaluate(model, batches), len(batches)
+            counts[name] = 0
+
+            def counted(batches, name=name):
+                for batch in batches:
+                    counts[name] += 1
+                    yield batch
+
+            losses[name] = self.trainer.evaluate(model, counted(eval_batches(dataset, size, limit)))
         if not losses:
             return {}
+        # Every batch has the same size: the mean over all of them weighs each source by its batches.
         total = sum(losses[n] * counts[n] for n in losses) / sum(counts.values())
         metrics = {"eval/loss": total}
         if self.config.data.is_mixture:
@@ -365,9 +372,11 @@ class _TrainLoop:
         return metrics
 
     def data_metrics(self) -> dict[str, float]:
-        """The background build's progress while training waits on nothing, and the bad
-        records skipped: ``data/<source>/train_documents_cached``, ``data/skipped/<source>/<split>``."""
-        metrics = {f"data/{name}/train_documents_cached": cache.num_documents for name, cache in self.data.building().items()}
+        """How far the training caches still being built have got
+        (``data/<source>/train_documents_cached``), and the bad records skipped so far
+        (``data/skipped/<source>/<split>``)."""
+        building = self.data.building()
+        metrics = {f"data/{name}/train_documents_cached": cache.num_documents for name, cache in building.items()}
         metrics.update({f"data/skipped/{where}": n for where, n in self.data.skipped().items()})
         return metrics
 

@@ -357,6 +357,20 @@ def test_packed_and_text_sources_mix_into_one_batch_format():
     assert (batch.segment_ids[~text_rows][:, 0] == 1).all()
 
 
+def test_every_batch_of_a_stream_with_a_packed_source_has_the_same_structure():
+    """A batch drawn from the text source alone still carries masks and segments: the step is
+    compiled once, for one structure (the template's)."""
+    datasets = {"chat": PackedSequences(packed_cache([3, 4] * 20), 8), "web": TextSequences(text_cache(8 * 40), 8)}
+    stages = [(0, {"chat": 0, "web": 1}), (2, {"chat": 1, "web": 0})]
+    stream = TrainStream(datasets, seed=0, stages=stages, block_size=4)
+    text_only, packed_only, template = stream.batch(0, 4), stream.batch(2, 4), stream.template(4)
+    for batch in (text_only, packed_only, template):
+        assert batch.tokens.shape == batch.loss_mask.shape == batch.segment_ids.shape == (4, 8)
+    assert (text_only.segment_ids == 1).all() and (template.tokens == 0).all()
+    plain = TrainStream({"web": TextSequences(text_cache(8 * 40), 8)}, seed=0)
+    assert plain.batch(0, 4).loss_mask is None and plain.template(4).segment_ids is None
+
+
 # -- mixtures -----------------------------------------------------------------------------
 
 

@@ -381,6 +381,9 @@ class TrainStream:
             raise ValueError(f"the sources' datasets have different seq_len: {sorted(lengths)}")
         self.names = names
         self.seq_len = lengths.pop()
+        # Every batch has the same structure (a pytree the step is compiled for): with loss
+        # masks and segments as soon as one source read is packed.
+        self.packed = any(isinstance(datasets[name], PackedSequences) for name in names)
         self._orders = [_EpochOrder(name, datasets[name], seed, shuffle) for name in names]
         self._mixture = None
         if len(names) > 1:
@@ -411,16 +414,21 @@ class TrainStream:
             here = sources == source
             order = self._orders[source]
             parts.append((here, order.dataset.rows(order.indices(drawn[here]))))
-        return _assemble(batch_size, self.seq_len, parts)
+        return _assemble(batch_size, self.seq_len, parts, self.packed)
+
+    def template(self, batch_size: int) -> Batch:
+        """A batch of zeros with the shapes and structure of every batch of this stream (to
+        compile the training step before the data is there)."""
+        return _assemble(batch_size, self.seq_len, [], self.packed)
 
 
-def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch]]) -> Batch:
-    """One batch from row groups (``where``, rows); a text source's rows get the packed
-    defaults (one segment, loss everywhere but the last position) when mixed with packed ones."""
-    tokens = np.empty((batch_size, seq_len), np.int32)
+def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch]], packed: bool) -> Batch:
+    """One batch from row groups (``where``, rows); when ``packed``, a text source's rows get
+    the packed defaults (one segment, loss everywhere but the last position)."""
+    tokens = np.zeros((batch_size, seq_len), np.int32)
     for where, rows in parts:
         tokens[where] = rows.tokens
-    if all(rows.segment_ids is None for _, rows in parts):
+    if not packed:
         return Batch(tokens)
     loss_mask = np.ones((batch_size, seq_len), np.float32)
     loss_mask[:, -1] = 0.0

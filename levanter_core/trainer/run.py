@@ -390,14 +390,20 @@ class _TrainLoop:
         if start >= self.num_steps:
             print(f"run already complete: step {start} of {self.num_steps}", flush=True)
             return state
-        if start == 0:
-            initial = self.evaluate(self.trainer.eval_model(state))
-            if initial:
-                result.initial_eval_loss = initial["eval/loss"]
-                self.tracker.log(initial, step=0)
 
+        # The first batches are read (waiting for the cache where needed) while the step compiles.
         batch_size = self.trainer.plan.batch_size
         prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size), start, self.num_steps)
+        try:
+            self.trainer.compile_ahead(state, self.data.train.template(batch_size))
+            if start == 0:
+                initial = self.evaluate(self.trainer.eval_model(state))
+                if initial:
+                    result.initial_eval_loss = initial["eval/loss"]
+                    self.tracker.log(initial, step=0)
+        except BaseException:
+            prefetch.close()
+            raise
         throughput = Throughput(self.tokens_per_step)
         bar = tqdm(
             total=self.num_steps,

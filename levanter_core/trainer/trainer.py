@@ -254,6 +254,14 @@ class Trainer:
         with hax.partitioning.set_mesh(self.mesh):
             return self._train_step(state, example)
 
+    def compile_ahead(self, state: TrainerState, template) -> None:
+        """Compile the training step now for batches shaped like ``template`` (a host batch),
+        so that it is ready when the first batch is: compilation then overlaps with whatever
+        else start-up waits for (the data, typically)."""
+        example = self.to_device(template, self.Batch)
+        with hax.partitioning.set_mesh(self.mesh):
+            self._train_step.lower(state, example).compile()
+
     def evaluate(self, model, batches: Iterator) -> float | None:
         """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]`` ids or a
         ``data.Batch``); None if there are none."""

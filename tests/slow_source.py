@@ -1,7 +1,9 @@
-"""A data source that reads JSON-lines files slowly, for tests of training that starts
-before its cache is complete. Importable by the tokenizing worker processes (they
-unpickle the source config), so it lives in a module, not in a test function."""
+"""Data sources that misbehave on purpose, for tests: one reads slowly (training that
+starts before its cache is complete), one kills the worker process reading it. Importable
+by the tokenizing worker processes (they unpickle the source config), so they live in a
+module, not in a test function."""
 
+import os
 import time
 from typing import Iterator
 
@@ -17,6 +19,18 @@ class SlowUrlSourceConfig(UrlSourceConfig):
 
     def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
         time.sleep(self.seconds_per_shard)
+        yield from super().records(split, shard, start)
+
+
+class DyingUrlSourceConfig(UrlSourceConfig):
+    """``type: dying_url``: a ``url`` source whose worker process exits abruptly (as if
+    killed, or out of memory) when it starts reading a file named ``*die*``."""
+
+    type: str = "dying_url"
+
+    def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
+        if "die" in os.path.basename(shard):
+            os._exit(9)
         yield from super().records(split, shard, start)
 
 

@@ -176,6 +176,18 @@ def test_bad_line_fails_a_background_build_for_its_readers(tmp_path):
         cache.wait_complete()
 
 
+def test_a_worker_process_that_dies_fails_the_build_instead_of_hanging(tmp_path):
+    from slow_source import DyingUrlSourceConfig
+
+    write_corpus(tmp_path / "data", files=2, lines=5)
+    os.rename(tmp_path / "data" / "part01.jsonl", tmp_path / "data" / "part01-die.jsonl")
+    dying = DyingUrlSourceConfig(train_urls=[f"{tmp_path}/data/part*.jsonl"])
+
+    with pytest.raises(RuntimeError, match=r"a tokenizer worker process died \(exit code 9\)"):
+        build(tmp_path / "cache", dying, num_workers=2)
+    assert not json.loads((tmp_path / "cache" / "ledger.json").read_text())["complete"]
+
+
 def test_empty_dataset_names_its_files(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "part00.jsonl").write_text("\n\n")

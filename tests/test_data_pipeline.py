@@ -329,3 +329,19 @@ def test_a_hugging_face_dataset_on_disk_trains_through_the_plugin(tmp_path):
     assert ledger(tmp_path / "cache" / "validation")["num_documents"] == 10
     logged = metrics(tmp_path)
     assert [m["step"] for m in logged if "train/loss" in m] == [1, 2, 3] and "eval/loss" in logged[0]
+
+
+def test_packed_data_with_a_model_that_takes_no_attention_mask_is_refused(tmp_path):
+    from levanter_core.errors import ConfigError
+    from levanter_core.trainer.run import _check_model_takes_packed_data
+
+    class CausalOnly:
+        def activations(self, input_ids, *, key=None):
+            return input_ids
+
+    data = {"train_urls": ["chat.jsonl"], "format": {"type": "chat"}, "cache_dir": str(tmp_path)}
+    config, _ = load_train_config(run_config(tmp_path, data))
+    with pytest.raises(ConfigError, match=r"cannot train on packed data \(data.format is 'chat'\).*takes no attn_mask"):
+        _check_model_takes_packed_data(CausalOnly(), config)
+    text, _ = load_train_config(run_config(tmp_path, {**data, "format": {"type": "text"}}, run_id="text"))
+    _check_model_takes_packed_data(CausalOnly(), text)  # plain text needs no mask

@@ -232,6 +232,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             return model
 
     state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf)
+    _check_model_takes_packed_data(state.model, config)
     start_step = int(state.step)
     if resumed_from:
         print(f"resumed from {resumed_from} at step {start_step}", flush=True)
@@ -320,6 +321,20 @@ def _resolve_model(config: TrainConfig, tokenizer):
             f"({tokenizer.vocab_size}, data.tokenizer: {tokenizer.name}); use the model's own tokenizer"
         )
     return model_config, Axis("vocab", vocab_size), directory
+
+
+def _check_model_takes_packed_data(model, config: TrainConfig) -> None:
+    """Packed data (chat, supervised) needs a model whose ``activations`` accept an
+    ``attn_mask``, or examples would attend to each other: say so before compiling."""
+    import inspect
+
+    packed = [name for name, source in config.data.configs.items() if source.format.packed]
+    if packed and "attn_mask" not in inspect.signature(model.activations).parameters:
+        raise ConfigError(
+            f"model.type {config.model.type!r} cannot train on packed data ({config.data.field_of(packed[0])}.format "
+            f"is {config.data.configs[packed[0]].format.type!r}): its activations() takes no attn_mask, so the "
+            "examples packed into a sequence would attend to each other"
+        )
 
 
 def _make_tracker(config: TrainConfig, info: RunInfo):

@@ -345,3 +345,29 @@ def test_packed_data_with_a_model_that_takes_no_attention_mask_is_refused(tmp_pa
         _check_model_takes_packed_data(CausalOnly(), config)
     text, _ = load_train_config(run_config(tmp_path, {**data, "format": {"type": "text"}}, run_id="text"))
     _check_model_takes_packed_data(CausalOnly(), text)  # plain text needs no mask
+
+
+@pytest.mark.slow
+def test_a_mixture_tokenized_on_ray_trains_like_one_tokenized_locally(tmp_path):
+    """Four caches built at once by Ray tasks (``trainer.ray.address: local`` starts a
+    private Ray instance) hold what local worker processes build, and train the same."""
+    local = run_config(tmp_path, mixture_data(tmp_path, {"code": 1, "prose": 1}), steps=3)
+    on_ray = run_config(
+        tmp_path,
+        {**mixture_data(tmp_path, {"code": 1, "prose": 1}), "cache_dir": str(tmp_path / "ray-cache")},
+        run_id="ray",
+        steps=3,
+        ray={"address": "local"},
+    )
+
+    for config in (local, on_ray):
+        result = run_cli("train", config, "--no-progress")
+        assert result.returncode == 0, result.stderr
+
+    for name in ("code", "prose"):
+        for split in ("train", "validation"):
+            a, b = ledger(tmp_path / "cache" / name / split), ledger(tmp_path / "ray-cache" / name / split)
+            assert a["complete"] and b["complete"]
+            assert (a["num_documents"], a["num_tokens"]) == (b["num_documents"], b["num_tokens"])
+    losses = [[m["train/loss"] for m in metrics(tmp_path, run) if "train/loss" in m] for run in ("pipe", "ray")]
+    assert losses[0] == losses[1]

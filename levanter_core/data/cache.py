@@ -37,7 +37,7 @@ import numpy as np
 import tensorstore as ts
 from tqdm import tqdm
 
-from levanter_core.data.executor import BuildStopped, Progress, ShardTask, run_shards
+from levanter_core.data.executor import BuildStopped, Progress, ShardTask, connect, run_shards
 from levanter_core.data.source import DataSourceConfig, Record
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
 from levanter_core.errors import DataError, UserError
@@ -795,6 +795,7 @@ def open_cache(
         token_dtype=ledger["token_dtype"],
     )
     build = _Build(path, storage, ledger, job, num_workers=num_workers, ray=ray, progress=progress)
+    connect(ray)  # here, not in the build's thread: Ray's local processes die with the thread that starts them
     if background:
         reader = TokenCache(path, storage, copy.deepcopy(ledger), build)
         build.start()

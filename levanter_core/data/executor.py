@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 import traceback
+import warnings
 from typing import Callable, Iterator
 
 from levanter_core.errors import DataError, UserError
@@ -203,15 +204,30 @@ def _stream(work: Work, task: ShardTask) -> Iterator[Progress]:
     yield from work(task)
 
 
+_RAY_INIT = threading.Lock()  # the caches of a run are built by concurrent coordinator threads
+
+
+def connect(ray) -> None:
+    """Join (or start) the Ray cluster of ``ray`` (a ``RayConfig``) if it names one. Call it
+    from the thread that outlives the builds (the main thread): a private Ray instance's
+    processes are tied to the thread that started them and die with it."""
+    if ray is not None and ray.address:
+        _connect(ray.address)
+
+
 def _connect(address: str) -> None:
     import ray
 
-    if ray.is_initialized():
-        return
-    if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
+    with _RAY_INIT, warnings.catch_warnings():
+        # Starting Ray's own processes goes through fork + exec (subprocess), which JAX's
+        # fork warning cannot tell from a bare fork; nothing of this process runs in them.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        if ray.is_initialized():
+            return
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
 
 
 def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: threading.Event) -> None:

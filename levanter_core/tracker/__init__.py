@@ -1,5 +1,14 @@
 """Trackers: the tracker API and the built-in ``json`` and ``noop`` trackers."""
 
-from levanter_core.tracker.base import CompositeTracker, NoopTracker, NoopTrackerConfig, RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker.base import (
+    CompositeTracker,
+    Histogram,
+    NoopTracker,
+    NoopTrackerConfig,
+    RunInfo,
+    Tracker,
+    TrackerConfig,
+)
+from levanter_core.tracker.jit_log import jit_log
 
-__all__ = ["CompositeTracker", "NoopTracker", "NoopTrackerConfig", "RunInfo", "Tracker", "TrackerConfig"]
+__all__ = ["CompositeTracker", "Histogram", "NoopTracker", "NoopTrackerConfig", "RunInfo", "Tracker", "TrackerConfig", "jit_log"]

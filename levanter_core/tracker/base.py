@@ -12,6 +12,8 @@ import abc
 import dataclasses
 from typing import Any, Sequence
 
+import numpy as np
+
 from levanter_core.config.base import TypedConfig
 
 
@@ -29,12 +31,47 @@ class RunInfo:
     """The step this run resumes after (the checkpoint's step), or None for a fresh start."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Histogram:
+    """The distribution of many values (a parameter's entries, say), summarized for a
+    tracker: ``counts[i]`` values fell in ``[edges[i], edges[i + 1])``."""
+
+    counts: np.ndarray
+    edges: np.ndarray
+    min: float
+    max: float
+    num: int
+    sum: float
+    sum_squares: float
+
+    @classmethod
+    def from_values(cls, values, bins: int = 64) -> "Histogram":
+        """Summarize ``values`` (any array; non-finite entries are left out of the bins
+        but counted in ``num``) in ``bins`` equal bins between their min and max."""
+        flat = np.asarray(values, dtype=np.float64).ravel()
+        finite = flat[np.isfinite(flat)]
+        if finite.size == 0:
+            return cls(np.zeros(bins, np.int64), np.linspace(0.0, 1.0, bins + 1), 0.0, 0.0, int(flat.size), 0.0, 0.0)
+        counts, edges = np.histogram(finite, bins=bins)
+        return cls(
+            counts,
+            edges,
+            float(finite.min()),
+            float(finite.max()),
+            int(flat.size),
+            float(finite.sum()),
+            float(np.square(finite).sum()),
+        )
+
+
 class Tracker(abc.ABC):
     """Receives what a run reports. Only :meth:`log` is required."""
 
     @abc.abstractmethod
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
-        """Record ``metrics`` (name -> number) at training step ``step``."""
+        """Record ``metrics`` at training step ``step``. Each value is a number (a scalar),
+        a ``str`` (text) or a :class:`Histogram`; a tracker that cannot show a kind of
+        value skips it."""
 
     def log_summary(self, metrics: dict[str, Any]) -> None:
         """Record end-of-run values (final loss, throughput...)."""

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from levanter_core.errors import ConfigError, LevanterError
 from levanter_core.models.lm import LmExample
 from levanter_core.optim.skipstep import skipped_step
+from levanter_core.tracker.jit_log import collecting
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh import data_axis_size
 from levanter_core.trainer.state import TrainerState
@@ -173,7 +174,11 @@ class Trainer:
 
     # -- compiled pieces -------------------------------------------------------------------
     def _compute_loss(self, model, batch: LmExample, key) -> tuple[jax.Array, dict]:
-        return self.loss_fn(self.mp.cast_to_compute(model), batch, key=key)
+        # What the loss computation logs with jit_log joins the model's metrics: averaged
+        # over microbatches like them, and returned from the step like them.
+        with collecting() as logged:
+            loss, metrics = self.loss_fn(self.mp.cast_to_compute(model), batch, key=key)
+        return loss, {**metrics, **logged}
 
     def _loss_and_grad(self, model, batch: LmExample, key):
         """``((loss, metrics), grads)``, averaged over the microbatches."""
@@ -215,7 +220,9 @@ class Trainer:
         (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
         optimizer = optax.with_extra_args_support(self.optimizer)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params, loss=loss)
+        with collecting() as optimizer_logged:  # jit_log from the optimizer's update
+            updates, opt_state = optimizer.update(grads, state.opt_state, params, loss=loss)
+        model_metrics = {**model_metrics, **optimizer_logged}
         model = eqx.apply_updates(state.model, updates)
         averaging = state.model_averaging
         if averaging is not None:

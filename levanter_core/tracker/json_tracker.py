@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from levanter_core.fileio import write_text_atomically
-from levanter_core.tracker.base import RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker.base import Histogram, RunInfo, Tracker, TrackerConfig
 
 
 class JsonTrackerConfig(TrackerConfig):
@@ -59,7 +59,9 @@ class JsonTracker(Tracker):
         write_text_atomically(self.path, "".join(kept))
 
     def log(self, metrics, *, step):
-        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        # Numbers and text; histograms are for trackers that can draw them.
+        kept = {k: v for k, v in metrics.items() if not isinstance(v, Histogram)}
+        record = {"step": int(step), **{k: _jsonable(v) for k, v in kept.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from levanter_core.config.base import ConfigModel, Typed, TypedList
 from levanter_core.config.types import MpPolicy
 from levanter_core.optim.model_averaging import ModelAveragingConfig
+from levanter_core.trainer.watch import WatchConfig
 
 JsonAtom = str | int | float | bool | None
 
@@ -114,6 +115,10 @@ class TrainerConfig(ConfigModel):
     Default: the checkpointer's path for this run."""
     initialize_from: str | None = None
     """Start from this checkpoint's state (a checkpoint or a directory of them) as a new run."""
+
+    watch: WatchConfig | None = None
+    """Log norms (and optionally histograms) of the parameters, gradients and updates every
+    ``watch.interval`` steps, as ``watch/...`` metrics. None: nothing watched."""
 
     model_averaging: ModelAveragingConfig | None = None
     """Keep a running average of the weights beside the model (``type: ema`` or

@@ -480,8 +480,16 @@ class _TrainLoop:
             print(f"training starts while the training data is still being tokenized ({ready} so far)", flush=True)
 
     def _finish(self, pending: dict, throughput, bar, result: RunResult) -> None:
+        from levanter_core.trainer.watch import host_value, is_watch_metric
+
         step = pending["step"]
-        metrics = {name: float(value) for name, value in pending["device"].items()}
+        watch = self.trainer.config.watch
+        watching = watch is not None and step % watch.interval == 0
+        metrics = {
+            name: host_value(value) if is_watch_metric(name) else float(value)
+            for name, value in pending["device"].items()
+            if watching or not is_watch_metric(name)
+        }
         self.trainer.check_finite(metrics["train/loss"], step)
         metrics["optim/learning_rate"] = float(self.lr(step - 1))
         rate = throughput.tick()

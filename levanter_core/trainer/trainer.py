@@ -37,6 +37,7 @@ from levanter_core.tracker.jit_log import collecting
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh import data_axis_size
 from levanter_core.trainer.state import TrainerState
+from levanter_core.trainer.watch import watch_stats
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +229,9 @@ class Trainer:
         if averaging is not None:
             averaging = averaging.update(model, state.step)
         metrics = {**model_metrics, "train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
+        if self.config.watch is not None:
+            watched = {"params": trainable(model), "grads": grads, "updates": updates}
+            metrics.update(watch_stats(self.config.watch, state.step + 1, watched))
         skipped = skipped_step(state.opt_state, opt_state)
         if skipped is not None:
             metrics["optim/skipped_step"] = skipped

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from levanter_core.config.base import ConfigModel, Typed, TypedList
 from levanter_core.config.types import MpPolicy
 from levanter_core.optim.model_averaging import ModelAveragingConfig
+from levanter_core.trainer.viz import VizConfig
 from levanter_core.trainer.watch import WatchConfig
 
 JsonAtom = str | int | float | bool | None
@@ -115,6 +116,11 @@ class TrainerConfig(ConfigModel):
     Default: the checkpointer's path for this run."""
     initialize_from: str | None = None
     """Start from this checkpoint's state (a checkpoint or a directory of them) as a new run."""
+
+    viz: VizConfig | None = None
+    """Every ``viz.interval`` steps, draw the log-probability of each token of a few
+    validation sequences as an HTML heatmap (``{run_dir}/viz/step-N.html``, also sent to the
+    trackers). None: no heatmaps."""
 
     watch: WatchConfig | None = None
     """Log norms (and optionally histograms) of the parameters, gradients and updates every

@@ -245,7 +245,9 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
         flops = model_config.flops_per_token(Vocab.size)
-        loop = _TrainLoop(config, trainer, data, tracker, checkpointer, flops_per_token=flops, progress=progress)
+        loop = _TrainLoop(
+            config, trainer, data, tracker, checkpointer, run_dir=run_dir, flops_per_token=flops, progress=progress
+        )
         state = loop.run(state, result)
         checkpointer.on_step(state, int(state.step), force=True)
         checkpointer.wait_until_finished()
@@ -348,9 +350,19 @@ class _TrainLoop:
     """Steps, logging, evaluation and checkpoints; metrics are fetched one step late."""
 
     def __init__(
-        self, config: TrainConfig, trainer, data, tracker, checkpointer, *, flops_per_token: float | None, progress: bool
+        self,
+        config: TrainConfig,
+        trainer,
+        data,
+        tracker,
+        checkpointer,
+        *,
+        run_dir: str,
+        flops_per_token: float | None,
+        progress: bool,
     ):
         self.config = config
+        self.run_dir = run_dir
         self.trainer = trainer
         self.data = data
         self.tracker = tracker
@@ -385,6 +397,26 @@ class _TrainLoop:
         if self.config.data.is_mixture:
             metrics.update({f"eval/{name}/loss": loss for name, loss in losses.items()})
         return metrics
+
+    def draw_viz(self, model, step: int) -> None:
+        """The token log-probability heatmap of ``trainer.viz`` for ``step``, written to the
+        run directory and sent to the trackers."""
+        import haliax as hax
+        import numpy as np
+
+        from levanter_core.data.dataset import eval_batches
+        from levanter_core.trainer.viz import token_log_probs, write_heatmap
+
+        viz = self.trainer.config.viz
+        if not self.data.validation:
+            return
+        dataset = next(iter(self.data.validation.values()))
+        batch = next(eval_batches(dataset, self.trainer.plan.eval_batch_size, 1))
+        with hax.partitioning.set_mesh(self.trainer.mesh):
+            scores = np.asarray(token_log_probs(model, self.trainer.to_device(batch, self.trainer.EvalBatch)))
+        rows = slice(0, viz.num_sequences)
+        path = write_heatmap(self.run_dir, step, self.data.tokenizer, batch.tokens[rows], scores[rows], viz.max_tokens)
+        self.tracker.log_artifact(path, name=f"viz/step-{step}.html", type="viz")
 
     def data_metrics(self) -> dict[str, float]:
         """How far the training caches still being built have got
@@ -443,11 +475,15 @@ class _TrainLoop:
                 pending, carried = {"step": step, "device": metrics, **carried}, {}
                 evaluating = step % steps_per_eval == 0 or step == self.num_steps
                 saving = step < self.num_steps and self.checkpointer.due(step)  # the caller forces the final save
-                if evaluating or saving:
+                viz = self.trainer.config.viz
+                drawing = viz is not None and (step % viz.interval == 0 or step == self.num_steps)
+                if evaluating or saving or drawing:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
                 pending["host"] = self.data_metrics()
+                if drawing:
+                    self.draw_viz(self.trainer.eval_model(state), step)
                 if evaluating:
                     evaluated = self.evaluate(self.trainer.eval_model(state))
                     pending["host"].update(evaluated)

@@ -1,0 +1,14 @@
+"""Entry point of the W&B plugin (see ``pyproject.toml``): registers ``type: wandb``.
+
+wandb itself is imported only when a run opens its tracker, so loading the plugin (which
+every ``levanter`` command does) stays cheap.
+"""
+
+from levanter_core.plugins import hookimpl
+
+
+@hookimpl
+def register_trackers(register):
+    from levanter_tracker_wandb.tracker import WandbConfig
+
+    register("wandb", WandbConfig)

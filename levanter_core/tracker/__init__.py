@@ -11,4 +11,13 @@ from levanter_core.tracker.base import (
 )
 from levanter_core.tracker.jit_log import jit_log
 
-__all__ = ["CompositeTracker", "Histogram", "NoopTracker", "NoopTrackerConfig", "RunInfo", "Tracker", "TrackerConfig", "jit_log"]
+__all__ = [
+    "CompositeTracker",
+    "Histogram",
+    "NoopTracker",
+    "NoopTrackerConfig",
+    "RunInfo",
+    "Tracker",
+    "TrackerConfig",
+    "jit_log",
+]

@@ -568,6 +568,10 @@ class TokenCache:
 
     def _set_ledger(self, ledger: dict) -> None:
         self._ledger = ledger
+        skipped = collections.Counter()
+        for shard in ledger["shards"]:
+            skipped.update(shard["skipped"])
+        self._skipped = dict(sorted(skipped.items()))  # read every training step: counted once per ledger
         shards, self._num_documents, self._num_tokens = _ready(ledger)
         self._shards = shards
         counts = np.array([[s["documents"], s["tokens"]] for s in shards], np.int64).reshape(-1, 2)
@@ -611,10 +615,8 @@ class TokenCache:
 
     def skipped(self) -> dict[str, int]:
         """Records skipped (``data.skip_bad_data``), by reason."""
-        total = collections.Counter()
-        for shard in self.ledger["shards"]:
-            total.update(shard["skipped"])
-        return dict(sorted(total.items()))
+        self._refresh()
+        return dict(self._skipped)
 
     def problems(self) -> list[str]:
         """The messages of the first few skipped records."""

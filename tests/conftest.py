@@ -1,10 +1,14 @@
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 import levanter_core.plugins as plugins
+from levanter_core.plugins import hookimpl
+from levanter_core.tracker import Tracker, TrackerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,3 +32,99 @@ def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout
         text=True,
         timeout=timeout,
     )
+
+
+# -- a tiny training run ------------------------------------------------------------------
+
+MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def code_docs(n, offset=0):
+    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
+
+
+def run_config(tmp_path, data, *, run_id="pipe", steps=6, model=MODEL, **trainer):
+    """A tiny GPT-2 run on ``data`` (a ``data:`` section) as a YAML file in ``tmp_path``;
+    logs, checkpoints under ``tmp_path``; ``trainer`` fields added or overridden."""
+    config = {
+        "data": data,
+        "model": model,
+        "trainer": {
+            "id": run_id,
+            "train_batch_size": 4,
+            "num_train_steps": steps,
+            "steps_per_eval": 3,
+            "max_eval_batches": 2,
+            "log_dir": str(tmp_path / "logs"),
+            "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
+            **trainer,
+        },
+        "optimizer": {"learning_rate": 1e-2, "warmup": 0},
+    }
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def metrics(tmp_path, run_id="pipe"):
+    """The lines of a run's ``metrics.jsonl``."""
+    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+# -- a tracker that keeps every call ----------------------------------------------------------
+
+
+class RecordingTracker(Tracker):
+    """Keeps every call it gets, in order, in ``RecordingTracker.calls[label]``."""
+
+    calls: dict[str, list] = {}
+
+    def __init__(self, label: str):
+        self._calls = RecordingTracker.calls.setdefault(label, [])
+
+    def log(self, metrics, *, step):
+        self._calls.append(("log", step, dict(metrics)))
+
+    def log_summary(self, metrics):
+        self._calls.append(("summary", dict(metrics)))
+
+    def log_hyperparameters(self, hparams):
+        self._calls.append(("hparams", hparams))
+
+    def log_artifact(self, path, *, name=None, type=None):
+        with open(path) as f:
+            self._calls.append(("artifact", name, type, f.read()))
+
+    def finish(self):
+        self._calls.append(("finish",))
+
+
+class RecordingTrackerConfig(TrackerConfig):
+    """``type: recording``: a :class:`RecordingTracker` filing its calls under ``label``."""
+
+    label: str = "recording"
+
+    def init(self, run):
+        return RecordingTracker(self.label)
+
+
+class RecordingTrackerPlugin:
+    @hookimpl
+    def register_trackers(self, register):
+        register("recording", RecordingTrackerConfig)
+
+
+@pytest.fixture
+def recorded_calls():
+    """``type: recording`` trackers are available; yields their calls by label."""
+    plugins.reset()
+    plugins.register_plugin(RecordingTrackerPlugin(), name="recording-tracker")
+    RecordingTracker.calls = {}
+    yield RecordingTracker.calls
+    plugins.reset()

@@ -9,10 +9,6 @@ import sys
 
 import pytest
 
-import levanter_core.plugins as plugins
-from levanter_core.plugins import hookimpl
-from levanter_core.tracker import Tracker, TrackerConfig
-
 from conftest import REPO, run_cli
 from test_cli_train import make_run, metrics
 
@@ -138,41 +134,7 @@ def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_ch
     assert f"resumed from {tmp_path / CKPT}/step-6 at step 6" in resumed.stdout
 
 
-class RecordingTracker(Tracker):
-    calls: list = []
-
-    def log(self, metrics, *, step):
-        self.calls.append(("log", step, dict(metrics)))
-
-    def log_hyperparameters(self, hparams):
-        self.calls.append(("hparams", hparams))
-
-    def log_artifact(self, path, *, name=None, type=None):
-        with open(path) as f:
-            self.calls.append(("artifact", name, type, f.read()))
-
-
-class RecordingTrackerConfig(TrackerConfig):
-    def init(self, run):
-        return RecordingTracker()
-
-
-class RecordingPlugin:
-    @hookimpl
-    def register_trackers(self, register):
-        register("recording", RecordingTrackerConfig)
-
-
-@pytest.fixture
-def recording_tracker():
-    plugins.reset()
-    plugins.register_plugin(RecordingPlugin(), name="recording-tracker")
-    RecordingTracker.calls = []
-    yield RecordingTracker.calls
-    plugins.reset()
-
-
-def test_the_run_record_is_saved_and_sent_to_the_trackers(tmp_path, recording_tracker, monkeypatch):
+def test_the_run_record_is_saved_and_sent_to_the_trackers(tmp_path, recorded_calls, monkeypatch):
     from levanter_core.config.train import load_train_config
     from levanter_core.trainer.run import run_training
 
@@ -180,6 +142,7 @@ def test_the_run_record_is_saved_and_sent_to_the_trackers(tmp_path, recording_tr
     config_path = make_run(tmp_path)
     config, _ = load_train_config(config_path, ["--trainer.tracker", '[{"type": "json"}, {"type": "recording"}]'])
     run_training(config, config_path=config_path, progress=False)
+    recording_tracker = recorded_calls["recording"]
 
     run_dir = tmp_path / "logs" / "cli-tiny"
     record = json.loads((run_dir / "run.json").read_text())

@@ -7,56 +7,17 @@ import os
 
 import numpy as np
 import pytest
-import yaml
 
 import levanter_core.plugins as plugins
-from conftest import run_cli
+from conftest import code_docs, metrics, run_cli, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.data.pipeline import build_caches, build_lm_data
 from levanter_core.trainer.run import run_training
 from slow_source import SlowSourcePlugin
 
-MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
-def code_docs(n, offset=0):
-    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
-
-
 def prose_docs(n):
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "slept"]
     return [{"text": " ".join(words[(i + j) % len(words)] for j in range(30)) + "."} for i in range(n)]
-
-
-def run_config(tmp_path, data, *, run_id="pipe", steps=6, **trainer):
-    config = {
-        "data": data,
-        "model": MODEL,
-        "trainer": {
-            "id": run_id,
-            "train_batch_size": 4,
-            "num_train_steps": steps,
-            "steps_per_eval": 3,
-            "max_eval_batches": 2,
-            "log_dir": str(tmp_path / "logs"),
-            "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
-            **trainer,
-        },
-        "optimizer": {"learning_rate": 1e-2, "warmup": 0},
-    }
-    path = tmp_path / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-def metrics(tmp_path, run_id="pipe"):
-    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
 
 
 def ledger(path):

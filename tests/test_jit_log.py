@@ -1,8 +1,6 @@
 """Values logged with ``jit_log`` inside the compiled step come back with the step's metrics,
 averaged over microbatches like the loss, and through a whole run reach the trackers."""
 
-import json
-
 import equinox as eqx
 import haliax as hax
 import jax
@@ -10,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.optim.adam import AdamConfig
 from levanter_core.tracker import jit_log
 from levanter_core.trainer.config import TrainerConfig
@@ -66,22 +65,10 @@ def test_a_logged_value_reaches_the_trackers_of_a_run(tmp_path, monkeypatch):
         return hidden
 
     monkeypatch.setattr(gpt2.Gpt2LMHeadModel, "activations", activations)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"x = {i}\n" * 20}) + "\n" for i in range(50)))
-    (tmp_path / "run.yaml").write_text(
-        f"""
-data: {{train_urls: ["{tmp_path}/train.jsonl"], cache_dir: {tmp_path}/cache}}
-model: {{type: gpt2, hidden_dim: 32, num_heads: 2, num_layers: 1, seq_len: 32}}
-trainer:
-  id: logged
-  train_batch_size: 4
-  num_train_steps: 3
-  log_dir: {tmp_path}/logs
-  checkpointer: {{base_path: {tmp_path}/ckpt}}
-"""
-    )
-    config, _ = load_train_config(str(tmp_path / "run.yaml"))
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(50))], "cache_dir": str(tmp_path / "cache")}
+    config, _ = load_train_config(run_config(tmp_path, data, run_id="logged", steps=3))
     run_training(config, progress=False)
 
-    lines = [json.loads(line) for line in open(tmp_path / "logs" / "logged" / "metrics.jsonl")]
+    lines = metrics(tmp_path, "logged")
     values = [m["debug/hidden_rms"] for m in lines if "train/loss" in m]
     assert len(values) == 3 and all(v > 0 for v in values)

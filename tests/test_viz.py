@@ -2,12 +2,12 @@
 directory and sent to the trackers."""
 
 import html
-import json
 import math
 import re
 
 import numpy as np
 
+from conftest import run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.trainer.run import run_training
 from levanter_core.trainer.viz import heatmap_html
@@ -32,25 +32,14 @@ def test_a_run_draws_heatmaps_every_interval_and_sends_them_to_the_trackers(tmp_
         return original(self, path, name=name, type=type)
 
     monkeypatch.setattr(JsonTracker, "log_artifact", log_artifact)
-    docs = "".join(json.dumps({"text": f"print({i})\n" * 8}) + "\n" for i in range(60))
-    (tmp_path / "train.jsonl").write_text(docs)
-    (tmp_path / "valid.jsonl").write_text(docs)
-    (tmp_path / "run.yaml").write_text(
-        f"""
-data: {{train_urls: ["{tmp_path}/train.jsonl"], validation_urls: ["{tmp_path}/valid.jsonl"], cache_dir: {tmp_path}/cache}}
-model: {{type: gpt2, hidden_dim: 32, num_heads: 2, num_layers: 1, seq_len: 32}}
-trainer:
-  id: viz
-  train_batch_size: 4
-  num_train_steps: 5
-  steps_per_eval: 5
-  log_dir: {tmp_path}/logs
-  checkpointer: {{base_path: {tmp_path}/ckpt}}
-  viz: {{interval: 2, num_sequences: 3}}
-optimizer: {{learning_rate: 1e-2, warmup: 0}}
-"""
-    )
-    config, _ = load_train_config(str(tmp_path / "run.yaml"))
+    docs = [{"text": f"print({i})\n" * 8} for i in range(60)]
+    data = {
+        "train_urls": [write_jsonl(tmp_path / "train.jsonl", docs)],
+        "validation_urls": [write_jsonl(tmp_path / "valid.jsonl", docs)],
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    path = run_config(tmp_path, data, run_id="viz", steps=5, steps_per_eval=5, viz={"interval": 2, "num_sequences": 3})
+    config, _ = load_train_config(path)
     run_training(config, progress=False)
 
     viz_dir = tmp_path / "logs" / "viz" / "viz"

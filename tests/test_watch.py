@@ -1,60 +1,30 @@
 """``trainer.watch``: norms and histograms of parameters, gradients and updates every N steps."""
 
-import json
-
 import numpy as np
 import pytest
 
+from conftest import MODEL, code_docs, metrics, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.tracker import Histogram
 from levanter_core.trainer.run import run_training
 
 
-def test_watch_logs_norms_every_interval_and_histograms_to_trackers(tmp_path):
-    import levanter_core.plugins as plugins
-    from levanter_core.plugins import hookimpl
-    from levanter_core.tracker.base import Tracker, TrackerConfig
-
-    received: list[tuple[int, dict]] = []
-
-    class Recording(Tracker):
-        def log(self, metrics, *, step):
-            received.append((step, dict(metrics)))
-
-    class RecordingConfig(TrackerConfig):
-        type: str = "recording"
-
-        def init(self, run):
-            return Recording()
-
-    class Plugin:
-        @hookimpl
-        def register_trackers(self, register):
-            register("recording", RecordingConfig)
-
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": f"y = {i}\n" * 20}) + "\n" for i in range(50)))
-    (tmp_path / "run.yaml").write_text(
-        f"""
-data: {{train_urls: ["{tmp_path}/train.jsonl"], cache_dir: {tmp_path}/cache}}
-model: {{type: gpt2, hidden_dim: 32, num_heads: 2, num_layers: 2, seq_len: 32}}
-trainer:
-  id: watched
-  train_batch_size: 4
-  num_train_steps: 4
-  log_dir: {tmp_path}/logs
-  checkpointer: {{base_path: {tmp_path}/ckpt}}
-  tracker: [{{type: json}}, {{type: recording}}]
-  watch: {{interval: 2, watch_targets: [params, grads, updates], include_histograms: true}}
-"""
+def test_watch_logs_norms_every_interval_and_histograms_to_trackers(tmp_path, recorded_calls):
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(50))], "cache_dir": str(tmp_path / "cache")}
+    watch = {"interval": 2, "watch_targets": ["params", "grads", "updates"], "include_histograms": True}
+    path = run_config(
+        tmp_path,
+        data,
+        run_id="watched",
+        steps=4,
+        model={**MODEL, "num_layers": 2},
+        tracker=[{"type": "json"}, {"type": "recording"}],
+        watch=watch,
     )
-    plugins.reset()
-    plugins.register_plugin(Plugin(), name="recording")
-    try:
-        config, _ = load_train_config(str(tmp_path / "run.yaml"))
-        run_training(config, progress=False)
-    finally:
-        plugins.reset()
+    config, _ = load_train_config(path)
+    run_training(config, progress=False)
 
+    received = [(call[1], call[2]) for call in recorded_calls["recording"] if call[0] == "log"]
     by_step = {step: m for step, m in received if "train/loss" in m}
     assert sorted(by_step) == [1, 2, 3, 4]
     for step in (1, 3):
@@ -71,6 +41,5 @@ trainer:
         assert hists and all(isinstance(h, Histogram) for h in hists)
         assert all(int(h.counts.sum()) == h.num and h.min <= h.max for h in hists)
     # The json tracker keeps the norms and leaves the histograms out.
-    lines = [json.loads(line) for line in open(tmp_path / "logs" / "watched" / "metrics.jsonl")]
-    logged = {m["step"]: m for m in lines if "train/loss" in m}
+    logged = {m["step"]: m for m in metrics(tmp_path, "watched") if "train/loss" in m}
     assert "watch/grads/norm" in logged[2] and not any("/hist/" in k for k in logged[2])

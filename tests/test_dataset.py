@@ -489,3 +489,25 @@ def test_eval_batches_wait_for_the_complete_cache():
     threading.Timer(0.1, cache.finish).start()
     batches = list(eval_batches(data, 2))
     assert cache.complete and len(batches) == 3  # 32 tokens in 5-token documents: 6 packs of 8
+
+
+# -- a process's share of a batch ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_share_of_the_rows_is_those_rows_of_the_whole_batch(shuffle):
+    """A process of a multi-process run reads only its rows; they are the rows the whole batch has."""
+    datasets = {"chat": PackedSequences(packed_cache([3, 4] * 20), 8), "web": TextSequences(text_cache(8 * 40), 8)}
+    stream = TrainStream(datasets, seed=0, shuffle=shuffle, stages=[(0, {"chat": 1, "web": 1})], block_size=4)
+    for step in range(3):
+        whole = stream.batch(step, 8)
+        for rows in ([4, 5, 6, 7], [0, 2], [7]):
+            share = stream.batch(step, 8, np.array(rows))
+            for name in ("tokens", "loss_mask", "segment_ids"):
+                assert (getattr(share, name) == getattr(whole, name)[rows]).all()
+
+
+def test_eval_batches_give_a_share_of_each_batch():
+    data = TextSequences(text_cache(8 * 7), 8)
+    whole, share = list(eval_batches(data, 3)), list(eval_batches(data, 3, rows=np.array([1, 2])))
+    assert [b.tokens.tolist() for b in share] == [b.tokens[1:].tolist() for b in whole]

@@ -240,7 +240,10 @@ class Checkpointer(abc.ABC):
             return False
         if self.keeps_step(step):
             return True
-        return self.save_interval is not None and self._now() - self._last_save_time >= self.save_interval
+        if self.save_interval is None:
+            return False
+        # Every process saves together, so the clock of process 0 decides for all of them.
+        return _process_zero_decides(step, self._now() - self._last_save_time >= self.save_interval)
 
     def on_step(self, state: Any, step: int, *, force: bool = False) -> bool:
         """Called after each training step: save ``state`` if the policy asks for it (see
@@ -298,6 +301,18 @@ class Checkpointer(abc.ABC):
 def _reason(path: str, error: Exception) -> str:
     """What is wrong with the checkpoint at ``path``, without repeating its path."""
     return str(error).removeprefix(f"checkpoint {path} is damaged: ")
+
+
+def _process_zero_decides(step: int, due: bool) -> bool:
+    """Process 0's ``due`` for ``step`` in every process (``due`` itself in a single-process run)."""
+    if jax.process_count() == 1:
+        return due
+    from levanter_core import distributed
+
+    # One key per step. The processes step together, so all read a key long before process 0
+    # removes it, 64 steps later.
+    distributed.forget(f"checkpoint_due/{step - 64}")
+    return distributed.share(f"checkpoint_due/{step}", "1" if due else "0") == "1"
 
 
 def _all_processes_agree(ok: bool) -> bool:

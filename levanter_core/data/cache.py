@@ -738,14 +738,17 @@ class TokenCache:
         return f"TokenCache({self.path!r}, documents={self._num_documents}, tokens={self._num_tokens}, complete={self._ledger['complete']})"
 
 
-def read_cache(path: str) -> TokenCache:
+def read_cache(path: str, *, wait_s: float = 0.0) -> TokenCache:
     """A reader of the cache at ``path`` without building anything (another process builds
-    it: :meth:`TokenCache.wait_for` polls its ledger). Raises :class:`DataError` if there is
-    no cache there yet."""
+    it: :meth:`TokenCache.wait_for` polls its ledger). Waits up to ``wait_s`` seconds for the
+    builder to start it, then raises :class:`DataError` if there is still no cache there."""
     storage = _storage(path)
-    ledger = storage.read_ledger()
-    if ledger is None:
-        raise DataError(f"{path}: no tokenized cache here (no {LEDGER})")
+    deadline = time.monotonic() + wait_s
+    while (ledger := storage.read_ledger()) is None:
+        if time.monotonic() >= deadline:
+            waited = f" after waiting {wait_s:.0f}s for the process building it" if wait_s else ""
+            raise DataError(f"{path}: no tokenized cache here (no {LEDGER}){waited}")
+        time.sleep(0.5)
     return TokenCache(path, storage, ledger)
 
 

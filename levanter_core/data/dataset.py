@@ -401,10 +401,14 @@ class TrainStream:
             block_size=config.mixture_block_size,
         )
 
-    def batch(self, step: int, batch_size: int) -> Batch:
+    def batch(self, step: int, batch_size: int, rows: np.ndarray | None = None) -> Batch:
         """Stream positions ``step * batch_size ..`` ``+ batch_size - 1``; waits for the
-        cache where they are not yet built, and raises its build's error."""
-        positions = step * batch_size + np.arange(batch_size, dtype=np.int64)
+        cache where they are not yet built, and raises its build's error. ``rows``: only
+        these rows of the batch, in this order (a process of a multi-process run reads its
+        share only); the rows are the same whichever others are read."""
+        if rows is None:
+            rows = np.arange(batch_size, dtype=np.int64)
+        positions = step * batch_size + np.asarray(rows, np.int64)
         if self._mixture is None:
             sources, drawn = np.zeros_like(positions), positions
         else:
@@ -414,7 +418,7 @@ class TrainStream:
             here = sources == source
             order = self._orders[source]
             parts.append((here, order.dataset.rows(order.indices(drawn[here]))))
-        return _assemble(batch_size, self.seq_len, parts, self.packed)
+        return _assemble(len(positions), self.seq_len, parts, self.packed)
 
     def template(self, batch_size: int) -> Batch:
         """A batch of zeros with the shapes and structure of every batch of this stream (to
@@ -440,12 +444,17 @@ def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch
     return Batch(tokens, loss_mask, segment_ids)
 
 
-def eval_batches(dataset: SequenceDataset, batch_size: int, max_batches: int | None = None) -> Iterator[Batch]:
+def eval_batches(
+    dataset: SequenceDataset, batch_size: int, max_batches: int | None = None, rows: np.ndarray | None = None
+) -> Iterator[Batch]:
     """Full batches in stored order, once the cache is complete. A set of fewer sequences
-    than ``batch_size`` gives one batch that wraps around, so a small set still evaluates."""
+    than ``batch_size`` gives one batch that wraps around, so a small set still evaluates.
+    ``rows``: only these rows of each batch (this process's share)."""
     n = dataset.wait_complete()
     num_batches = max(n // batch_size, 1)
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
+    if rows is None:
+        rows = np.arange(batch_size, dtype=np.int64)
     for b in range(num_batches):
-        yield dataset.rows((b * batch_size + np.arange(batch_size, dtype=np.int64)) % n)
+        yield dataset.rows((b * batch_size + np.asarray(rows, np.int64)) % n)

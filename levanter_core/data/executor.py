@@ -11,7 +11,10 @@ they may finish out of order. Every report comes back to the coordinator's threa
   process's memory (``memory://``) is built by threads instead: other processes
   cannot see it.
 * Ray: with ``trainer.ray.address`` set (``local``, ``auto`` or ``host:port``), each
-  shard is a streaming Ray task whose reports are its yielded values.
+  shard is a streaming Ray task whose reports are its yielded values. Tasks are spread
+  over the cluster's nodes; each first reports which node runs it, and the build logs how
+  many shards each node tokenized (never in the ledger, which stays the same wherever the
+  shards ran).
 
 A worker that raises or dies fails the whole build; :func:`run_shards` raises its
 error. Nothing waits forever.
@@ -19,7 +22,9 @@ error. Nothing waits forever.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import multiprocessing
 import os
 import queue
@@ -29,7 +34,10 @@ import traceback
 import warnings
 from typing import Callable, Iterator
 
+from levanter_core.distributed.ray_cluster import check_reachable
 from levanter_core.errors import DataError, UserError
+
+logger = logging.getLogger(__name__)
 
 _POLL = 0.2  # seconds between checks for a stop request or a dead worker
 
@@ -199,8 +207,22 @@ def _end(workers, wait: bool) -> None:
 # -- Ray --------------------------------------------------------------------------------------
 
 
-def _stream(work: Work, task: ShardTask) -> Iterator[Progress]:
-    """A Ray task's body: the shard's reports, as the values it streams back."""
+@dataclasses.dataclass(frozen=True)
+class RanOn:
+    """The Ray node a shard's task runs on: the first value the task streams back."""
+
+    node_id: str
+    host: str
+
+    def __str__(self) -> str:
+        return f"{self.host} [{self.node_id[:8]}]"
+
+
+def _stream(work: Work, task: ShardTask) -> Iterator[RanOn | Progress]:
+    """A Ray task's body: where it runs, then the shard's reports, as the values it streams back."""
+    import ray
+
+    yield RanOn(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
     yield from work(task)
 
 
@@ -224,9 +246,11 @@ def _connect(address: str) -> None:
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         if ray.is_initialized():
             return
-        if address == "local":
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if address == "local":  # a new private instance, never a cluster found on this machine
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
         else:
+            if address != "auto":
+                check_reachable(address)  # Ray would retry an unreachable address for minutes
             ray.init(address=address, log_to_driver=False)
 
 
@@ -235,11 +259,14 @@ def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: thr
     from ray.exceptions import RayTaskError
 
     _connect(address)
-    stream = ray.remote(num_returns="streaming", max_retries=0)(_stream)
+    # SPREAD: the shards go round the nodes rather than filling the driver's node first.
+    stream = ray.remote(num_returns="streaming", max_retries=0, scheduling_strategy="SPREAD")(_stream)
     # No more tasks in flight than CPUs, so they start in index order.
     capacity = max(1, int(ray.cluster_resources().get("CPU", 1)))
     pending = list(tasks)
     running: dict = {}
+    nodes: dict = {}  # generator -> the node running it
+    shards_by_node: collections.Counter[str] = collections.Counter()
     try:
         while pending or running:
             while pending and len(running) < capacity:
@@ -250,11 +277,24 @@ def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: thr
             ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL)
             for generator in ready:
                 try:
-                    report(ray.get(next(generator)))
+                    value = ray.get(next(generator))
                 except StopIteration:
                     del running[generator]
+                    shards_by_node[str(nodes.pop(generator))] += 1
+                    continue
                 except RayTaskError as e:
                     raise (e.cause if isinstance(e.cause, UserError) else e) from None
+                if isinstance(value, RanOn):
+                    nodes[generator] = value
+                else:
+                    report(value)
     finally:
         for generator in running:
             ray.cancel(generator, force=True)
+    logger.info(
+        "tokenized %d shards on %d Ray nodes (%s)",
+        len(tasks),
+        len(shards_by_node),
+        ", ".join(f"{node}: {count}" for node, count in sorted(shards_by_node.items())),
+        extra={"shards_by_node": dict(shards_by_node)},
+    )

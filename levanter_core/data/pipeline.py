@@ -13,13 +13,16 @@ import dataclasses
 import logging
 from typing import Iterator
 
-from levanter_core.data.cache import TokenCache, open_cache
+from levanter_core.data.cache import TokenCache, open_cache, read_cache
 from levanter_core.data.config import DataConfig
 from levanter_core.data.dataset import SequenceDataset, TrainStream, sequence_dataset
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
 from levanter_core.errors import DataError
 
 logger = logging.getLogger(__name__)
+
+# How long a process that reads another's caches waits for each of them to be started.
+FOLLOWER_WAIT_S = 600.0
 
 
 @dataclasses.dataclass
@@ -51,9 +54,13 @@ class LmData:
             cache.close()
 
 
-def _open(config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ray, background: bool, progress: bool):
+def _open(
+    config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ray, background: bool, progress: bool, build: bool
+):
     source = config.configs[name]
     try:
+        if not build:
+            return read_cache(config.cache_path(name, split), wait_s=FOLLOWER_WAIT_S)
         return open_cache(
             config.cache_path(name, split),
             source,
@@ -67,7 +74,13 @@ def _open(config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ra
             progress=progress,
         )
     except DataError as e:
-        raise DataError(f"{config.field_of(name)} ({split}): {e}") from None
+        hint = ""
+        if not build:
+            hint = (
+                " In a multi-process run process 0 tokenizes and the others read its cache: data.cache_dir must be "
+                "storage that every process sees (a shared file system, gs://, s3://)."
+            )
+        raise DataError(f"{config.field_of(name)} ({split}): {e}{hint}") from None
 
 
 def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
@@ -86,17 +99,24 @@ def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
             yield name, "validation"
 
 
-def build_lm_data(config: DataConfig, *, seq_len: int, seed: int, ray=None, progress: bool = True) -> LmData:
+def build_lm_data(
+    config: DataConfig, *, seq_len: int, seed: int, ray=None, progress: bool = True, build: bool = True
+) -> LmData:
     """Start (or reuse) every cache in the background and wire up the datasets.
 
     Returns at once: reading a batch waits for the data it needs. Problems with the
     configuration or an existing cache (refused, unreadable inputs) raise
-    :class:`DataError` here; problems found while tokenizing are raised by the reads."""
+    :class:`DataError` here; problems found while tokenizing are raised by the reads.
+
+    ``build`` false: build nothing, read the caches that another process (process 0 of a
+    multi-process run) builds, waiting up to ``FOLLOWER_WAIT_S`` for each to be started."""
     tokenizer = load_tokenizer(config.tokenizer)
     caches: dict[tuple[str, str], TokenCache] = {}
     try:
         for name, split in _splits(config):
-            caches[name, split] = _open(config, name, split, tokenizer, ray=ray, background=True, progress=False)
+            caches[name, split] = _open(
+                config, name, split, tokenizer, ray=ray, background=True, progress=False, build=build
+            )
     except BaseException:
         for cache in caches.values():
             cache.close()
@@ -108,7 +128,8 @@ def build_lm_data(config: DataConfig, *, seq_len: int, seed: int, ray=None, prog
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
     for name, cache in caches.items():
         if not cache.complete:
-            logger.info("%s/%s: the cache is being built in the background (%s)", *name, cache.path)
+            builder = "in the background" if build else "by process 0"
+            logger.info("%s/%s: the cache is being built %s (%s)", *name, builder, cache.path)
     return LmData(tokenizer, TrainStream.from_config(train, config, seed), validation, caches)
 
 
@@ -116,5 +137,5 @@ def build_caches(config: DataConfig, *, ray=None, progress: bool = True) -> Iter
     """Build every cache of ``config`` now, one after the other (``levanter cache``)."""
     tokenizer = load_tokenizer(config.tokenizer)
     for name, split in _splits(config):
-        cache = _open(config, name, split, tokenizer, ray=ray, background=False, progress=progress)
+        cache = _open(config, name, split, tokenizer, ray=ray, background=False, progress=progress, build=True)
         yield name, split, cache

@@ -14,10 +14,24 @@ from levanter_core.trainer.watch import WatchConfig
 
 JsonAtom = str | int | float | bool | None
 
+REPLICA_DCN_AXIS = "replica_dcn"
+"""Mesh axis of the replicas across processes or slices (``trainer.replica_dcn_axis_size``)."""
+REPLICA_AXIS = "replica"
+"""Mesh axis of the replicas within a process group or slice (``trainer.replica_ici_axis_size``)."""
+FSDP_AXIS = "data"
+"""Mesh axis that splits the batch and, with FSDP, the parameters (the devices left over)."""
+MODEL_AXIS = "model"
+"""Mesh axis of tensor parallelism (``trainer.model_axis_size``)."""
+MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, FSDP_AXIS, MODEL_AXIS)
+"""The device mesh's axes, outermost first."""
+DATA_PARALLEL_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, FSDP_AXIS)
+"""The mesh axes the batch is split over."""
+
 
 class DistributedConfig(ConfigModel):
-    """Multi-process settings passed to ``jax.distributed.initialize``. Leave them unset
-    on one machine; JAX detects SLURM and TPU pods by itself."""
+    """Multi-process settings passed to ``jax.distributed.initialize``. Leave them unset on one
+    machine, and under SLURM, Open MPI, Cloud TPU pods and Kubernetes indexed jobs, which JAX
+    detects by itself (a job with more than one process then runs multi-process)."""
 
     coordinator_address: str | None = None
     """``host:port`` of process 0. Setting it (or ``num_processes``) turns multi-process on."""
@@ -28,7 +42,11 @@ class DistributedConfig(ConfigModel):
     local_device_ids: int | list[int] | None = None
     """Which local devices this process uses (default: all, or ``CUDA_VISIBLE_DEVICES``)."""
     initialize_jax_distributed: bool = True
-    """Set to false to skip ``jax.distributed.initialize`` even when the fields above are set."""
+    """Set to false to skip ``jax.distributed.initialize`` even when the fields above are set
+    or a cluster is detected."""
+    heartbeat_timeout_seconds: int = Field(100, ge=1)
+    """When a process has not been heard from for this long, the others stop with an error
+    rather than wait for it forever (a process that died, a host that went away)."""
 
     @property
     def requested(self) -> bool:
@@ -38,20 +56,26 @@ class DistributedConfig(ConfigModel):
 
 
 class RayConfig(ConfigModel):
-    """Ray, for spreading data preprocessing (tokenization) over many machines."""
+    """Ray, for spreading data preprocessing (tokenization) over many machines. Process 0
+    builds the caches; with Ray its shards are tokenized by tasks spread over the cluster's
+    nodes, and the build logs how many shards each node tokenized."""
 
     address: str | None = None
-    """The Ray cluster to join: ``host:port``, ``auto`` (the cluster this machine already
-    belongs to, or ``RAY_ADDRESS``), or ``local`` (start a private one on this machine).
-    None: no Ray unless ``auto_start_cluster`` applies."""
+    """The Ray cluster to tokenize on: ``host:port`` (a head started with ``ray start
+    --head``), ``auto`` (the cluster this machine already belongs to, or ``RAY_ADDRESS``), or
+    ``local`` (a private Ray on process 0's machine). None: a multi-process run starts its
+    own cluster (``auto_start_cluster``); a single-process run tokenizes with local processes
+    (``data.num_workers``)."""
     start_workers: bool = True
-    """Whether the training hosts join the cluster as workers (they tokenize too). False:
-    you start the cluster's workers yourself. For multi-process runs, which this version
-    does not run yet."""
+    """In a multi-process run, whether every training host joins the cluster as a Ray
+    worker node (so all of them tokenize): a ``ray start`` process each host starts, and
+    stops when the run ends. False: the cluster's workers are yours to start. A
+    single-process run never starts a node."""
     auto_start_cluster: bool = True
-    """For multi-process runs with no ``address`` (not run by this version yet): start a
-    Ray cluster over the training hosts. A single-process run without ``address``
-    tokenizes with local processes (``data.num_workers``) and never starts Ray."""
+    """In a multi-process run with no ``address``: process 0 starts a Ray head (on a free
+    port, with a token only the run's processes know), the other processes join it as
+    workers (``start_workers``), and the cluster is stopped when the run ends. False: no Ray;
+    process 0 tokenizes with local processes."""
 
 
 class TrainerConfig(ConfigModel):
@@ -96,17 +120,40 @@ class TrainerConfig(ConfigModel):
     """Evaluate on at most this many batches. None: the whole validation set."""
 
     batch_axis: str = "batch"
-    """Logical axis of the batch; it is sharded over the mesh's data axis."""
+    """Logical axis of the batch; it is split over every data-parallel mesh axis
+    (``replica_dcn``, ``replica`` and ``data``)."""
     fsdp_axis: str | list[str] | None = "embed"
-    """Logical axis (or axes) whose parameters are sharded over the data axis (FSDP)."""
+    """Logical axis (or axes) of the parameters split over the mesh's ``data`` axis (FSDP):
+    parameters and optimizer state are stored in pieces and gathered just in time for compute.
+    None: parameters are not split over ``data``. A split axis's size must be a multiple of
+    the mesh axis's (JAX stores no uneven pieces); the run checks this before compiling."""
     tensor_parallel_axes: list[str] | None = None
-    """Logical axes sharded over the mesh's model axis (tensor parallelism)."""
+    """Logical axes split over the mesh's ``model`` axis (tensor parallelism), both at rest
+    and while computing, e.g. ``[mlp, heads]``. Their sizes must be multiples of
+    ``model_axis_size``."""
     model_axis_size: int = Field(1, ge=1)
-    """Devices on the model (tensor-parallel) axis; the rest form the data axis."""
+    """Devices on the ``model`` (tensor-parallel) mesh axis. The devices left over, divided by
+    the replica sizes, form the ``data`` (FSDP) axis."""
+    replica_ici_axis_size: int = Field(1, ge=1)
+    """Devices on the ``replica`` mesh axis: pure data parallelism within a slice or process
+    group (each replica holds whole copies of its FSDP shards), beside FSDP on ``data``."""
+    replica_dcn_axis_size: int = Field(1, ge=1)
+    """Replicas across slices or processes (the ``replica_dcn`` mesh axis, over the data-center
+    network): pure data parallelism between process groups, so that only gradients cross the
+    slow network. Each DCN replica is a group of whole processes (TPU slices on TPU), so it must
+    divide their number."""
+    allow_nondivisible_batch_size: bool = False
+    """Allow ``train_batch_size`` (and the microbatch and eval batch sizes) not to be a multiple
+    of the data-parallel size. The batch is then placed whole on every device and split
+    unevenly inside the step, which costs a copy of each batch per device."""
     axis_resources: dict[str, str | list[str]] = Field(default_factory=dict)
-    """Advanced: logical -> mesh axis mapping used for both parameters and compute."""
+    """Advanced: logical -> mesh axis (or axes) mapping used for both parameters and compute;
+    overrides the basic fields above. Mesh axes: ``replica_dcn``, ``replica``, ``data``, ``model``."""
     parameter_axis_resources: dict[str, str | list[str]] = Field(default_factory=dict)
-    """Advanced: logical -> mesh axis mapping for parameters and optimizer state only."""
+    """Advanced: logical -> mesh axis mapping for parameters and optimizer state at rest only."""
+    compute_axis_resources: dict[str, str | list[str]] = Field(default_factory=dict)
+    """Advanced: logical -> mesh axis mapping while computing only (activations, and the
+    parameters as gathered for compute)."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.
@@ -147,6 +194,18 @@ class TrainerConfig(ConfigModel):
             raise ValueError(f"must be a positive number of sequences, or -1 for automatic; got {v}")
         return v
 
+    @field_validator("axis_resources", "parameter_axis_resources", "compute_axis_resources")
+    @classmethod
+    def _mesh_axes_only(cls, mapping: dict[str, str | list[str]]) -> dict[str, str | list[str]]:
+        for logical, physical in mapping.items():
+            unknown = [a for a in ([physical] if isinstance(physical, str) else physical) if a not in MESH_AXES]
+            if unknown:
+                raise ValueError(
+                    f"{logical!r} is mapped to {unknown[0]!r}, which is not a mesh axis; "
+                    f"the mesh axes are {', '.join(MESH_AXES)}"
+                )
+        return mapping
+
     @model_validator(mode="after")
     def _check_axes(self) -> "TrainerConfig":
         tp = set(self.tensor_parallel_axes or [])
@@ -162,21 +221,36 @@ class TrainerConfig(ConfigModel):
         return [self.fsdp_axis] if isinstance(self.fsdp_axis, str) else list(self.fsdp_axis)
 
     def compute_axis_mapping(self) -> dict[str, Any]:
-        """Logical -> mesh axes while computing: the batch over ``data``, TP axes over ``model``."""
-        mapping: dict[str, Any] = {self.batch_axis: "data"}
+        """Logical -> mesh axes while computing: the batch over every data-parallel axis, the
+        tensor-parallel axes over ``model``; then ``axis_resources`` and ``compute_axis_resources``.
+        FSDP axes are absent: parameters are gathered whole along them for compute."""
+        mapping: dict[str, Any] = {self.batch_axis: DATA_PARALLEL_AXES}
         for axis in self.tensor_parallel_axes or []:
-            mapping[axis] = "model"
+            mapping[axis] = MODEL_AXIS
         mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
+        mapping.update({k: _as_mesh_axes(v) for k, v in self.compute_axis_resources.items()})
         return mapping
 
     def parameter_axis_mapping(self) -> dict[str, Any]:
-        """Logical -> mesh axes at rest: FSDP axes over ``data``, TP axes over ``model``."""
-        mapping: dict[str, Any] = {axis: "data" for axis in self.fsdp_axes}
+        """Logical -> mesh axes at rest (parameters, optimizer state): the FSDP axes over
+        ``data``, the tensor-parallel axes over ``model``; then ``axis_resources`` and
+        ``parameter_axis_resources``. Replicas hold whole copies of the FSDP shards."""
+        mapping: dict[str, Any] = {axis: FSDP_AXIS for axis in self.fsdp_axes}
         for axis in self.tensor_parallel_axes or []:
-            mapping[axis] = "model"
+            mapping[axis] = MODEL_AXIS
         mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
         mapping.update({k: _as_mesh_axes(v) for k, v in self.parameter_axis_resources.items()})
         return mapping
+
+    def parameter_axis_field(self, axis: str) -> str:
+        """The dotted config field that decides where the parameter mapping puts the logical
+        ``axis``: for error messages."""
+        for name in ("parameter_axis_resources", "axis_resources"):
+            if axis in getattr(self, name):
+                return f"trainer.{name}.{axis}"
+        if axis in (self.tensor_parallel_axes or []):
+            return "trainer.tensor_parallel_axes"
+        return "trainer.fsdp_axis"
 
 
 def _as_mesh_axes(value: str | list[str]) -> str | tuple[str, ...]:

@@ -61,11 +61,41 @@ def derive_run_id(config: TrainConfig, config_path: str | None) -> str:
     same command (same config, same overrides) names the same run and resumes it."""
     if config.trainer.id:
         return config.trainer.id
+    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    return f"{stem}-{config_digest(config)[:8]}"
+
+
+def config_digest(config: TrainConfig) -> str:
+    """A hash of the resolved config without what may differ between the processes of one
+    run or between attempts at it (``trainer.id``, ``trainer.distributed``)."""
     data = resolved_config(config)
     data["trainer"].pop("id", None)
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:8]
-    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
-    return f"{stem}-{digest}"
+    data["trainer"].pop("distributed", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def agreed_run_id(config: TrainConfig, config_path: str | None) -> str:
+    """The run id, the same in every process: process 0's. Raises :class:`ConfigError` in a
+    process whose config differs from process 0's (a run's processes must all be started with
+    the same config and overrides; only ``trainer.distributed`` may differ)."""
+    from levanter_core import distributed
+
+    run_id, digest = derive_run_id(config, config_path), config_digest(config)
+    if distributed.process_count() == 1:
+        return run_id
+    leader = json.loads(distributed.share("run", json.dumps({"run_id": run_id, "digest": digest})))
+    verdicts = distributed.gather("run_config_matches", str(leader["digest"] == digest))
+    # Process 0 learns which processes differ; a process that differs knows it itself.
+    differing = [i for i, same in enumerate(verdicts or []) if same != "True"]
+    if leader["digest"] != digest:
+        differing = [distributed.process_index()]
+    if differing:
+        who = f"process {differing[0]} was" if len(differing) == 1 else f"processes {differing} were"
+        raise ConfigError(
+            f"{who} started with a config that differs from process 0's. Start every process of a run with "
+            "the same config file and overrides; only trainer.distributed (process_id, local_device_ids) may differ."
+        )
+    return leader["run_id"]
 
 
 def plugin_versions() -> dict[str, str | None]:
@@ -142,43 +172,64 @@ def configure_jax(config: TrainConfig) -> None:
             raise ConfigError(f"trainer.jax_config.{name}: JAX does not accept {value!r}: {e}") from None
     if trainer.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", trainer.jax_compilation_cache_dir)
-    dist = trainer.distributed
-    if dist.requested:
-        jax.distributed.initialize(
-            coordinator_address=dist.coordinator_address,
-            num_processes=dist.num_processes,
-            process_id=dist.process_id,
-            local_device_ids=dist.local_device_ids,
-        )
+    from levanter_core import distributed
+
+    distributed.initialize(trainer.distributed)
 
 
 # -- the run -------------------------------------------------------------------------------
 
 
 def run_training(config: TrainConfig, *, config_path: str | None = None, progress: bool = True) -> RunResult:
-    """Train as ``config`` says; resume if this run already has a checkpoint."""
+    """Train as ``config`` says; resume if this run already has a checkpoint.
+
+    In a multi-process run every process calls this with the same config: process 0 writes
+    the run record, logs to the trackers, shows progress and builds the data caches; every
+    process reads its share of each batch and writes its part of each checkpoint."""
     configure_jax(config)
 
+    from levanter_core import distributed
     from levanter_core.data.pipeline import build_lm_data
+    from levanter_core.distributed.ray_cluster import ray_for_run
 
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer
-    run_id = derive_run_id(config, config_path)
+    leader = distributed.is_leader()
+    run_id = agreed_run_id(config, config_path)
     run_dir = os.path.join(trainer_cfg.log_dir, run_id)
     resolved, plugins = resolved_config(config), plugin_versions()
-    record_files = write_run_record(run_dir, resolved, config_path, plugins)
+    record_files = write_run_record(run_dir, resolved, config_path, plugins) if leader else []
     logger.info("run %s: run directory %s", run_id, run_dir)
-    print(f"run directory: {run_dir}", flush=True)
+    if leader:
+        print(f"run directory: {run_dir}", flush=True)
+    if distributed.process_count() > 1:
+        print(_describe_processes(), flush=True)
     run = _Run(run_id, run_dir, resolved, plugins, record_files, wall_start)
 
-    # The caches build in the background while the model is set up; batches wait for them.
-    data = build_lm_data(
-        config.data, seq_len=config.model.seq_len, seed=trainer_cfg.seed, ray=trainer_cfg.ray, progress=progress
+    # A multi-process run tokenizes on a Ray cluster over its hosts (trainer.ray); the caches
+    # build in the background while the model is set up, and batches wait for them.
+    with ray_for_run(trainer_cfg.ray) as ray_config:
+        data = build_lm_data(
+            config.data,
+            seq_len=config.model.seq_len,
+            seed=trainer_cfg.seed,
+            ray=ray_config,
+            progress=progress and leader,
+            build=leader,
+        )
+        try:
+            return _train(config, run, data, progress)
+        finally:
+            data.close()
+
+
+def _describe_processes() -> str:
+    import jax
+
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} of "
+        f"{jax.device_count()} devices ({jax.devices()[0].device_kind})"
     )
-    try:
-        return _train(config, run, data, progress)
-    finally:
-        data.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +282,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             print(f"initialized from Hugging Face model {config.initialize_from_hf}", flush=True)
             return model
 
+    trainer.check_sharding(model_init, key)  # a mapping that does not fit the model fails here, before compiling
     state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf)
     _check_model_takes_packed_data(state.model, config)
     start_step = int(state.step)
@@ -239,6 +291,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
 
     run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
     tracker = _make_tracker(config, run_info)
+    progress = progress and jax.process_index() == 0
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
         tracker.log_hyperparameters(resolved)
@@ -340,8 +393,12 @@ def _check_model_takes_packed_data(model, config: TrainConfig) -> None:
 
 
 def _make_tracker(config: TrainConfig, info: RunInfo):
-    from levanter_core.tracker import CompositeTracker
+    """The run's trackers; in a multi-process run only process 0 has them (the others log nothing)."""
+    from levanter_core import distributed
+    from levanter_core.tracker import CompositeTracker, NoopTracker
 
+    if not distributed.is_leader():
+        return NoopTracker()
     trackers = [t.init(info) for t in config.trainer.tracker]
     return trackers[0] if len(trackers) == 1 else CompositeTracker(trackers)
 
@@ -388,7 +445,8 @@ class _TrainLoop:
                     counts[name] += 1
                     yield batch
 
-            losses[name] = self.trainer.evaluate(model, counted(eval_batches(dataset, size, limit)))
+            batches = eval_batches(dataset, size, limit, rows=self.trainer.local_rows(self.trainer.EvalBatch))
+            losses[name] = self.trainer.evaluate(model, counted(batches))
         if not losses:
             return {}
         # Every batch has the same size: the mean over all of them weighs each source by its batches.
@@ -402,7 +460,9 @@ class _TrainLoop:
         """The token log-probability heatmap of ``trainer.viz`` for ``step``, written to the
         run directory and sent to the trackers."""
         import haliax as hax
+        import jax
         import numpy as np
+        from jax.experimental import multihost_utils
 
         from levanter_core.data.dataset import eval_batches
         from levanter_core.trainer.viz import token_log_probs, write_heatmap
@@ -413,7 +473,10 @@ class _TrainLoop:
         dataset = next(iter(self.data.validation.values()))
         batch = next(eval_batches(dataset, self.trainer.plan.eval_batch_size, 1))
         with hax.partitioning.set_mesh(self.trainer.mesh):
-            scores = np.asarray(token_log_probs(model, self.trainer.to_device(batch, self.trainer.EvalBatch)))
+            scores = token_log_probs(model, self.trainer.to_device(batch, self.trainer.EvalBatch))
+        scores = np.asarray(multihost_utils.process_allgather(scores, tiled=True))  # every process computes a part
+        if jax.process_index() != 0:
+            return
         rows = slice(0, viz.num_sequences)
         path = write_heatmap(self.run_dir, step, self.data.tokenizer, batch.tokens[rows], scores[rows], viz.max_tokens)
         self.tracker.log_artifact(path, name=f"viz/step-{step}.html", type="viz")
@@ -440,7 +503,8 @@ class _TrainLoop:
 
         # The first batches are read (waiting for the cache where needed) while the step compiles.
         batch_size = self.trainer.plan.batch_size
-        prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size), start, self.num_steps)
+        rows = self.trainer.local_rows(self.trainer.Batch)  # this process reads its share only
+        prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size, rows), start, self.num_steps)
         try:
             self.trainer.compile_ahead(state, self.data.train.template(batch_size))
             if start == 0:

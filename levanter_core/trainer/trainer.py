@@ -13,6 +13,7 @@ only after step N+1 has been dispatched, so the host never stalls the device.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import queue
@@ -55,22 +56,41 @@ class NonFiniteLossError(LevanterError):
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
-    """How the global batch is cut up across devices and microbatches."""
+    """How the global batch is cut up across devices and microbatches.
+
+    ``data_parallel_size`` is how many ways the batch is split (``replica_dcn x replica x data``
+    devices). Batches are multiples of it, unless ``trainer.allow_nondivisible_batch_size``."""
 
     batch_size: int
     microbatch_size: int
     eval_batch_size: int
+    data_parallel_size: int = 1
 
     @property
     def num_microbatches(self) -> int:
         return self.batch_size // self.microbatch_size
 
+    def placement_mapping(self, mapping: dict[str, Any], Batch: Axis) -> dict[str, Any]:
+        """The axis mapping to place a host batch of ``Batch`` rows on the mesh with:
+        ``mapping`` itself, or ``mapping`` without ``Batch`` when the rows do not split evenly
+        over the data-parallel devices. JAX cannot store an unevenly split array, so such a
+        batch goes whole to every device, and the sharding constraints inside the step (which
+        may be uneven) split the activations over the devices."""
+        if Batch.size % self.data_parallel_size == 0:
+            return mapping
+        return {name: physical for name, physical in mapping.items() if name != Batch.name}
+
     @staticmethod
     def from_config(config: TrainerConfig, data_size: int) -> "BatchPlan":
+        """The plan for ``config`` on ``data_size`` data-parallel devices; a :class:`ConfigError`
+        naming the field when the sizes do not fit."""
         batch = config.train_batch_size
-        if batch % data_size:
+        if batch % data_size and not config.allow_nondivisible_batch_size:
             raise ConfigError(
-                f"trainer.train_batch_size ({batch}) must be a multiple of the {data_size} data-parallel device(s)"
+                f"trainer.train_batch_size ({batch}) must be a multiple of the {data_size} data-parallel device(s) "
+                "(devices / trainer.model_axis_size); choose a multiple, or set "
+                "trainer.allow_nondivisible_batch_size: true to split it unevenly (at the cost of a copy of each "
+                "batch on every device)"
             )
         per_device = config.per_device_parallelism
         micro = batch if per_device == -1 else per_device * data_size
@@ -80,9 +100,74 @@ class BatchPlan:
                 f"x {data_size} data-parallel device(s) = {micro}"
             )
         per_device_eval = config.per_device_eval_parallelism
-        if per_device_eval == -1:
-            per_device_eval = micro // data_size
-        return BatchPlan(batch, micro, per_device_eval * data_size)
+        eval_batch = micro if per_device_eval == -1 else per_device_eval * data_size
+        return BatchPlan(batch, micro, eval_batch, data_size)
+
+
+ACTIVATION_AXES = ("position", "key_position")
+"""Logical axes of every language model's activations that no parameter has (``LmConfig.Pos``,
+``KeyPos``): compute mappings may name them (sequence parallelism), parameter mappings not."""
+
+
+def _check_axis_names(config: TrainerConfig, parameter_axes: set[str]) -> None:
+    """Every logical axis the config maps must be one the model has: a parameter axis for the
+    parameter-only fields, and a parameter or activation axis for the others."""
+    activation_axes = parameter_axes | {config.batch_axis, *ACTIVATION_AXES}
+    fields: list[tuple[str, list[str], set[str]]] = [
+        ("trainer.fsdp_axis", config.fsdp_axes, parameter_axes),
+        ("trainer.parameter_axis_resources", list(config.parameter_axis_resources), parameter_axes),
+        ("trainer.tensor_parallel_axes", list(config.tensor_parallel_axes or []), activation_axes),
+        ("trainer.axis_resources", list(config.axis_resources), activation_axes),
+        ("trainer.compute_axis_resources", list(config.compute_axis_resources), activation_axes),
+    ]
+    for field, names, known in fields:
+        for name in names:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"{field} names the axis {name!r}, which the model does not have. "
+                    f"Its parameters have the axes {', '.join(sorted(parameter_axes))}"
+                    + ("" if known is parameter_axes else f"; its activations also {', '.join(sorted(known - parameter_axes))}")
+                    + f".{hint}"
+                )
+
+
+_MESH_SIZE_SOURCE = {
+    "replica_dcn": "trainer.replica_dcn_axis_size",
+    "replica": "trainer.replica_ici_axis_size",
+    "data": "the data axis size (devices / (model_axis_size x replica sizes))",
+    "model": "trainer.model_axis_size",
+}
+"""Where each mesh axis's size comes from, for error messages."""
+
+
+def _check_divisible(config: TrainerConfig, mapping: dict[str, Any], mesh: Mesh, path: str, array: NamedArray) -> None:
+    """Each axis of ``array`` (a parameter or optimizer state at ``path``) must be divisible by
+    the mesh axes the parameter mapping splits it over, each mesh axis used once."""
+    used: dict[str, str] = {}
+    for axis in array.axes:
+        physical = mapping.get(axis.name)
+        if physical is None:
+            continue
+        mesh_axes = (physical,) if isinstance(physical, str) else tuple(physical)
+        for mesh_axis in mesh_axes:
+            if mesh_axis in used:
+                raise ConfigError(
+                    f"{config.parameter_axis_field(axis.name)} splits {axis.name!r} over mesh axis {mesh_axis!r}, "
+                    f"which {config.parameter_axis_field(used[mesh_axis])} already uses for {used[mesh_axis]!r} "
+                    f"of the same array ({path}); map one of them to another mesh axis"
+                )
+            used[mesh_axis] = axis.name
+        ways = math.prod(mesh.shape[a] for a in mesh_axes)
+        if axis.size % ways:
+            sizes = " x ".join(f"{a} ({mesh.shape[a]})" for a in mesh_axes)
+            raise ConfigError(
+                f"{config.parameter_axis_field(axis.name)} splits the axis {axis.name!r} over mesh axis {sizes}, "
+                f"but {axis.name!r} has size {axis.size} in {path}, which is not a multiple of {ways}: JAX cannot "
+                f"store a parameter split unevenly. Choose {' and '.join(_MESH_SIZE_SOURCE[a] for a in mesh_axes)} "
+                f"to divide {axis.size}, a model whose {axis.name!r} is a multiple of {ways}, or do not split it"
+            )
 
 
 class Trainer:
@@ -122,6 +207,7 @@ class Trainer:
             donate_args=(True, False),
         )
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
+        self._local_rows: dict[int, np.ndarray] = {}
 
     # -- state ---------------------------------------------------------------------------
     def _fresh_state(self, model, training_key: jax.Array) -> TrainerState:
@@ -172,6 +258,23 @@ class Trainer:
         return jax.tree.map(
             with_sharding, shapes, shardings, is_leaf=lambda x: isinstance(x, (NamedArray, jax.ShapeDtypeStruct))
         )
+
+    def check_sharding(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> None:
+        """Raise a :class:`ConfigError` naming the config field, before anything is compiled,
+        when the axis mappings do not fit the model: a logical axis that no array of the model
+        has (likely a typo), or a parameter axis whose size the mesh axes it is split over do not
+        divide (JAX refuses to store an unevenly split array; haliax does not pad or replicate it).
+        Only shapes are computed (``eqx.filter_eval_shape``)."""
+        state = eqx.filter_eval_shape(self._initializer(model_init, key))
+        arrays = [
+            (jax.tree_util.keystr(path).lstrip("."), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, NamedArray))[0]
+            if isinstance(leaf, NamedArray)
+        ]
+        parameter_axes = {axis.name for _, array in arrays for axis in array.axes}
+        _check_axis_names(self.config, parameter_axes)
+        for path, array in arrays:
+            _check_divisible(self.config, self.parameter_mapping, self.mesh, path, array)
 
     # -- compiled pieces -------------------------------------------------------------------
     def _compute_loss(self, model, batch: LmExample, key) -> tuple[jax.Array, dict]:
@@ -241,21 +344,53 @@ class Trainer:
         return self.eval_loss_fn(self.mp.cast_to_compute(model), batch, key=None)
 
     # -- host side ---------------------------------------------------------------------------
+    def local_rows(self, Batch: Axis) -> np.ndarray:
+        """The rows of a global batch that this process's devices hold, in order: all of them in
+        a single-process run; in a multi-process run, the only rows this process reads."""
+        if Batch.size not in self._local_rows:
+            sharding = self._batch_sharding(Batch, 1)
+            rows: set[int] = set()
+            for index in sharding.addressable_devices_indices_map((Batch.size, 1)).values():
+                rows.update(range(*index[0].indices(Batch.size)))
+            self._local_rows[Batch.size] = np.array(sorted(rows), np.int64)
+        return self._local_rows[Batch.size]
+
+    def _batch_sharding(self, Batch: Axis, seq_len: int):
+        axes = (Batch, Axis("position", seq_len))
+        mapping = self.plan.placement_mapping(self.compute_mapping, Batch)
+        return hax.partitioning.sharding_for_axis(axes, mapping, self.mesh)
+
     def to_device(self, batch, Batch: Axis) -> LmExample:
-        """A host batch (token ids ``[batch, seq_len]``, or a ``data.Batch`` with a loss
-        mask and segment ids) as an :class:`LmExample` laid out on the mesh."""
+        """A host batch as an :class:`LmExample` laid out on the mesh. ``batch`` is token ids
+        ``[rows, seq_len]`` or a ``data.Batch`` (with a loss mask and segment ids), holding either
+        the whole global batch or only this process's :meth:`local_rows`; each device receives
+        just its own rows."""
         tokens = getattr(batch, "tokens", batch)
+        rows = self.local_rows(Batch)
+        if len(tokens) not in (Batch.size, len(rows)):
+            raise ValueError(
+                f"a batch of {len(tokens)} rows is neither the global batch ({Batch.size}) nor this process's {len(rows)}"
+            )
+        whole = len(tokens) == Batch.size
+        shape = (Batch.size, tokens.shape[1])
+        sharding = self._batch_sharding(Batch, tokens.shape[1])
         axes = (Batch, Axis("position", tokens.shape[1]))
 
         def put(values, dtype):
             if values is None:
                 return None
-            return hax.shard(hax.named(jnp.asarray(values, dtype=dtype), axes), self.compute_mapping, mesh=self.mesh)
+            values = np.asarray(values, dtype)
+
+            def piece(index):
+                wanted = np.arange(Batch.size)[index[0]]
+                return values[wanted if whole else np.searchsorted(rows, wanted)][:, index[1]]
+
+            return hax.named(jax.make_array_from_callback(shape, sharding, piece), axes)
 
         return LmExample(
-            put(tokens, jnp.int32),
-            put(getattr(batch, "loss_mask", None), jnp.float32),
-            put(getattr(batch, "segment_ids", None), jnp.int32),
+            put(tokens, np.int32),
+            put(getattr(batch, "loss_mask", None), np.float32),
+            put(getattr(batch, "segment_ids", None), np.int32),
         )
 
     def train_step(self, state: TrainerState, batch):

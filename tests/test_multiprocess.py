@@ -117,7 +117,9 @@ def test_slurm_job_runs_multi_process_without_configuration(tmp_path, reference)
 def test_a_process_that_dies_stops_the_others_and_the_run_resumes(tmp_path, reference):
     _, train_losses, _ = reference
     long_run = _config(tmp_path, "dies", 2000)
-    with train_together(long_run, tmp_path, heartbeat=5) as run:
+    # Time-based saves too (odd steps, temporary): process 0's clock decides for both processes.
+    every_second = ["--trainer.checkpointer.save_interval", "1s"]
+    with train_together(long_run, tmp_path, overrides=every_second, heartbeat=5) as run:
         log = tmp_path / "logs" / "dies" / "metrics.jsonl"
         deadline = time.monotonic() + 240
         while not (log.exists() and sum(1 for line in open(log) if '"train/loss"' in line) >= 12):

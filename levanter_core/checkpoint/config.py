@@ -135,6 +135,7 @@ class Checkpointer(abc.ABC):
         self._now = now
         self._last_save_time = now()
         self._last_save_step: int | None = None
+        self._time_decision: tuple[int, bool] | None = None  # (step, whether save_interval had passed)
         # how long the latest save held up training: copying the state, waiting for the save before
         self.last_save_blocked_seconds: float | None = None
         self._last_temporary: str | None = None
@@ -242,8 +243,12 @@ class Checkpointer(abc.ABC):
             return True
         if self.save_interval is None:
             return False
-        # Every process saves together, so the clock of process 0 decides for all of them.
-        return _process_zero_decides(step, self._now() - self._last_save_time >= self.save_interval)
+        # Decided once per step (the trainer asks, then on_step), and for every process by
+        # the clock of process 0: the processes save together.
+        if self._time_decision is None or self._time_decision[0] != step:
+            elapsed = self._now() - self._last_save_time >= self.save_interval
+            self._time_decision = (step, _process_zero_decides(step, elapsed))
+        return self._time_decision[1]
 
     def on_step(self, state: Any, step: int, *, force: bool = False) -> bool:
         """Called after each training step: save ``state`` if the policy asks for it (see

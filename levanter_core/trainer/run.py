@@ -195,6 +195,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer
     leader = distributed.is_leader()
+    progress = progress and leader  # one progress bar, process 0's
     run_id = agreed_run_id(config, config_path)
     run_dir = os.path.join(trainer_cfg.log_dir, run_id)
     resolved, plugins = resolved_config(config), plugin_versions()
@@ -214,7 +215,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
             seq_len=config.model.seq_len,
             seed=trainer_cfg.seed,
             ray=ray_config,
-            progress=progress and leader,
+            progress=progress,
             build=leader,
         )
         try:
@@ -291,7 +292,6 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
 
     run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
     tracker = _make_tracker(config, run_info)
-    progress = progress and jax.process_index() == 0
     result = RunResult(run_id, run_dir, start_step, start_step)
     try:
         tracker.log_hyperparameters(resolved)

@@ -48,6 +48,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 from jax.experimental.array_serialization import serialization
 
+from levanter_core import distributed
 from levanter_core.checkpoint.config import Checkpointer
 from levanter_core.errors import CheckpointError, DamagedCheckpointError
 from levanter_core.fileio import write_text_atomically
@@ -66,8 +67,6 @@ _TENSORSTORE_STATUS = re.compile(r"^[A-Z_]+: ")
 # Arrays are chunked along their shards, and shards further split until a chunk holds at most
 # this much, so that writing and reading run in parallel and no two processes share a chunk.
 _MAX_CHUNK_BYTES = 64 << 20
-# How long a process waits for the others to finish writing their part of a checkpoint.
-_BARRIER_TIMEOUT_MS = 60 * 60 * 1000
 
 
 class TensorStoreCheckpointer(Checkpointer):
@@ -351,7 +350,7 @@ class _Save:
         try:
             os.makedirs(self.staging, exist_ok=True)
             _write_arrays(self.staging, self.arrays)
-            _barrier(f"levanter_checkpoint_written_{self.token}")
+            distributed.barrier(f"checkpoint_written_{self.token}")  # no device collective: safe here
             if jax.process_index() == 0:
                 described = {
                     "step": self.step,
@@ -370,7 +369,7 @@ class _Save:
             raise
         finally:
             self.arrays = []  # the host copy is no longer needed
-        _barrier(f"levanter_checkpoint_committed_{self.token}")
+        distributed.barrier(f"checkpoint_committed_{self.token}")
 
 
 def _copy_to_host(arrays: dict[str, jax.Array]) -> list[_HostArray]:
@@ -619,13 +618,3 @@ def _agreed_token() -> str:
     if jax.process_count() > 1:
         token = multihost_utils.broadcast_one_to_all(token)
     return f"{int(token):08x}"
-
-
-def _barrier(name: str) -> None:
-    """Wait until every process reaches ``name``. Safe off the training thread: it goes through
-    JAX's coordination service, not the devices."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed  # the client JAX's own checkpointing uses; there is no public one
-
-    distributed.global_state.client.wait_at_barrier(name, _BARRIER_TIMEOUT_MS)

@@ -2,8 +2,52 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Iterable
+
+MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
+"""A GPT-2 small enough to train a few steps on CPU in seconds (needs levanter-model-gpt2)."""
+
+
+def write_jsonl(path: Path, records: Iterable[dict]) -> str:
+    """Write ``records`` to ``path`` as JSON lines; return the path as a string (for a config)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def code_docs(n: int, offset: int = 0) -> list[dict]:
+    """``n`` small, distinct Python-like text documents (``{"text": ...}``), numbered from ``offset``."""
+    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
+
+
+def run_config(
+    tmp_path: Path, data: dict, *, run_id: str = "pipe", steps: int = 6, model: dict = MODEL, **trainer
+) -> str:
+    """A tiny GPT-2 run on ``data`` (a ``data:`` section) as a YAML file in ``tmp_path``, with
+    logs and checkpoints under ``tmp_path``; ``trainer`` fields are added or overridden. Returns
+    the file's path."""
+    import yaml
+
+    config = {
+        "data": data,
+        "model": model,
+        "trainer": {
+            "id": run_id,
+            "train_batch_size": 4,
+            "num_train_steps": steps,
+            "steps_per_eval": 3,
+            "max_eval_batches": 2,
+            "log_dir": str(tmp_path / "logs"),
+            "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
+            **trainer,
+        },
+        "optimizer": {"learning_rate": 1e-2, "warmup": 0},
+    }
+    path = tmp_path / f"{run_id}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
 
 
 def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: list[str] = ()):

@@ -4,10 +4,11 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 import levanter_core.plugins as plugins
 from levanter_core.plugins import hookimpl
+# The tests import the tiny-run helpers from here.
+from levanter_core.testing import MODEL, code_docs, run_config, write_jsonl  # noqa: F401
 from levanter_core.tracker import Tracker, TrackerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,41 +35,7 @@ def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout
     )
 
 
-# -- a tiny training run ------------------------------------------------------------------
-
-MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
-def code_docs(n, offset=0):
-    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
-
-
-def run_config(tmp_path, data, *, run_id="pipe", steps=6, model=MODEL, **trainer):
-    """A tiny GPT-2 run on ``data`` (a ``data:`` section) as a YAML file in ``tmp_path``;
-    logs, checkpoints under ``tmp_path``; ``trainer`` fields added or overridden."""
-    config = {
-        "data": data,
-        "model": model,
-        "trainer": {
-            "id": run_id,
-            "train_batch_size": 4,
-            "num_train_steps": steps,
-            "steps_per_eval": 3,
-            "max_eval_batches": 2,
-            "log_dir": str(tmp_path / "logs"),
-            "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
-            **trainer,
-        },
-        "optimizer": {"learning_rate": 1e-2, "warmup": 0},
-    }
-    path = tmp_path / f"{run_id}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+# -- a tiny training run (its config: levanter_core.testing.run_config) -----------------------
 
 
 def metrics(tmp_path, run_id="pipe"):

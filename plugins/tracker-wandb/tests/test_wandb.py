@@ -8,12 +8,12 @@ import subprocess
 import levanter_tracker_wandb.plugin as wandb_plugin
 import numpy as np
 import pytest
-import yaml
 from levanter_tracker_wandb.offline import offline_run_files, read_offline_run
 from pydantic import ValidationError
 
 from levanter_core import plugins
 from levanter_core.config.base import validate_section
+from levanter_core.testing import code_docs, run_config, write_jsonl
 from levanter_core.tracker import Histogram, RunInfo
 
 
@@ -154,15 +154,6 @@ def test_save_xla_dumps_uploads_the_dump_directory_named_in_xla_flags(tmp_path, 
     )
 
 
-def code_docs(n, offset=0):
-    return [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 2} for i in range(offset, offset + n)]
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
-
-
 @pytest.mark.slow
 def test_training_with_json_and_wandb_logs_the_same_losses_and_resumes_the_same_run(tmp_path):
     from levanter_core.config.train import load_train_config
@@ -178,25 +169,10 @@ def test_training_with_json_and_wandb_logs_the_same_losses_and_resumes_the_same_
     }
 
     def train(steps):
-        config = {
-            "data": data,
-            "model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32},
-            "trainer": {
-                "id": "wb",
-                "train_batch_size": 4,
-                "num_train_steps": steps,
-                "steps_per_eval": 3,
-                "max_eval_batches": 2,
-                "log_dir": str(tmp_path / "logs"),
-                "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": []},
-                "tracker": [{"type": "json"}, {"type": "wandb", "mode": "offline", "project": "e2e"}],
-            },
-            "optimizer": {"learning_rate": 1e-2, "warmup": 0},
-        }
-        path = tmp_path / "wb.yaml"
-        path.write_text(yaml.safe_dump(config))
-        loaded, _ = load_train_config(str(path))
-        return run_training(loaded, config_path=str(path), progress=False)
+        trackers = [{"type": "json"}, {"type": "wandb", "mode": "offline", "project": "e2e"}]
+        path = run_config(tmp_path, data, run_id="wb", steps=steps, tracker=trackers)
+        loaded, _ = load_train_config(path)
+        return run_training(loaded, config_path=path, progress=False)
 
     train(4)
     train(6)  # resumes from the final checkpoint at step 4

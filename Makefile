@@ -29,6 +29,11 @@ setup-test: $(VENV)/.installed-test
 train: setup
 	$(BIN)/levanter train config/gpt2_nano.yaml
 
+# The speed figures of the reference GPT-2 and a Llama of the same size (bench/README.md).
+.PHONY: bench
+bench: setup
+	$(BIN)/python bench/suite.py --out bench/last-suite.json
+
 test: setup-test
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 

@@ -3,11 +3,16 @@
 Runs, in one process, the work that /work/shared/bench/REFERENCE.md defines and the peer
 (Levanter) was measured on: train a byte-level BPE tokenizer (8,192 tokens) on the standard
 library's ``.py`` files, tokenize them into the cache, and train the model through the real
-training path (``validate_train_config`` -> ``run_training``). An f32 2048x2048 matmul is
-timed through ``jax.jit`` before and after training, so that throughput can be compared
-across machines as tokens/s per matmul GFLOP/s.
+training path (``validate_train_config`` -> ``run_training``). A matmul is timed through
+``jax.jit`` before and after training (f32 2048x2048 on CPU, bf16 8192x8192 on GPU), so that
+throughput can be compared across machines as tokens/s per matmul GFLOP/s, and MFU computed.
 
-    .venv/bin/python bench/reference_gpt2.py [--steps 60] [--save-every N] [--out bench/last.json] [--workdir DIR]
+    .venv/bin/python bench/reference_gpt2.py [--steps 60] [--model gpt2] [--max-files N] [--save-every N]
+                                             [--cold-cache] [--out bench/last.json] [--workdir DIR]
+
+``--model`` picks the ``model:`` section (and the precision and batch that go with it) from
+``PRESETS``: the GPT-2 reference (default), a Llama of the same size, the ~350M Llama for one
+GPU, or a tiny GPT-2 that tests the benchmark itself in seconds.
 
 ``--save-every N`` also saves a checkpoint every N steps, as a run would, and reports what a
 save costs: the seconds each one held up the training loop (the rest of the save is written
@@ -32,12 +37,51 @@ import sys
 import tempfile
 import threading
 
-MATMUL_SIZE = 2048
 MATMUL_RUNS = 10
 WARMUP_STEPS = 5
 """Steps left out of the steady state: the first includes compilation, the next few settle."""
 VOCAB_SIZE = 8192
 EOS = "<|endoftext|>"
+
+
+# -- the models ----------------------------------------------------------------------------
+
+REFERENCE_TRAINER = {"mp": "p=f32", "train_batch_size": 16}
+"""Precision and batch of the reference run (REFERENCE.md)."""
+
+PRESETS: dict[str, dict] = {
+    # The reference model of REFERENCE.md; GPT-2 ties its embeddings.
+    "gpt2": {
+        "model": {"type": "gpt2", "hidden_dim": 256, "num_layers": 4, "num_heads": 4, "seq_len": 256,
+                  "gradient_checkpointing": False, "unroll_layers": True},
+        "trainer": REFERENCE_TRAINER,
+    },
+    # A Llama of the same size: 5.31 M parameters against GPT-2's 5.32 M. Its gated MLP has
+    # 3 x 256 x 704 weights per layer against GPT-2's 2 x 256 x 1024 (+ biases); 704 rather
+    # than 688 also makes up for GPT-2's position embeddings. Tied embeddings, as in GPT-2, so
+    # both spend the same on the output projection.
+    "llama": {
+        "model": {"type": "llama", "hidden_dim": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+                  "intermediate_dim": 704, "seq_len": 256, "tie_word_embeddings": True,
+                  "gradient_checkpointing": False, "unroll_layers": True},
+        "trainer": REFERENCE_TRAINER,
+    },
+    # The GPU target of issue 8: 344 M parameters with the 8,192-token vocabulary (untied),
+    # seq_len 2048, bf16 compute; attn_backend ``jax`` is cuDNN's fused attention on GPU.
+    # Checkpointed layers: without, batch 16 x 2048 tokens of activations would not fit in 80 GB.
+    "llama350m": {
+        "model": {"type": "llama", "hidden_dim": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 16,
+                  "intermediate_dim": 3072, "seq_len": 2048, "attn_backend": "jax",
+                  "gradient_checkpointing": True},
+        "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
+    },
+    # Not a benchmark: exercises the benchmark itself in seconds (tests use it).
+    "tiny": {
+        "model": {"type": "gpt2", "hidden_dim": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32},
+        "trainer": {"mp": "p=f32", "train_batch_size": 4},
+    },
+}
+"""Named ``model:`` sections, with the ``trainer.mp`` and ``trainer.train_batch_size`` they run with."""
 
 
 # -- the tokenizer -------------------------------------------------------------------------
@@ -55,16 +99,26 @@ def train_tokenizer(source, path: str) -> None:
 # -- the matmul yardstick ------------------------------------------------------------------
 
 
-def matmul_gflops(size: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -> dict:
-    """GFLOP/s of one f32 ``size x size`` matmul through ``jax.jit``: best and median of ``runs``
-    timed calls, after warm-up."""
+def yardstick() -> dict:
+    """The matmul that stands in for this machine's peak: f32 2048x2048 on CPU (as the peer was
+    measured), bf16 8192x8192 with f32 accumulation on GPU (the rate mixed precision can reach)."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return {"size": 8192, "dtype": "bfloat16"}
+    return {"size": 2048, "dtype": "float32"}
+
+
+def matmul_gflops(size: int, dtype: str, runs: int = MATMUL_RUNS) -> dict:
+    """GFLOP/s of one ``size x size`` matmul of ``dtype`` inputs (float32 result) through
+    ``jax.jit``: best and median of ``runs`` timed calls, after warm-up."""
     import jax
     import jax.numpy as jnp
 
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
-    a = jax.random.normal(ka, (size, size), jnp.float32)
-    b = jax.random.normal(kb, (size, size), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
+    a = jax.random.normal(ka, (size, size), dtype)
+    b = jax.random.normal(kb, (size, size), dtype)
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     for _ in range(3):
         matmul(a, b).block_until_ready()
     times = []
@@ -117,26 +171,29 @@ class MetricsWatcher(threading.Thread):
 # -- the run -------------------------------------------------------------------------------
 
 
-def train_config(workdir: str, tokenizer_path: str, steps: int, run_id: str, save_every: int | None = None) -> dict:
-    """The reference run as a config dict, in the shape of a YAML config file."""
+def train_config(
+    workdir: str,
+    tokenizer_path: str,
+    steps: int,
+    run_id: str,
+    save_every: int | None = None,
+    *,
+    model: str = "gpt2",
+    max_files: int | None = None,
+) -> dict:
+    """The reference run of the ``PRESETS[model]`` model as a config dict, in the shape of a
+    YAML config file. ``max_files`` limits each split to its first files (for quick tests)."""
+    if model not in PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; expected one of {sorted(PRESETS)}")
     keep = [{"every": save_every}] if save_every else [{"every": 10000}]
+    data = {"type": "python_stdlib", "tokenizer": tokenizer_path, "cache_dir": os.path.join(workdir, "cache")}
+    if max_files:
+        data["max_files"] = max_files
     return {
-        "data": {
-            "type": "python_stdlib",
-            "tokenizer": tokenizer_path,
-            "cache_dir": os.path.join(workdir, "cache"),
-        },
-        "model": {
-            "type": "gpt2",
-            "hidden_dim": 256,
-            "num_layers": 4,
-            "num_heads": 4,
-            "seq_len": 256,
-            "gradient_checkpointing": False,
-        },
+        "data": data,
+        "model": dict(PRESETS[model]["model"]),
         "trainer": {
-            "mp": "p=f32",
-            "train_batch_size": 16,
+            **PRESETS[model]["trainer"],
             "num_train_steps": steps,
             # Evaluate only before the first step and after the last, as the peer did.
             "steps_per_eval": steps,
@@ -199,8 +256,28 @@ def save_costs(metrics: list[dict], checkpoint: str) -> dict:
     }
 
 
-def benchmark(steps: int, workdir: str, save_every: int | None = None, cold_cache: bool = False) -> dict:
-    """Run the reference work in ``workdir`` and return every figure as JSON-able data."""
+def parameter_count(config, vocab_size: int) -> int:
+    """Number of parameters of ``config.model`` with ``vocab_size`` tokens, from the model's own
+    code (shapes only: nothing is allocated)."""
+    import jax
+    import numpy as np
+    from haliax import Axis
+
+    shapes = jax.eval_shape(lambda: config.model.build(Axis("vocab", vocab_size), key=jax.random.PRNGKey(0)))
+    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes) if hasattr(leaf, "shape"))
+
+
+def benchmark(
+    steps: int,
+    workdir: str,
+    save_every: int | None = None,
+    cold_cache: bool = False,
+    *,
+    model: str = "gpt2",
+    max_files: int | None = None,
+) -> dict:
+    """Run the reference work with the ``PRESETS[model]`` model in ``workdir`` and return every
+    figure as JSON-able data. ``max_files`` limits the corpus (for quick tests)."""
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
     from levanter_core.data.cache import read_cache
@@ -211,17 +288,21 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None, cold_cach
 
     # Other processes on a 2-core machine skew every figure: record how busy it was.
     load_before = os.getloadavg()
-    matmul_before = matmul_gflops()
+    matmul_shape = yardstick()
+    matmul_before = matmul_gflops(**matmul_shape)
 
-    source = PythonStdlibSourceConfig()
+    source = PythonStdlibSourceConfig(max_files=max_files)
     files = {split: len(source.files(split)) for split in ("train", "validation")}
     tokenizer_path = os.path.join(workdir, "tokenizer.json")
     start = time.perf_counter()
     train_tokenizer(source, tokenizer_path)
     tokenizer_seconds = time.perf_counter() - start
 
-    run_id = "reference-gpt2-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
-    config = validate_train_config(train_config(workdir, tokenizer_path, steps, run_id, save_every), Sources("bench"))
+    run_id = f"reference-{model}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
+    config = validate_train_config(
+        train_config(workdir, tokenizer_path, steps, run_id, save_every, model=model, max_files=max_files),
+        Sources("bench"),
+    )
 
     # Build the caches here, through the same code, so their time is known; the run reuses them.
     # With cold_cache the run builds them itself, in the background while the step compiles.
@@ -242,7 +323,7 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None, cold_cach
         watcher.stop()
     training_seconds = time.perf_counter() - training_start
 
-    matmul_after = matmul_gflops()
+    matmul_after = matmul_gflops(**matmul_shape)
     load_after = os.getloadavg()
     wall_seconds = time.perf_counter() - STARTED
 
@@ -275,6 +356,7 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None, cold_cach
         "load_average_1_5_15min": {"before": load_before, "after": load_after},
         "workdir": workdir,
         "run_dir": run_dir,
+        "model": {"preset": model, **PRESETS[model], "parameters": parameter_count(config, tokenizer.vocab_size)},
         "corpus": {
             "files": files,
             "tokens": {split: read_cache(config.data.cache_path("main", split)).num_tokens for split in files},
@@ -287,7 +369,7 @@ def benchmark(steps: int, workdir: str, save_every: int | None = None, cold_cach
         "step_seconds": summarize(step_times),
         "flops_per_token": flops_per_token,
         "model_gflops_per_second": model_gflops,
-        "matmul_gflops": {"before": matmul_before, "after": matmul_after, "mean": matmul},
+        "matmul_gflops": {**matmul_shape, "before": matmul_before, "after": matmul_after, "mean": matmul},
         "mfu": model_gflops / matmul["median"],
         "tokens_per_second_per_matmul_gflops": tokens_per_second / matmul["median"],
         "loss": {
@@ -320,13 +402,15 @@ def print_table(r: dict) -> None:
             r["load_average_1_5_15min"]["before"][0], r["load_average_1_5_15min"]["after"][0])),
         ("corpus", f"{r['corpus']['files']['train']} train + {r['corpus']['files']['validation']} validation files, "
                    f"{r['corpus']['tokens']['train']:,} train tokens"),
+        ("model", f"{r['model']['preset']} ({r['model']['model']['type']}), "
+                  f"{r['model']['parameters'] / 1e6:.2f} M parameters"),
         ("steps", f"{r['steps']} ({r['steady_state_steps']} in the steady state)"),
         ("tokens/s", f"{tps['median']:,.0f} median ({tps['min']:,.0f} to {tps['max']:,.0f})"),
         ("step time", f"{step['median']:.3f} s median ({step['min']:.3f} to {step['max']:.3f})"),
         ("model FLOPs/token", f"{r['flops_per_token'] / 1e6:.2f} M"),
         ("model GFLOP/s", f"{r['model_gflops_per_second']:.1f}"),
-        ("matmul GFLOP/s (median)", f"{mm['mean']['median']:.1f} "
-                                    f"(before {mm['before']['median']:.1f}, after {mm['after']['median']:.1f})"),
+        (f"{mm['dtype']} {mm['size']}x{mm['size']} matmul GFLOP/s (median)",
+         f"{mm['mean']['median']:.1f} (before {mm['before']['median']:.1f}, after {mm['after']['median']:.1f})"),
         ("matmul GFLOP/s (best)", f"{mm['mean']['best']:.1f}"),
         ("MFU", f"{r['mfu']:.1%}"),
         ("tokens/s per matmul GFLOP/s", f"{r['tokens_per_second_per_matmul_gflops']:.1f} (peer: 17.9)"),
@@ -355,6 +439,10 @@ def print_table(r: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--model", default="gpt2", choices=sorted(PRESETS),
+                        help="the model preset (default gpt2, the reference)")
+    parser.add_argument("--max-files", type=int, default=None,
+                        help="use only the first N files of each split of the corpus (quick tests)")
     parser.add_argument("--save-every", type=int, default=None,
                         help="save a checkpoint every N steps and report what saving costs")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -363,10 +451,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None, help="where the tokenizer, cache, logs and checkpoints go "
                                                         "(default: a new directory under the system temp dir)")
     args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="reference-gpt2-")
+    workdir = args.workdir or tempfile.mkdtemp(prefix=f"reference-{args.model}-")
     os.makedirs(workdir, exist_ok=True)
 
-    results = benchmark(args.steps, workdir, args.save_every, args.cold_cache)
+    results = benchmark(
+        args.steps, workdir, args.save_every, args.cold_cache, model=args.model, max_files=args.max_files
+    )
     print_table(results)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

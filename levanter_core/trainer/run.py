@@ -165,13 +165,16 @@ def configure_jax(config: TrainConfig) -> None:
     import jax
 
     trainer = config.trainer
+    if trainer.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(trainer.jax_compilation_cache_dir))
+        # JAX caches only compilations that took a second or more by default; the eval step
+        # and the small programs of start-up take less each, but add up on every start.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     for name, value in trainer.jax_config.items():
         try:
             jax.config.update(name, value)
         except (AttributeError, ValueError, TypeError) as e:
             raise ConfigError(f"trainer.jax_config.{name}: JAX does not accept {value!r}: {e}") from None
-    if trainer.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", trainer.jax_compilation_cache_dir)
     from levanter_core import distributed
 
     distributed.initialize(trainer.distributed)

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import Field, PositiveInt
 
 from levanter_core.config.base import ConfigModel
-from levanter_core.models.lm import LmExample, _attn_kwargs, _cross_entropy
+from levanter_core.models.lm import LmExample, _attn_kwargs, per_token_cross_entropy
 
 WORST = -10.0
 """Log-probabilities at or below this are drawn in the full color."""
@@ -47,9 +47,7 @@ def token_log_probs(model, example: LmExample) -> jnp.ndarray:
     Pos = tokens.resolve_axis("position")
     hidden = model.activations(tokens, **_attn_kwargs(example))
     targets = hax.roll(tokens, -1, Pos)
-    block = getattr(model.config, "cross_entropy_block_size", None)
-    cap = getattr(model.config, "final_logit_soft_cap", None)
-    nll = _cross_entropy(hidden, model.get_lm_head(), targets, model.Vocab, block, cap)
+    nll = per_token_cross_entropy(model, hidden, targets)
     predicted = -nll.rearrange((..., Pos.name)).array  # position t scores token t + 1
     first = jnp.full(predicted.shape[:-1] + (1,), jnp.nan, predicted.dtype)
     return jnp.concatenate([first, predicted[..., :-1]], axis=-1)

@@ -290,7 +290,7 @@ class GemmaModel(eqx.Module):
     def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> NamedArray:
         x = self.embed_tokens.embed(input_ids)
         x = x * embedding_scale(self.config.hidden_dim, x.dtype)
-        x = self.layers.fold(x, mask, self.config.sliding_layers())
+        x = self.layers.fold(x, mask, self.config.sliding_layers(), unroll=self.config.unroll_layers)
         return self.norm(x)
 
 

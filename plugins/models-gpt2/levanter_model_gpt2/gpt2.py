@@ -23,6 +23,7 @@ from haliax import Axis, NamedArray
 from haliax.jax_utils import maybe_rng_split
 from pydantic import Field, PositiveInt, model_validator
 
+from levanter_core.layers.attention import AttentionMask, dot_product_attention
 from levanter_core.models.lm import LmConfig
 
 Probability = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -86,8 +87,8 @@ class Gpt2Config(LmConfig):
     which stabilizes training of deep models (as in Mistral's GPT-2 runs)."""
 
     upcast_attn: bool = False
-    """Compute the attention scores and softmax in float32 even when the compute
-    precision is lower."""
+    """Compute the attention scores (query-key products) in float32 even when the compute
+    precision is lower. The softmax always runs in float32."""
 
     gradient_checkpointing: bool = True
     """Recompute each block's activations in the backward pass instead of storing them:
@@ -213,26 +214,30 @@ class Gpt2Attention(eqx.Module):
         Pos = x.resolve_axis(config.Pos.name)
         KeyPos = Pos.alias(config.KeyPos.name)
 
-        q, k, v = hax.unbind(self.c_attn(x), "qkv")
+        # One transpose of the fused projection puts heads before positions for all three.
+        qkv = self.c_attn(x).rearrange((..., "qkv", config.Heads, Pos, config.HeadSize))
+        q, k, v = hax.unbind(qkv, "qkv")
         k = k.rename({Pos.name: KeyPos.name})
         v = v.rename({Pos.name: KeyPos.name})
+        if config.upcast_attn:
+            q, k = q.astype(jnp.float32), k.astype(jnp.float32)
 
         scale = 1.0 / math.sqrt(config.HeadSize.size)
         if config.scale_attn_by_inverse_layer_idx:
             # keep the query's dtype: a float32 scale would silently upcast low-precision compute
             scale = (scale / (layer_idx + 1)).astype(q.dtype)
 
-        weights = hnn.attention.dot_product_attention_weights(
-            config.HeadSize,
-            KeyPos,
-            q,
-            k,
-            mask=hnn.attention.causal_mask(Pos, KeyPos) if attn_mask is None else attn_mask.materialize(Pos, KeyPos),
-            attention_dtype=jnp.float32 if config.upcast_attn else None,
-            scaling_factor=scale,
-        )
-        weights = _dropout(weights, config.attn_pdrop, key)
-        attended = hax.dot(weights, v, axis=KeyPos)
+        mask = AttentionMask.causal_mask() if attn_mask is None else attn_mask
+        if config.attn_pdrop > 0 and key is not None:
+            # dropout needs the attention weights themselves: the whole square, in one piece
+            scores = hax.dot(q, k, axis=config.HeadSize) * scale
+            scores = hax.where(mask.materialize(Pos, KeyPos), scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+            weights = _dropout(hnn.softmax(scores, axis=KeyPos).astype(v.dtype), config.attn_pdrop, key)
+            attended = hax.dot(weights, v, axis=KeyPos)
+        else:
+            attended = dot_product_attention(
+                q, k, v, mask, Pos=Pos, KeyPos=KeyPos, HeadSize=config.HeadSize, scale=scale, backend="reference"
+            )
         return self.c_proj(attended)
 
 
@@ -281,7 +286,9 @@ class Gpt2Transformer(eqx.Module):
     def __call__(self, x: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         # one key per layer, sliced by the scan; None (no dropout) is passed through as is
         keys = jax.random.split(key, self.config.num_layers) if key is not None else None
-        x = self.blocks.fold(x, hax.arange(self.config.Layers), attn_mask, key=keys)
+        x = self.blocks.fold(
+            x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers
+        )
         return self.ln_f(x)
 
 

@@ -260,7 +260,7 @@ class LlamaModel(eqx.Module):
 
     def __call__(self, input_ids: NamedArray, mask: AttentionMask, sliding=None) -> NamedArray:
         x = self.embed_tokens.embed(input_ids)
-        x = self.layers.fold(x, mask, sliding)
+        x = self.layers.fold(x, mask, sliding, unroll=self.config.unroll_layers)
         return self.norm(x)
 
 

@@ -443,7 +443,7 @@ class MixtralModel(eqx.Module):
     def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> tuple[NamedArray, RouterStats]:
         """Final hidden states, and every layer's router statistics stacked along ``layers``."""
         x = self.embed_tokens.embed(input_ids)
-        x, stats = self.layers.scan(x, mask)
+        x, stats = self.layers.scan(x, mask, unroll=self.config.unroll_layers)
         return self.norm(x), stats
 
 

@@ -269,7 +269,7 @@ class Olmo2Model(eqx.Module):
 
     def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> NamedArray:
         x = self.embed_tokens.embed(input_ids)
-        x = self.layers.fold(x, mask)
+        x = self.layers.fold(x, mask, unroll=self.config.unroll_layers)
         return self.norm(x)
 
 

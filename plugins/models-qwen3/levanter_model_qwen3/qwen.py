@@ -315,7 +315,7 @@ class QwenModel(eqx.Module):
 
     def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> NamedArray:
         x = self.embed_tokens.embed(input_ids)
-        x = self.layers.fold(x, mask, self.sliding_flags())
+        x = self.layers.fold(x, mask, self.sliding_flags(), unroll=self.config.unroll_layers)
         return self.norm(x)
 
 

@@ -1,0 +1,134 @@
+"""The language-modelling loss, fused with the output projection and computed in blocks of tokens.
+
+The logits of a batch (``tokens x vocab``, 134 MB for 4,096 tokens of an 8,192-token
+vocabulary in float32) are the largest array of a small model's step, and the plain
+computation writes them, reads them back for the log-sum-exp, again for the softmax of the
+backward pass, and again transposed for the head's gradient. Here the tokens are cut into
+blocks of ``block`` positions; for each block the logits are computed, turned into the loss
+*and* the gradients of the loss (with respect to the hidden states and to the head), and
+dropped. The gradients are ready at the end of the forward pass, so the backward pass only
+scales them. One block's logits are ever held, and the step does the three matmuls of the head
+and none of the round trips (on the 2-core reference machine the loss and its gradients take
+0.32 s instead of 0.43 s).
+
+The gradient is that of the weighted *sum* of per-token losses; callers divide by the weight
+total outside. Arrays are plain JAX arrays: ``hidden [rows, positions, embed]``,
+``head [embed, vocab]``, ``targets`` and ``weights [rows, positions]``. Blocks run along the
+positions, so every block holds every row: a batch split across devices stays split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_sum(hidden, head, targets, weights, *, block: int | None = None, cap: float | None = None):
+    """``sum(weights * (logsumexp(logits) - logits[target]))`` with ``logits = hidden @ head``
+    (soft-capped as ``cap * tanh(logits / cap)`` when ``cap`` is set), in float32.
+    ``block``: positions per block (None: all of them, one block)."""
+    return _fused(block, cap, hidden, head, targets, weights.astype(jnp.float32))
+
+
+def token_losses(hidden, head, targets, *, block: int | None = None, cap: float | None = None):
+    """The per-token losses ``[rows, positions]`` (float32), block by block, without gradients."""
+    blocks = _blocks(hidden.shape[1], block)
+    h, t = _split(hidden, blocks), _split(targets, blocks)
+    per_block = jax.lax.map(lambda xs: _block_losses(xs[0], head, xs[1], cap)[0], (h, t))
+    return _join(per_block, *hidden.shape[:2])
+
+
+# -- blocks ----------------------------------------------------------------------------------
+
+
+def _blocks(positions: int, block: int | None) -> int:
+    """Positions per block: ``block`` (at most all of them); None: all."""
+    return positions if block is None else max(1, min(block, positions))
+
+
+def _split(x, per_block: int):
+    """``[rows, positions, ...]`` -> ``[blocks, rows * per_block, ...]``, zero-padded at the end."""
+    rows, positions = x.shape[:2]
+    count = -(-positions // per_block)
+    pad = count * per_block - positions
+    if pad:
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = jnp.moveaxis(x.reshape(rows, count, per_block, *x.shape[2:]), 1, 0)
+    return x.reshape(count, rows * per_block, *x.shape[3:])
+
+
+def _join(x, rows: int, positions: int):
+    """The inverse of :func:`_split`."""
+    count = x.shape[0]
+    x = jnp.moveaxis(x.reshape(count, rows, -1, *x.shape[2:]), 0, 1)
+    return x.reshape(rows, -1, *x.shape[3:])[:, :positions]
+
+
+# -- one block -------------------------------------------------------------------------------
+
+
+def _logits(h, head, cap):
+    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _block_losses(h, head, t, cap):
+    """Per-token losses of one block, and what their gradient needs: the softmax's
+    unnormalized ``exp(logits - max)``, its row sums, and the logits."""
+    logits = _logits(h, head, cap)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    exp = jnp.exp(logits - top)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    target = jnp.take_along_axis(logits, t[..., None], axis=-1)
+    losses = (top + jnp.log(total) - target)[..., 0]
+    return losses, exp, total, logits
+
+
+def _block_loss_and_grads(h, h_t, head, t, w, cap):
+    """One block's weighted loss sum, its gradient with respect to ``h`` and its
+    contribution to the gradient with respect to ``head``. ``h_t`` is ``h`` transposed: the
+    head's gradient is then a plain matmul, which XLA's CPU backend runs 5% faster than one
+    that contracts the leading axes of both operands."""
+    losses, exp, total, logits = _block_losses(h, head, t, cap)
+    # d loss / d logits = w * (softmax - one_hot(target)), through the cap's tanh if any
+    d_logits = exp * (w[..., None] / total) - jax.nn.one_hot(t, exp.shape[-1], dtype=exp.dtype) * w[..., None]
+    if cap is not None:
+        d_logits = d_logits * (1.0 - jnp.square(logits / cap))
+    d_logits = d_logits.astype(h.dtype)
+    d_h = jnp.dot(d_logits, head.T, preferred_element_type=jnp.float32)
+    d_head = jnp.dot(h_t, d_logits, preferred_element_type=jnp.float32)
+    return jnp.sum(losses * w), d_h, d_head
+
+
+# -- the fused loss and its gradient ---------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(block, cap, hidden, head, targets, weights):
+    return jnp.sum(token_losses(hidden, head, targets, block=block, cap=cap) * weights)
+
+
+def _fused_forward(block, cap, hidden, head, targets, weights):
+    per_block = _blocks(hidden.shape[1], block)
+    h, t, w = _split(hidden, per_block), _split(targets, per_block), _split(weights, per_block)
+
+    def step(carry, xs):
+        loss, d_head = carry
+        block_loss, d_h, block_d_head = _block_loss_and_grads(*xs[:2], head, *xs[2:], cap)
+        return (loss + block_loss, d_head + block_d_head), d_h
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
+    (loss, d_head), d_h = jax.lax.scan(step, init, (h, jnp.swapaxes(h, 1, 2), t, w))
+    d_hidden = _join(d_h, *hidden.shape[:2]).astype(hidden.dtype)
+    return loss, (d_hidden, d_head.astype(head.dtype), weights)
+
+
+def _fused_backward(block, cap, residuals, g):
+    d_hidden, d_head, weights = residuals
+    # targets are integers (no gradient); the weights are data, not parameters
+    return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(d_head.dtype), None, jnp.zeros_like(weights)
+
+
+_fused.defvjp(_fused_forward, _fused_backward)

@@ -7,7 +7,10 @@ size by default), it runs
    and JAX state are its own): steady-state tokens/s, step time, model FLOPs per token, and the
    matmul rate of the same machine measured in the same run, giving MFU (on GPU against a bf16
    matmul);
-2. **start-up**: the real CLI, ``levanter train`` on the same config written as YAML (a few
+2. **one core**: on a CPU machine, the same throughput run again with the process pinned to one
+   core, training and yardstick alike (the peer's figure in REFERENCE.md has a one-core
+   yardstick);
+3. **start-up**: the real CLI, ``levanter train`` on the same config written as YAML (a few
    steps), twice: *cold* with an empty JAX compilation cache and token cache, then *warm* with
    both filled by the cold run. Each is timed from the subprocess's start to the moment the first
    step's line appears in the run's ``metrics.jsonl``.
@@ -53,16 +56,19 @@ when the ``jax`` logger has a level above DEBUG, hence ``JAX_LOGGING_LEVEL=WARNI
 # -- throughput (in-process, through reference_gpt2.benchmark) --------------------------------
 
 
-def throughput(model: str, steps: int, workdir: str, max_files: int | None) -> dict:
-    """Run ``reference_gpt2.py --model MODEL`` in its own process in ``workdir``; its figures."""
-    out = os.path.join(workdir, f"{model}-throughput.json")
+def throughput(model: str, steps: int, workdir: str, max_files: int | None, *, one_core: bool = False) -> dict:
+    """Run ``reference_gpt2.py --model MODEL`` in its own process in ``workdir``; its figures.
+    ``one_core``: the process (training and matmul yardstick alike) may use only the first CPU."""
+    label = f"{model}-one-core" if one_core else model
+    out = os.path.join(workdir, f"{label}-throughput.json")
     command = [sys.executable, os.path.join(BENCH, "reference_gpt2.py"), "--model", model, "--steps", str(steps),
                "--workdir", workdir, "--out", out]
     if max_files:
         command += ["--max-files", str(max_files)]
-    log = os.path.join(workdir, f"{model}-throughput.log")
+    log = os.path.join(workdir, f"{label}-throughput.log")
+    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
     with open(log, "w", encoding="utf-8") as f:
-        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, check=False, preexec_fn=pin).returncode
     if code != 0:
         raise SystemExit(f"the {model} throughput run failed (exit {code}); its output: {log}\n{tail(log)}")
     with open(out, encoding="utf-8") as f:
@@ -177,6 +183,10 @@ def suite(models: list[str], steps: int, workdir: str, max_files: int | None = N
         measured = throughput(model, steps, workdir, max_files)
         tokenizer_path = os.path.join(workdir, "tokenizer.json")
         results[model] = {"throughput": measured, "startup": startup(model, workdir, tokenizer_path, max_files)}
+        if measured["machine"]["jax_backend"] == "cpu" and len(os.sched_getaffinity(0)) > 1:
+            # The peer's matmul yardstick (88 GFLOP/s, REFERENCE.md) is what one core of this
+            # machine does: the same run on one core compares with it on an equal footing.
+            results[model]["throughput_one_core"] = throughput(model, steps, workdir, max_files, one_core=True)
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
@@ -218,6 +228,17 @@ def rows(r: dict) -> list[tuple[str, str]]:
         ("peak host memory, throughput", f"{t['peak_rss_mib']:,.0f} MiB"),
         ("peak host memory, CLI cold", f"{cold['peak_rss_mib']:,.0f} MiB"),
         ("loss, first -> last step", f"{t['loss']['first_step']:.3f} -> {t['loss']['last_step']:.3f}"),
+    ] + one_core_rows(r.get("throughput_one_core"))
+
+
+def one_core_rows(t: dict | None) -> list[tuple[str, str]]:
+    """The rows of the run pinned to one core ("n/a" where there is none)."""
+    if t is None:
+        return [(name, "n/a") for name in ("one core: tokens/s", "one core: matmul GFLOP/s", "one core: tokens/s per matmul GFLOP/s")]
+    return [
+        ("one core: tokens/s", f"{t['tokens_per_second']['median']:,.0f}"),
+        ("one core: matmul GFLOP/s", f"{t['matmul_gflops']['mean']['median']:,.1f}"),
+        ("one core: tokens/s per matmul GFLOP/s", f"{t['tokens_per_second_per_matmul_gflops']:.2f}"),
     ]
 
 

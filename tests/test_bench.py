@@ -57,6 +57,10 @@ def test_suite_reports_every_figure_for_a_tiny_model(tmp_path):
     assert measured["matmul_gflops"]["dtype"] == "float32" and measured["matmul_gflops"]["mean"]["median"] > 0
     assert 0 < measured["mfu"] < 1.5
     assert measured["peak_rss_mib"] > 0
+    if len(os.sched_getaffinity(0)) > 1:  # the same run on one core, with its own yardstick
+        one_core = tiny["throughput_one_core"]
+        assert one_core["tokens_per_second"]["median"] > 0 and one_core["matmul_gflops"]["mean"]["median"] > 0
+        assert "one core: tokens/s per matmul GFLOP/s" in done.stdout
 
     cold, warm = tiny["startup"]["cold"], tiny["startup"]["warm"]
     assert 0 < cold["seconds_to_first_step"] < cold["wall_seconds"]

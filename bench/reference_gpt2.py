@@ -459,10 +459,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print_table(results)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.out}")
+        write_json(args.out, results)
+
+
+def write_json(path: str, results: dict) -> None:
+    """Write ``results`` to ``path`` (creating its directory) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

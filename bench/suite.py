@@ -280,10 +280,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results = suite(models, args.steps, workdir, args.max_files)
     print_table(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    reference_gpt2.write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
 from levanter_core.models.cross_entropy import cross_entropy_sum, token_losses
@@ -43,7 +44,7 @@ class LmConfig(TypedConfig, abc.ABC):
     seq_len: int = 1024
     """Length of the training sequences (the ``position`` axis)."""
 
-    cross_entropy_block_size: int | None = None
+    cross_entropy_block_size: PositiveInt | None = None
     """How many tokens' logits the loss computes together. The loss is fused with the output
     projection: block by block, the logits are computed, turned into the loss and its gradients,
     and dropped, so only one block's logits ever exist. None: automatic, about 4M logits per

@@ -20,6 +20,7 @@ from levanter_core.layers import (
     Llama3RotaryConfig,
     RmsNorm,
     YarnRotaryConfig,
+    dot_product_attention,
     rotary_from_hf,
 )
 from levanter_core.models.cross_entropy import cross_entropy_sum, token_losses
@@ -117,6 +118,23 @@ def test_causal_attention_in_query_blocks_equals_one_block(monkeypatch, mask_kin
     np.testing.assert_allclose(blocked, whole, rtol=1e-5)
     for got, want in zip(blocked_grads, whole_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_dropout_only_in_training_and_not_on_the_jax_backend():
+    attn = _attention(4, 2)
+    Batch = Axis("batch", 2)
+    x = hax.random.normal(jax.random.PRNGKey(1), (Batch, Pos, Axis("embed", 32)))
+    q, k, v = attn.q_proj(x), attn.k_proj(x).rename({"position": "key_position"}), attn.v_proj(x)
+    v = v.rename({"position": "key_position"})
+    kwargs = dict(Pos=Pos, KeyPos=KeyPos, HeadSize=attn.config.HeadSize, scale=0.35, backend="reference")
+    plain = dot_product_attention(q, k, v, AttentionMask.causal_mask(), **kwargs)
+    untrained = dot_product_attention(q, k, v, AttentionMask.causal_mask(), dropout=0.5, **kwargs)
+    key = jax.random.PRNGKey(2)
+    dropped = dot_product_attention(q, k, v, AttentionMask.causal_mask(), dropout=0.5, key=key, **kwargs)
+    np.testing.assert_array_equal(untrained.array, plain.array)  # no key: inference, nothing dropped
+    assert not np.allclose(dropped.array, plain.array)
+    with pytest.raises(ValueError, match="cannot drop out"):
+        dot_product_attention(q, k, v, AttentionMask.causal_mask(), dropout=0.5, key=key, **{**kwargs, "backend": "jax"})
 
 
 def test_all_heads_norm_exports_flat_weights():

@@ -92,11 +92,16 @@ def _scalar(x) -> jax.Array:
     return x.array if isinstance(x, NamedArray) else jnp.asarray(x)
 
 
-def resolve_backend(backend: AttentionBackend, *, soft_cap: float | None) -> Literal["reference", "jax"]:
+def resolve_backend(
+    backend: AttentionBackend, *, soft_cap: float | None, dropout: bool = False
+) -> Literal["reference", "jax"]:
+    """The implementation to run: ``jax`` can neither soft-cap the logits nor drop out weights."""
     if backend == "jax" and soft_cap is not None:
         raise ValueError("attn_backend 'jax' cannot soft-cap attention logits; use 'reference' or 'auto'")
+    if backend == "jax" and dropout:
+        raise ValueError("attn_backend 'jax' cannot drop out attention weights; use 'reference' or 'auto'")
     if backend == "auto":
-        return "jax" if jax.default_backend() == "gpu" and soft_cap is None else "reference"
+        return "jax" if jax.default_backend() == "gpu" and soft_cap is None and not dropout else "reference"
     return backend
 
 
@@ -114,13 +119,17 @@ def dot_product_attention(
     window: int | None = None,
     sliding=None,
     backend: AttentionBackend = "auto",
+    dropout: float = 0.0,
+    key=None,
 ) -> NamedArray:
     """Attention of ``q`` over ``k``/``v`` (axes as in the module docstring).
 
     ``scale`` multiplies the query-key products; ``soft_cap`` applies
     ``soft_cap * tanh(scores / soft_cap)`` before masking (Gemma 2). The softmax runs in
-    float32; the result has ``q``'s axes and dtype."""
-    if resolve_backend(backend, soft_cap=soft_cap) == "jax":
+    float32; the result has ``q``'s axes and dtype. ``dropout`` is the probability of dropping
+    each attention weight, in training only (when a ``key`` is given)."""
+    dropout = dropout if key is not None else 0.0
+    if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0) == "jax":
         return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
     allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
     axes = q.axes
@@ -130,8 +139,9 @@ def dot_product_attention(
     scale = jnp.asarray(scale, q.dtype)
     causal_self = mask.causal and Pos.size == KeyPos.size
     starts = range(0, Pos.size, QUERY_BLOCK) if causal_self else [0]
+    keys_per_block = jax.random.split(key, len(starts)) if dropout > 0 else [None] * len(starts)
     blocks = []
-    for start in starts:
+    for start, block_key in zip(starts, keys_per_block):
         end = min(start + QUERY_BLOCK, Pos.size) if causal_self else Pos.size
         keys = end if causal_self else KeyPos.size  # a causal block sees no key after its last query
         blocks.append(
@@ -143,19 +153,24 @@ def dot_product_attention(
                 KeyPos=KeyPos.resize(keys),
                 HeadSize=HeadSize,
                 soft_cap=soft_cap,
+                dropout=dropout,
+                key=block_key,
             )
         )
     out = blocks[0] if len(blocks) == 1 else hax.concatenate(Pos.name, blocks)
     return out.rearrange(axes)
 
 
-def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None) -> NamedArray:
-    """Softmax attention of the (already scaled) queries ``q`` over ``k``/``v``, where ``allowed``."""
+def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key):
+    """Softmax attention of the (already scaled) queries ``q`` over ``k``/``v``, where ``allowed``,
+    dropping each weight with probability ``dropout`` (with ``key``; None: none dropped)."""
     scores = hax.dot(q, k, axis=HeadSize)
     if soft_cap is not None:
         scores = hax.tanh(scores / soft_cap) * soft_cap
     scores = hax.where(allowed, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     weights = hnn.softmax(scores, axis=KeyPos).astype(v.dtype)
+    if dropout > 0:
+        weights = hnn.dropout(weights, dropout, inference=False, key=key)
     return hax.dot(weights, v, axis=KeyPos)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import haliax as hax
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +39,15 @@ def token_losses(hidden, head, targets, *, block: int | None = None, cap: float 
     h, t = _split(hidden, blocks), _split(targets, blocks)
     per_block = jax.lax.map(lambda xs: _block_losses(xs[0], head, xs[1], cap)[0], (h, t))
     return _join(per_block, *hidden.shape[:2])
+
+
+def soft_cap(logits, cap: float | None):
+    """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping), on plain or named arrays;
+    ``logits`` itself if ``cap`` is None."""
+    if cap is None:
+        return logits
+    tanh = hax.tanh if isinstance(logits, hax.NamedArray) else jnp.tanh
+    return tanh(logits / cap) * cap
 
 
 # -- blocks ----------------------------------------------------------------------------------
@@ -70,8 +80,7 @@ def _join(x, rows: int, positions: int):
 
 
 def _logits(h, head, cap):
-    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-    return logits if cap is None else cap * jnp.tanh(logits / cap)
+    return soft_cap(jnp.dot(h, head, preferred_element_type=jnp.float32), cap)
 
 
 def _block_losses(h, head, t, cap):

@@ -29,7 +29,8 @@ from haliax import Axis, NamedArray
 from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
-from levanter_core.models.cross_entropy import cross_entropy_sum, token_losses
+# soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
+from levanter_core.models.cross_entropy import cross_entropy_sum, soft_cap, token_losses  # noqa: F401
 
 DEFAULT_BLOCK_LOGITS = {"cpu": 2**22, "gpu": 2**28, "tpu": 2**28}
 """Logits per block of the loss when ``cross_entropy_block_size`` is not set, by JAX backend: on
@@ -200,14 +201,6 @@ def next_token_loss(
     if reduction == "sum":
         return total
     return total / jnp.maximum(hax.sum(mask).scalar(), 1.0)
-
-
-def soft_cap(logits, cap: float | None):
-    """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping); ``logits`` if ``cap`` is None."""
-    if cap is None:
-        return logits
-    tanh = hax.tanh if isinstance(logits, NamedArray) else jnp.tanh
-    return tanh(logits / cap) * cap
 
 
 def _loss_inputs(model, hidden: NamedArray, *per_position: NamedArray):

@@ -181,10 +181,10 @@ class TrainerConfig(ConfigModel):
     jax_config: dict[str, JsonAtom] = Field(default_factory=lambda: {"jax_threefry_partitionable": True})
     """Options passed to ``jax.config.update`` before anything runs."""
     jax_compilation_cache_dir: str | None = "~/.cache/levanter/jax"
-    """JAX's persistent compilation cache: compiled steps are stored here, so a second start of
-    the same run (or any run with the same model, batch and mesh) skips compilation. Every
-    compilation is cached, however short (``~`` is expanded). None: no cache (unless the ``JAX_COMPILATION_CACHE_DIR`` environment variable
-    names one)."""
+    """JAX's persistent compilation cache (``~`` is expanded): compiled programs are stored here,
+    so a second start of the same run (or any run with the same model, batch and mesh) skips
+    compilation. Every compilation is cached, however short. None: no cache (unless the
+    ``JAX_COMPILATION_CACHE_DIR`` environment variable names one)."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Multi-process settings (``jax.distributed``)."""
     ray: RayConfig = Field(default_factory=RayConfig)

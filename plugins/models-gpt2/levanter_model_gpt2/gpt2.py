@@ -227,17 +227,19 @@ class Gpt2Attention(eqx.Module):
             # keep the query's dtype: a float32 scale would silently upcast low-precision compute
             scale = (scale / (layer_idx + 1)).astype(q.dtype)
 
-        mask = AttentionMask.causal_mask() if attn_mask is None else attn_mask
-        if config.attn_pdrop > 0 and key is not None:
-            # dropout needs the attention weights themselves: the whole square, in one piece
-            scores = hax.dot(q, k, axis=config.HeadSize) * scale
-            scores = hax.where(mask.materialize(Pos, KeyPos), scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-            weights = _dropout(hnn.softmax(scores, axis=KeyPos).astype(v.dtype), config.attn_pdrop, key)
-            attended = hax.dot(weights, v, axis=KeyPos)
-        else:
-            attended = dot_product_attention(
-                q, k, v, mask, Pos=Pos, KeyPos=KeyPos, HeadSize=config.HeadSize, scale=scale, backend="reference"
-            )
+        attended = dot_product_attention(
+            q,
+            k,
+            v,
+            AttentionMask.causal_mask() if attn_mask is None else attn_mask,
+            Pos=Pos,
+            KeyPos=KeyPos,
+            HeadSize=config.HeadSize,
+            scale=scale,
+            backend="reference",
+            dropout=config.attn_pdrop,
+            key=key,
+        )
         return self.c_proj(attended)
 
 

@@ -13,21 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
-from reference_gpt2 import MetricsWatcher  # noqa: E402
-from suite import levanter_script, tail  # noqa: E402
+from suite import levanter_script, time_to_first_step  # noqa: E402
 
 
 def start(config: str, workdir: str, steps: int, label: str) -> dict:
     """One run of ``levanter train CONFIG`` with its logs, checkpoints, token cache and JAX
-    compilation cache in ``workdir``: seconds to the first step, and the whole run's."""
+    compilation cache in ``workdir``: seconds to the first step, the whole run's, its peak memory."""
     run_id = f"startup-{label}"
     overrides = {
         "trainer.num_train_steps": steps, "trainer.id": run_id, "trainer.log_dir": f"{workdir}/logs",
@@ -37,18 +34,9 @@ def start(config: str, workdir: str, steps: int, label: str) -> dict:
     command = [levanter_script(), "train", config, "--no-progress"]
     for name, value in overrides.items():
         command += [f"--{name}", str(value)]
-    watcher = MetricsWatcher(os.path.join(workdir, "logs", run_id, "metrics.jsonl"))
-    watcher.start()
-    log = os.path.join(workdir, f"{run_id}.log")
-    with open(log, "w", encoding="utf-8") as out:
-        began = time.perf_counter()
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-        wall = time.perf_counter() - began
-    watcher.stop()
-    if code != 0:
-        raise SystemExit(f"`{' '.join(command)}` failed with exit {code}:\n{tail(log)}")
-    first = min(watcher.first_seen)
-    return {"seconds_to_first_step": watcher.first_seen[first] - began, "wall_seconds": wall}
+    metrics = os.path.join(workdir, "logs", run_id, "metrics.jsonl")
+    stdout, stderr = (os.path.join(workdir, f"{run_id}.{s}") for s in ("stdout", "stderr"))
+    return time_to_first_step(command, metrics, stdout, stderr, label=f"{label} start")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="startup-"))
     results = {label: start(os.path.abspath(args.config), workdir, args.steps, label) for label in ("cold", "warm")}
     for label, r in results.items():
-        print(f"{label}: first step {r['seconds_to_first_step']:.1f} s after the command's start "
-              f"(whole run {r['wall_seconds']:.1f} s)")
+        first = r["seconds_to_first_step"]
+        shown = f"{first:.1f} s after the command's start" if first is not None else "never logged"
+        print(f"{label}: first step {shown} (whole run {r['wall_seconds']:.1f} s, {r['peak_rss_mib']:,.0f} MiB)")
     print(json.dumps({"config": args.config, **results}))
 
 

@@ -116,27 +116,14 @@ def start_once(model: str, home: str, tokenizer_path: str, max_files: int | None
         yaml.safe_dump(config, f, sort_keys=False)
 
     entries_before = cache_entries(jax_cache)
-    watcher = reference_gpt2.MetricsWatcher(os.path.join(home, "logs", run_id, "metrics.jsonl"))
-    watcher.start()
     stdout, stderr = (os.path.join(home, f"{run_id}.{s}") for s in ("stdout", "stderr"))
-    with open(stdout, "w", encoding="utf-8") as out, open(stderr, "w", encoding="utf-8") as err:
-        start = time.perf_counter()
-        process = subprocess.Popen([levanter_script(), "train", config_path], stdout=out, stderr=err,
-                                   env={**os.environ, **JAX_CACHE_LOGGING})
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - start
-    watcher.stop()
-    if process.returncode != 0:
-        raise SystemExit(f"`levanter train {config_path}` ({label} start) failed with exit {process.returncode}; "
-                         f"its stderr: {stderr}\n{tail(stderr)}")
-    first = min(watcher.first_seen, default=None)
+    timed = time_to_first_step(
+        [levanter_script(), "train", config_path], os.path.join(home, "logs", run_id, "metrics.jsonl"),
+        stdout, stderr, env={**os.environ, **JAX_CACHE_LOGGING}, label=f"{label} start",
+    )  # fmt: skip
     hits, misses = cache_lookups(stderr)
     return {
-        "seconds_to_first_step": watcher.first_seen[first] - start if first is not None else None,
-        "first_step": first,
-        "wall_seconds": wall,
-        "peak_rss_mib": usage.ru_maxrss / 1024,
+        **timed,
         "compilation_cache": {
             "hits": len(hits),
             "misses": len(misses),
@@ -145,6 +132,34 @@ def start_once(model: str, home: str, tokenizer_path: str, max_files: int | None
             "entries_after": cache_entries(jax_cache),
         },
         "config": config_path,
+    }
+
+
+def time_to_first_step(
+    command: list[str], metrics_path: str, stdout: str, stderr: str, *, env: dict | None = None, label: str = ""
+) -> dict:
+    """Run ``command`` (a ``levanter train``) to its end, its output in the files ``stdout`` and
+    ``stderr``: seconds from its start to the first step's line in ``metrics_path``, that step,
+    the whole run's seconds and its peak memory. Exits, quoting its stderr, if it fails."""
+    watcher = reference_gpt2.MetricsWatcher(metrics_path)
+    watcher.start()
+    with open(stdout, "w", encoding="utf-8") as out, open(stderr, "w", encoding="utf-8") as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - start
+    watcher.stop()
+    if code != 0:
+        raise SystemExit(
+            f"`{' '.join(command)}` ({label}) failed with exit {code}; its stderr: {stderr}\n{tail(stderr)}"
+        )
+    first = min(watcher.first_seen, default=None)
+    return {
+        "seconds_to_first_step": watcher.first_seen[first] - start if first is not None else None,
+        "first_step": first,
+        "wall_seconds": wall,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
     }
 
 
@@ -234,7 +249,8 @@ def rows(r: dict) -> list[tuple[str, str]]:
 def one_core_rows(t: dict | None) -> list[tuple[str, str]]:
     """The rows of the run pinned to one core ("n/a" where there is none)."""
     if t is None:
-        return [(name, "n/a") for name in ("one core: tokens/s", "one core: matmul GFLOP/s", "one core: tokens/s per matmul GFLOP/s")]
+        names = ("one core: tokens/s", "one core: matmul GFLOP/s", "one core: tokens/s per matmul GFLOP/s")
+        return [(name, "n/a") for name in names]
     return [
         ("one core: tokens/s", f"{t['tokens_per_second']['median']:,.0f}"),
         ("one core: matmul GFLOP/s", f"{t['matmul_gflops']['mean']['median']:,.1f}"),

@@ -134,8 +134,9 @@ def matmul_gflops(size: int, dtype: str, runs: int = MATMUL_RUNS) -> dict:
 
 
 class MetricsWatcher(threading.Thread):
-    """Notes when each step's line appears in ``metrics.jsonl``, so the time to the first
-    finished training step can be told apart from the steady state."""
+    """Notes when the first training step's line appears in ``metrics.jsonl``, so the time to
+    the first finished step can be told apart from the steady state. It stops looking then, so
+    as not to take time from the steps it does not time."""
 
     def __init__(self, path: str, interval: float = 0.05):
         super().__init__(daemon=True)
@@ -145,10 +146,11 @@ class MetricsWatcher(threading.Thread):
         self._finished = threading.Event()
 
     def run(self) -> None:
-        while not self._finished.is_set():
+        while not self.first_seen:
             self._scan()
-            self._finished.wait(self.interval)
-        self._scan()
+            if self._finished.wait(self.interval):
+                self._scan()  # lines written just before stop()
+                return
 
     def stop(self) -> None:
         self._finished.set()
@@ -284,8 +286,12 @@ def benchmark(
     from levanter_core.data.pipeline import build_caches
     from levanter_core.data.source import PythonStdlibSourceConfig
     from levanter_core.data.tokenizer import load_tokenizer
+    from levanter_core.trainer.host_memory import keep_freed_memory
     from levanter_core.trainer.run import run_training
 
+    # What run_training does for trainer.keep_host_memory (on by default), done here before the
+    # yardstick starts JAX's threads.
+    keep_freed_memory()
     # Other processes on a 2-core machine skew every figure: record how busy it was.
     load_before = os.getloadavg()
     matmul_shape = yardstick()

@@ -162,9 +162,14 @@ def write_run_record(run_dir: str, resolved: dict, config_path: str | None, plug
 
 
 def configure_jax(config: TrainConfig) -> None:
+    trainer = config.trainer
+    if trainer.keep_host_memory:
+        from levanter_core.trainer.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # before JAX's first use of its backend starts XLA's threads
+
     import jax
 
-    trainer = config.trainer
     if trainer.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(trainer.jax_compilation_cache_dir))
         # JAX caches only compilations that took a second or more by default; the eval step

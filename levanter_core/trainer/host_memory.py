@@ -1,0 +1,48 @@
+"""Keeping freed host memory for reuse, so that XLA's CPU backend does not page its buffers in
+afresh on every step.
+
+XLA's CPU runtime allocates each execution's temporary buffer (665 MB per training step of the
+reference GPT-2) with ``posix_memalign``, from one of its worker threads. glibc's ``malloc`` gives
+each new thread an arena of its own, and an arena other than the main one serves a request that
+large with a fresh ``mmap``, which ``free`` unmaps again. Every step the kernel therefore maps,
+zeroes and faults in the whole buffer once more: for the reference GPT-2 on two cores, 180,000
+page faults and 0.34 s of system time per 1.1 s step.
+
+:func:`keep_freed_memory` sets glibc's ``malloc`` to serve every thread from the main arena,
+without ``mmap``, and never to give the top of the heap back: the buffer a step frees is the
+one the next step gets, already paged in. Steps of the reference GPT-2 take 15% less time; the
+process's resident memory stays at its peak instead, about twice the step's working memory,
+since a step's buffer can be allocated before the previous step's is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+
+# mallopt(3) parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Make freed memory stay in this process for reuse (once per process); True if it now does.
+
+    Only glibc's ``malloc`` (Linux) is tuned; elsewhere this does nothing and returns False.
+    Threads keep the arena they already have, so call this before JAX first uses its backend
+    (which starts XLA's threads): ``run_training`` does, through ``trainer.keep_host_memory``.
+    Memory is not returned to the operating system afterwards, except at exit."""
+    global _kept
+    if _kept:
+        return True
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    # -1 is SIZE_MAX to glibc: the heap's top is never trimmed.
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    _kept = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
+    return _kept

@@ -289,8 +289,8 @@ def benchmark(
     from levanter_core.trainer.host_memory import keep_freed_memory
     from levanter_core.trainer.run import run_training
 
-    # What run_training does for trainer.keep_host_memory (on by default), done here before the
-    # yardstick starts JAX's threads.
+    # What `levanter train` does first for trainer.keep_host_memory (on by default): before the
+    # tokenizer's and JAX's threads start.
     keep_freed_memory()
     # Other processes on a 2-core machine skew every figure: record how busy it was.
     load_before = os.getloadavg()

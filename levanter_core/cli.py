@@ -57,6 +57,10 @@ def train(
     The run directory ({trainer.log_dir}/{run id}) is printed at start; it gets
     metrics.jsonl, the resolved config.yaml, run.json and requirements.txt.
     """
+    from levanter_core.trainer.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # before any other thread allocates; undone by trainer.keep_host_memory: false
+
     from levanter_core.config.train import load_train_config
     from levanter_core.trainer.run import run_training
 

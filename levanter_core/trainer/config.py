@@ -189,8 +189,9 @@ class TrainerConfig(ConfigModel):
     """Keep host memory that is freed for reuse rather than return it to the operating system
     (glibc's ``malloc``, on Linux). XLA's CPU backend otherwise maps, zeroes and pages in each
     step's buffers afresh: steps of the reference GPT-2 on CPU take 15% less time with it. The
-    process's resident memory then stays at its peak, up to twice a step's working memory. It
-    takes effect when set before JAX starts its threads, as ``levanter train`` does."""
+    process's resident memory then stays at its peak, up to twice a step's working memory.
+    ``levanter train`` sets it up before anything else; from Python, call
+    ``levanter_core.trainer.host_memory.keep_freed_memory()`` first thing."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Multi-process settings (``jax.distributed``)."""
     ray: RayConfig = Field(default_factory=RayConfig)

@@ -21,28 +21,47 @@ import ctypes
 import platform
 import sys
 
-# mallopt(3) parameters (glibc's malloc.h)
+# mallopt(3) parameters (glibc's malloc.h), and glibc's defaults for the two that can be restored
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+_DEFAULT_TRIM_THRESHOLD = 128 * 1024
+_DEFAULT_MMAP_MAX = 65536
 
 _kept = False
 
 
-def keep_freed_memory() -> bool:
-    """Make freed memory stay in this process for reuse (once per process); True if it now does.
-
-    Only glibc's ``malloc`` (Linux) is tuned; elsewhere this does nothing and returns False.
-    Threads keep the arena they already have, so call this before JAX first uses its backend
-    (which starts XLA's threads): ``run_training`` does, through ``trainer.keep_host_memory``.
-    Memory is not returned to the operating system afterwards, except at exit."""
-    global _kept
-    if _kept:
-        return True
+def _libc():
+    """glibc, or None where the C library is another one (nothing is tuned there)."""
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6")
+
+
+def keep_freed_memory() -> bool:
+    """Make freed memory stay in this process for reuse; True if it now does (False where the
+    C library is not glibc).
+
+    Call it first thing: a thread keeps the arena it has, and new threads are handed the arenas
+    of earlier ones, so it works fully only if no thread but the main one has allocated yet.
+    ``levanter train`` calls it before reading its config; ``run_training`` calls it again,
+    which is enough where nothing before it started threads."""
+    global _kept
+    libc = _libc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL("libc.so.6")
-    # -1 is SIZE_MAX to glibc: the heap's top is never trimmed.
+    # -1 is SIZE_MAX to glibc: the top of the heap is never trimmed.
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     _kept = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
     return _kept
+
+
+def release_freed_memory() -> None:
+    """Undo :func:`keep_freed_memory` as far as glibc allows: large blocks are mapped again and
+    the heap's top is trimmed as by default; threads still share one arena."""
+    global _kept
+    libc = _libc()
+    if libc is not None and _kept:
+        libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+    _kept = False

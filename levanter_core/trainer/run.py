@@ -162,11 +162,13 @@ def write_run_record(run_dir: str, resolved: dict, config_path: str | None, plug
 
 
 def configure_jax(config: TrainConfig) -> None:
+    from levanter_core.trainer import host_memory
+
     trainer = config.trainer
     if trainer.keep_host_memory:
-        from levanter_core.trainer.host_memory import keep_freed_memory
-
-        keep_freed_memory()  # before JAX's first use of its backend starts XLA's threads
+        host_memory.keep_freed_memory()  # before JAX's first use of its backend starts XLA's threads
+    else:
+        host_memory.release_freed_memory()
 
     import jax
 

@@ -18,11 +18,12 @@ from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer, trainable
 
 
-def tiny_config(tmp_path, **trainer) -> TrainConfig:
+def tiny_config(tmp_path, *, model: dict | None = None, optimizer: dict | None = None, **trainer) -> TrainConfig:
+    """A tiny GPT-2 run; ``model`` and ``optimizer`` fields and ``trainer`` ones override its own."""
     raw = {
         "data": {"type": "python_stdlib", "max_files": 40, "cache_dir": str(tmp_path / "cache")},
         "model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 2, "seq_len": 64,
-                  "gradient_checkpointing": False},
+                  "gradient_checkpointing": False, **(model or {})},
         "trainer": {
             "num_train_steps": 30,
             "train_batch_size": 8,
@@ -33,7 +34,8 @@ def tiny_config(tmp_path, **trainer) -> TrainConfig:
             "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": [{"every": 10}]},
             **trainer,
         },
-        "optimizer": {"learning_rate": 1e-2, "warmup": 0, "lr_schedule": "constant", "weight_decay": 0.0},
+        "optimizer": {"learning_rate": 1e-2, "warmup": 0, "lr_schedule": "constant", "weight_decay": 0.0,
+                      **(optimizer or {})},
     }
     return validate_train_config(raw, Sources("test"))
 
@@ -88,6 +90,28 @@ def test_short_run_loss_falls_and_writes_the_run_directory(tmp_path):
         assert (run_dir / name).exists(), name
     assert sorted(os.listdir(tmp_path / "ckpt" / "tiny")) == ["step-10", "step-20", "step-30"]
     assert result.checkpoint.endswith("step-30")
+
+
+def test_logged_learning_rate_and_throughput_of_evaluation_steps(tmp_path):
+    """Each step logs the schedule's learning rate, and a step that also evaluates logs the
+    step's own throughput. (Evaluating the schedule on the device each step used to make the
+    loop wait for the step after the logged one, so an evaluation step's time came out near 0.)"""
+    config = tiny_config(
+        tmp_path,
+        model={"hidden_dim": 256, "seq_len": 128},  # steps long enough to time
+        optimizer={"lr_schedule": "cosine", "warmup": 2},
+        num_train_steps=8,
+        steps_per_eval=4,
+        train_batch_size=16,
+    )
+    run_training(config, config_path="tiny.yaml", progress=False)
+    train = [m for m in read_metrics(tmp_path / "logs" / "tiny") if "train/loss" in m]
+    schedule = config.optimizer.lr_scheduler(8)
+    np.testing.assert_allclose([m["optim/learning_rate"] for m in train], [schedule(s) for s in range(8)], rtol=1e-6)
+    rate = {m["step"]: m["throughput/tokens_per_second"] for m in train if m["step"] > 1}
+    typical = float(np.median([r for step, r in rate.items() if step not in (4, 8)]))
+    for step in (4, 8):
+        assert 0.5 * typical < rate[step] < 2 * typical, (step, rate)
 
 
 def test_rerunning_resumes_from_the_latest_checkpoint_and_continues_identically(tmp_path):

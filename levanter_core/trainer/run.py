@@ -428,6 +428,9 @@ class _TrainLoop:
         flops_per_token: float | None,
         progress: bool,
     ):
+        import jax
+        import numpy as np
+
         self.config = config
         self.run_dir = run_dir
         self.trainer = trainer
@@ -436,7 +439,11 @@ class _TrainLoop:
         self.checkpointer = checkpointer
         self.progress = progress
         self.num_steps = config.trainer.num_train_steps
-        self.lr = config.optimizer.lr_scheduler(self.num_steps)
+        # Every step's learning rate, computed once on the host's side of the loop: evaluating the
+        # schedule (a JAX computation) per step would queue it behind the step in flight, and the
+        # loop would wait for that step before dispatching the next.
+        schedule = config.optimizer.lr_scheduler(self.num_steps)
+        self.learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(self.num_steps)), np.float64)
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_step = flops_per_token * self.tokens_per_step if flops_per_token else None
 
@@ -601,7 +608,7 @@ class _TrainLoop:
             if watching or not is_watch_metric(name)
         }
         self.trainer.check_finite(metrics["train/loss"], step)
-        metrics["optim/learning_rate"] = float(self.lr(step - 1))
+        metrics["optim/learning_rate"] = float(self.learning_rates[step - 1])
         rate = throughput.tick()
         if rate is not None:
             metrics["throughput/tokens_per_second"] = rate

@@ -12,7 +12,9 @@ page faults and 0.34 s of system time per 1.1 s step.
 without ``mmap``, and never to give the top of the heap back: the buffer a step frees is the
 one the next step gets, already paged in. Steps of the reference GPT-2 take 15% less time; the
 process's resident memory stays at its peak instead, about twice the step's working memory,
-since a step's buffer can be allocated before the previous step's is freed.
+since a step's buffer can be allocated before the previous step's is freed. The heap may grow a
+few more times before it settles (a freed buffer's room gets split by smaller blocks), and then
+stays the same size.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ def test_logged_learning_rate_and_throughput_of_evaluation_steps(tmp_path):
     np.testing.assert_allclose([m["optim/learning_rate"] for m in train], [schedule(s) for s in range(8)], rtol=1e-6)
     rate = {m["step"]: m["throughput/tokens_per_second"] for m in train if m["step"] > 1}
     typical = float(np.median([r for step, r in rate.items() if step not in (4, 8)]))
-    for step in (4, 8):
-        assert 0.5 * typical < rate[step] < 2 * typical, (step, rate)
+    for step in (4, 8):  # wide bounds for busy machines; the bug was off by over 100x
+        assert typical / 5 < rate[step] < 5 * typical, (step, rate)
 
 
 def test_rerunning_resumes_from_the_latest_checkpoint_and_continues_identically(tmp_path):

@@ -6,7 +6,6 @@ import shutil
 
 import haliax as hax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -139,7 +138,7 @@ def test_mixed_precision_keeps_parameters_in_float32_and_trains(tmp_path):
     config = tiny_config(tmp_path, mp="p=f32,c=bfloat16", num_train_steps=5, steps_per_eval=5)
     result = run_training(config, progress=False)
     assert result.last_loss < result.first_loss
-    from levanter_core.checkpoint import load_checkpoint, read_metadata
+    from levanter_core.checkpoint import read_metadata
 
     meta = read_metadata(result.checkpoint)
     dtypes = {leaf["name"]: leaf["dtype"] for leaf in meta["leaves"]}

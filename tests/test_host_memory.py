@@ -32,11 +32,10 @@ if sys.argv[1] not in ("default", "keep"):
 import jax, jax.numpy as jnp
 x, w1, w2 = jnp.ones((8192, 64)), jnp.ones((64, 2048)) / 64, jnp.ones((2048, 64))
 f = jax.jit(lambda x, w1, w2: jnp.tanh(x @ w1) @ w2)
-before = None
-for call in range(CALLS):
+f(x, w1, w2).block_until_ready()  # the first call compiles and grows the heap
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(CALLS - 1):
     f(x, w1, w2).block_until_ready()
-    if before is None:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / INTERMEDIATE_PAGES))
 """
 CALLS = 40
@@ -46,9 +45,8 @@ INTERMEDIATE_PAGES = 8192 * 2048 * 4 // 4096
 def intermediates_paged_in(*args: str) -> float:
     """How many times over the calls after the first one the intermediate's pages were faulted
     in (by default about once per call)."""
-    out = subprocess.run(
-        [sys.executable, "-c", FAULTS.format(calls=CALLS, pages=INTERMEDIATE_PAGES), *args], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    script = FAULTS.format(calls=CALLS, pages=INTERMEDIATE_PAGES)
+    out = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -188,7 +188,7 @@ def train_config(
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; expected one of {sorted(PRESETS)}")
     keep = [{"every": save_every}] if save_every else [{"every": 10000}]
-    data = {"type": "python_stdlib", "tokenizer": tokenizer_path, "cache_dir": os.path.join(workdir, "cache")}
+    data = {"type": "python_stdlib", "tokenizer": tokenizer_path, "shuffle": True, "cache_dir": os.path.join(workdir, "cache")}
     if max_files:
         data["max_files"] = max_files
     return {

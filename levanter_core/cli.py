@@ -49,6 +49,16 @@ def train(
     ctx: typer.Context,
     config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Check the config (every plugin type, the tokenizer) and print it resolved, as YAML, "
+            "then stop: no data read, no device used, no cache or run directory made. Exit 0 if the "
+            "config is good, 2 if not. (A hub tokenizer missing from the Hugging Face cache is "
+            "downloaded into it, when the hub is reachable.)",
+        ),
+    ] = False,
 ) -> None:
     """Train a model from a YAML config, resuming the run if it already has a checkpoint.
 
@@ -56,15 +66,26 @@ def train(
     path: --trainer.num_train_steps 100, --data.train_urls '["a.jsonl"]'.
     The run directory ({trainer.log_dir}/{run id}) is printed at start; it gets
     metrics.jsonl, the resolved config.yaml, run.json and requirements.txt.
+    With --dry-run, only check the config and print it with every default filled in.
     """
-    from levanter_core.trainer.host_memory import keep_freed_memory
+    if not dry_run:
+        from levanter_core.trainer.host_memory import keep_freed_memory
 
-    keep_freed_memory()  # before any other thread allocates; undone by trainer.keep_host_memory: false
+        keep_freed_memory()  # before any other thread allocates; undone by trainer.keep_host_memory: false
 
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.trainer.run import preflight, resolved_config, run_training
 
     train_config, _ = load_train_config(config, list(ctx.args))
+    # What the environment cannot provide (a hub tokenizer offline and not cached, a checkpoint
+    # location out of the checkpointer's reach) stops the run here, before JAX starts and
+    # before any data is read.
+    preflight(train_config)
+    if dry_run:
+        import yaml
+
+        print(yaml.safe_dump(resolved_config(train_config), sort_keys=False), end="")
+        return
     result = run_training(train_config, config_path=config, progress=progress)
     parts = [f"done: step {result.final_step}"]
     if result.last_loss is not None:
@@ -93,8 +114,10 @@ def cache(
     """
     from levanter_core.config.train import load_train_config
     from levanter_core.data.pipeline import build_caches
+    from levanter_core.distributed.ray_cluster import require_ray
 
     train_config, _ = load_train_config(config, list(ctx.args))
+    require_ray(train_config.trainer.ray)  # an address with no Ray installed: say so, not an import error
     for name, split, cache in build_caches(train_config.data, ray=train_config.trainer.ray, progress=progress):
         skipped = sum(cache.skipped().values())
         note = f", {skipped:,} bad records skipped" if skipped else ""
@@ -173,11 +196,21 @@ def export_hf(
     output: Annotated[str, typer.Argument(help="Directory to write the Hugging Face model into.", metavar="OUTPUT")],
     dtype: Annotated[str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB or 500MB.")] = "2GB",
+    raw_weights: Annotated[
+        bool,
+        typer.Option(
+            "--raw-weights",
+            help="For a run with trainer.model_averaging: export the trained weights themselves, "
+            "not their running average (which evaluation used, and which is exported by default).",
+        ),
+    ] = False,
 ) -> None:
     """Write a levanter checkpoint as a Hugging Face model directory.
 
-    Produces config.json, model-0000i-of-0000n.safetensors shards with their index, and
-    the tokenizer files, loadable with transformers.AutoModelForCausalLM.from_pretrained.
+    Produces config.json (with the tokenizer's pad, bos and eos token ids),
+    model-0000i-of-0000n.safetensors shards with their index, and the tokenizer files,
+    loadable with transformers.AutoModelForCausalLM.from_pretrained. A run with
+    trainer.model_averaging exports the averaged weights, as evaluation used them.
     """
     from levanter_core.errors import ConfigError
     from levanter_core.hf.bridge import export_hf as do_export
@@ -185,7 +218,10 @@ def export_hf(
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
-    print(f"exported {checkpoint} to {do_export(checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size))}")
+    written = do_export(
+        checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights
+    )
+    print(f"exported {checkpoint} to {written}")
 
 
 def _setup_logging() -> None:

@@ -29,6 +29,20 @@ class DataError(UserError):
     """Input data that cannot be read or tokenized."""
 
 
+class DataExhausted(DataError):
+    """The training stream has ended (``data.stop_strategy`` ``first_exhausted`` or
+    ``all_exhausted``, or the top-level ``epoch``): the batch of ``step`` would read past its
+    end. The message says which source ran out and why."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(step, message)
+        self.step = step
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be found, read, or does not fit the model."""
 

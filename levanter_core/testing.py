@@ -31,7 +31,7 @@ def run_config(
     import yaml
 
     config = {
-        "data": data,
+        "data": {"tokenizer": "byte", **data},
         "model": model,
         "trainer": {
             "id": run_id,

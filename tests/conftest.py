@@ -68,8 +68,8 @@ class RecordingTracker(Tracker):
         with open(path) as f:
             self._calls.append(("artifact", name, type, f.read()))
 
-    def finish(self):
-        self._calls.append(("finish",))
+    def finish(self, status="success"):
+        self._calls.append(("finish", status))
 
 
 class RecordingTrackerConfig(TrackerConfig):

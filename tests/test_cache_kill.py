@@ -13,16 +13,17 @@ import pytest
 from test_cache import assert_same_cache, build, source, write_corpus
 
 SHARDS = 40
-LINES = 2500  # three progress reports per shard: kills land mid-shard too
+LINES = 2500  # about three flushes (progress reports) per shard: kills land mid-shard too
 
 BUILD = """
 import sys
 from levanter_core.data.cache import open_cache
+from levanter_core.data.config import CacheOptions
 from levanter_core.data.source import UrlSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
 src = UrlSourceConfig(train_urls=[sys.argv[1] + "/part*.jsonl"])
 open_cache(sys.argv[2], src, "train", load_tokenizer("byte"), enforce_eos=True, skip_bad_data=False,
-           num_workers=2, background=False)
+           num_workers=2, cache_options=CacheOptions(batch_size=100, target_size_per_flush="50KB"), background=False)
 """
 
 

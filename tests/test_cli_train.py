@@ -11,6 +11,7 @@ from conftest import REPO, run_cli
 TINY = """\
 data:
   type: url
+  tokenizer: byte
   train_urls: ["{data}/train.jsonl"]
   validation_urls: ["{data}/valid.jsonl"]
   cache_dir: {tmp}/cache

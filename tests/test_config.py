@@ -14,6 +14,7 @@ from conftest import run_cli
 GOOD = """\
 data:
   type: python_stdlib
+  tokenizer: byte
   cache_dir: {cache}
 model:
   type: gpt2
@@ -78,8 +79,8 @@ def test_resolved_config_round_trips(good):
 def test_include_is_relative_to_the_including_file(tmp_path):
     sub = tmp_path / "parts"
     sub.mkdir()
-    write(sub, "type: python_stdlib\ncache_dir: /tmp/x\n", "data.yaml")
-    main = write(tmp_path, GOOD.split("model:")[0].replace("data:\n  type: python_stdlib\n  cache_dir: {cache}\n", "data: !include parts/data.yaml\n") + "model:" + GOOD.split("model:")[1].format(cache=""))
+    write(sub, "type: python_stdlib\ntokenizer: byte\ncache_dir: /tmp/x\n", "data.yaml")
+    main = write(tmp_path, GOOD.split("model:")[0].replace("data:\n  type: python_stdlib\n  tokenizer: byte\n  cache_dir: {cache}\n", "data: !include parts/data.yaml\n") + "model:" + GOOD.split("model:")[1].format(cache=""))
     config, _ = load_train_config(main)
     assert config.data.configs["main"].type == "python_stdlib" and config.data.cache_dir == "/tmp/x"
 
@@ -114,7 +115,7 @@ def test_unknown_key_names_the_dotted_field_line_and_a_suggestion(good, tmp_path
     path = write(tmp_path, text, "typo.yaml")
     message = load_error(path)
     assert "trainer.num_train_step" in message
-    assert f"{path}:12" in message
+    assert f"{path}:13" in message
     assert "did you mean 'num_train_steps'" in message
 
 
@@ -177,7 +178,7 @@ def test_override_syntax_errors(good):
 
 def test_loader_keeps_key_positions(good):
     _, sources = load_config_dict(good)
-    assert sources.place_of(("trainer", "num_train_steps")) == f"{good}:12"
+    assert sources.place_of(("trainer", "num_train_steps")) == f"{good}:13"
 
 
 def test_cli_bad_config_exits_2_with_one_message_and_no_traceback(good):
@@ -204,6 +205,7 @@ def test_train_help_explains_every_field():
 
 MIXTURE = """\
 data:
+  tokenizer: byte
   cache_dir: {cache}
   configs:
     code:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import REPO, run_cli
+from conftest import run_cli
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -256,13 +256,100 @@ def test_initialize_from_an_imported_checkpoint(hf_dir, tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(original, tokens), atol=1e-5)
 
 
-def test_exporting_a_model_without_a_hugging_face_mapping(tmp_path):
+def test_exporting_a_model_without_a_hugging_face_mapping(fresh_plugins, tmp_path):
+    import jax
+
+    from levanter_core.checkpoint import write_checkpoint
     from levanter_core.hf.bridge import export_hf
+    from levanter_core.models.lm import LmConfig
+    from levanter_core.plugins import hookimpl, register_plugin
+    from levanter_model_llama.llama import LlamaConfig
 
-    from levanter_core.testing import train_briefly
+    class NoHfConfig(LmConfig):
+        """A model type whose plugin has no Hugging Face translation."""
 
-    result = train_briefly(os.path.join(REPO, "config", "gpt2_nano.yaml"), str(tmp_path), steps=1,
-                           overrides=["--model.seq_len", "32", "--model.num_layers", "1",
-                                      "--trainer.train_batch_size", "2"])  # fmt: skip
-    with pytest.raises(CheckpointError, match="'gpt2' has no Hugging Face equivalent"):
-        export_hf(result.checkpoint, str(tmp_path / "exported"))
+        type: str = "no-hf"
+
+        @property
+        def Embed(self):
+            return Axis("embed", 32)
+
+        def build(self, Vocab, *, key):
+            return llama().build(Vocab, key=key)
+
+    class Plugin:
+        @hookimpl
+        def register_models(self, register):
+            register("no-hf", NoHfConfig)
+            register("llama", LlamaConfig)
+
+    register_plugin(Plugin(), name="no-hf-plugin")
+    model = NoHfConfig().build(Axis("vocab", VOCAB), key=jax.random.PRNGKey(0))
+    metadata = {"config": {"model": {"type": "no-hf"}}, "vocab_size": VOCAB}
+    checkpoint = write_checkpoint({"model": model}, str(tmp_path / "ckpt"), step=0, metadata=metadata)
+    with pytest.raises(CheckpointError, match="'no-hf' has no Hugging Face equivalent"):
+        export_hf(checkpoint, str(tmp_path / "exported"))
+
+
+# -- a tokenizer that does not fit the checkpoint ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory):
+    """A tiny random Llama with a 200-token vocabulary: too small for the byte tokenizer's 257."""
+    directory = str(tmp_path_factory.mktemp("hf") / "small-vocab")
+    random_hf_model(tiny_llama_config(vocab_size=200)).save_pretrained(directory)
+    return directory
+
+
+def _no_checkpoints(tmp_path) -> bool:
+    return not [d for _, dirs, _ in os.walk(tmp_path / "ckpt") for d in dirs if d.startswith("step-")]
+
+
+def test_initialize_from_hf_refuses_a_tokenizer_larger_than_the_embeddings(small_vocab_dir, tmp_path):
+    result = run_cli("train", _train_config(tmp_path, initialize_from_hf=small_vocab_dir), "--no-progress")
+    assert result.returncode == 2, result.stderr
+    message = result.stderr
+    assert "initialize_from_hf" in message and "data.tokenizer (byte) has 257 tokens" in message
+    assert "embeddings for 200" in message and "resize_vocab_to_match_tokenizer: true" in message
+    assert "Traceback" not in message
+    assert _no_checkpoints(tmp_path)
+
+
+def test_initialize_from_hf_refuses_another_tokenizer(hf_dir, tmp_path):
+    """The checkpoint's vocabulary (300) has room for the byte tokenizer's 257 ids, but the
+    tokenizer it ships gives those ids to other tokens."""
+    from levanter_core.testing import train_bpe_tokenizer
+
+    directory = tmp_path / "other-tokenizer"
+    shutil.copytree(hf_dir, directory)
+    train_bpe_tokenizer(["print('hello world')\n"] * 10, str(directory / "tokenizer.json"), vocab_size=280)
+    result = run_cli("train", _train_config(tmp_path, initialize_from_hf=str(directory)), "--no-progress")
+    assert result.returncode == 2, result.stderr
+    message = result.stderr
+    assert "data.tokenizer (byte, 257 tokens) is not the tokenizer of the checkpoint" in message
+    assert "id 0 is" in message and "resize_vocab_to_match_tokenizer" in message
+    assert "Traceback" not in message
+    assert _no_checkpoints(tmp_path)
+
+
+@pytest.mark.slow
+def test_resize_vocab_to_match_tokenizer(small_vocab_dir, tmp_path):
+    # A learning rate of 0: the exported rows are the checkpoint's rows, and the new ones
+    config = _train_config(
+        tmp_path, initialize_from_hf=small_vocab_dir, use_hf_model_config=True, resize_vocab_to_match_tokenizer=True
+    )
+    result = run_cli("train", config, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert "resized its vocabulary from 200 to the tokenizer's 257" in result.stdout
+
+    exported = str(tmp_path / "exported")
+    assert run_cli("export-hf", str(tmp_path / "ckpt" / "run"), exported).returncode == 0
+    original = transformers.AutoModelForCausalLM.from_pretrained(small_vocab_dir).state_dict()
+    resized = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert tuple(resized[name].shape) == (257, 32)
+        np.testing.assert_array_equal(resized[name][:200].numpy(), original[name].numpy())
+        new_rows = resized[name][200:].numpy()
+        # drawn like the existing rows, not zeros or copies
+        assert np.all(np.isfinite(new_rows)) and new_rows.std() > 0.5 * original[name].numpy().std()

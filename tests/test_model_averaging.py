@@ -82,7 +82,7 @@ def test_ema_decay_sqrt_matches_a_hand_computation():
 
 
 def train_config(tmp_path, **trainer):
-    raw = {"data": {"type": "python_stdlib", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"}, "trainer": trainer}
+    raw = {"data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"}, "trainer": trainer}
     return validate_train_config(raw, Sources("run.yaml"))
 
 

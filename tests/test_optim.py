@@ -279,7 +279,7 @@ def test_bad_skip_bad_steps_values_name_the_field(tmp_path, value, message):
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
 
-    raw = {"data": {"type": "python_stdlib", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"},
+    raw = {"data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"},
            "optimizer": {"skip_bad_steps": value}}
     with pytest.raises(ConfigError, match=message):
         validate_train_config(raw, Sources("run.yaml"))

@@ -422,7 +422,8 @@ def test_tokenizer_config_gives_chat_template_and_special_tokens(hf_tokenizer_di
 
 
 def test_unknown_tokenizer_is_an_error(tmp_path):
-    with pytest.raises(DataError, match="gpt2.*neither 'byte' nor"):
-        load_tokenizer("gpt2")
+    # (Hub names such as gpt2 are read through the Hugging Face cache: tests/test_tokenizer_hub.py.)
+    with pytest.raises(DataError, match="missing.json.*neither 'byte', an existing tokenizer.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
     with pytest.raises(DataError, match="has no tokenizer.json"):
         load_tokenizer(str(tmp_path))

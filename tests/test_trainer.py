@@ -20,7 +20,7 @@ from levanter_core.trainer.trainer import Trainer, trainable
 def tiny_config(tmp_path, *, model: dict | None = None, optimizer: dict | None = None, **trainer) -> TrainConfig:
     """A tiny GPT-2 run; ``model`` and ``optimizer`` fields and ``trainer`` ones override its own."""
     raw = {
-        "data": {"type": "python_stdlib", "max_files": 40, "cache_dir": str(tmp_path / "cache")},
+        "data": {"type": "python_stdlib", "tokenizer": "byte", "max_files": 40, "cache_dir": str(tmp_path / "cache")},
         "model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 2, "seq_len": 64,
                   "gradient_checkpointing": False, **(model or {})},
         "trainer": {

@@ -26,6 +26,7 @@ from pydantic import Field, field_validator
 from levanter_core.config.base import ConfigModel, TypedConfig
 from levanter_core.config.types import Duration
 from levanter_core.errors import CheckpointError, DamagedCheckpointError
+from levanter_core.fileio import require_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class CheckpointerConfig(TypedConfig, abc.ABC):
     """If the latest checkpoint from a prior attempt at this run is a temporary one, delete it once
     this attempt has saved a checkpoint. False: keep it."""
 
+    _filesystem_installed = field_validator("base_path")(require_filesystem)
+
     @field_validator("keep")
     @classmethod
     def _intervals_in_order(cls, keep: list[CheckpointInterval]) -> list[CheckpointInterval]:
@@ -88,9 +91,24 @@ class CheckpointerConfig(TypedConfig, abc.ABC):
         """The checkpointer for run ``run_id``. ``metadata`` (JSON-able: the resolved config,
         plugin versions) is stored in every checkpoint it saves."""
 
+    def location_problem(self, path: str) -> str | None:
+        """Why this checkpointer cannot save to or load from ``path`` (its ``base_path``, or a
+        checkpoint named by ``trainer.load_checkpoint_path`` and the like); None if it can.
+        Asked before a run starts, so that it stops at once rather than at its first save.
+        A checkpointer plugin overrides it where some locations are out of its reach."""
+        return None
+
 
 class TensorStoreCheckpointerConfig(CheckpointerConfig):
     """``type: tensorstore``: every array of the training state as a zarr array, via TensorStore."""
+
+    def location_problem(self, path: str) -> str | None:
+        if "://" in str(path):
+            return (
+                f"{path!r} is not a local path: the tensorstore checkpointer reads and writes local (or mounted) "
+                "directories only for now; use a local directory, or a bucket mounted as one (gcsfuse, mountpoint-s3)"
+            )
+        return None
 
     def create(self, run_id: str, *, metadata: dict | None = None) -> Checkpointer:
         from levanter_core.checkpoint.tensorstore import TensorStoreCheckpointer
@@ -193,19 +211,21 @@ class Checkpointer(abc.ABC):
         finishes before returning."""
 
     # -- resuming ----------------------------------------------------------------------------
-    def resume(self, template: Any, where: str | None = None) -> tuple[Any, str] | None:
+    def resume(self, template: Any, where: str | None = None, *, allow_partial: bool = False) -> tuple[Any, str] | None:
         """Load the newest checkpoint under ``where`` (default: :attr:`path`) that loads, and
         return it with its path; None when there is none at all.
 
         Damaged checkpoints are skipped, each reported; when the search is in this run's own
         directory they are also set aside, so that the run's next save of that step is not
         mistaken for them. If checkpoints exist and none loads, this raises: a run must never
-        start again from step 0 over them."""
+        start again from step 0 over them. ``allow_partial``: ``trainer.allow_partial_checkpoint``
+        (passed to :meth:`load`, whose ``template`` then holds the values to keep)."""
         where = where or self.path
         damaged: list[tuple[str, DamagedCheckpointError]] = []
         for candidate in self.candidates(where):
             try:
-                state, error = self.load(template, candidate), None
+                loaded = self.load(template, candidate, allow_partial=True) if allow_partial else self.load(template, candidate)
+                state, error = loaded, None
             except DamagedCheckpointError as e:
                 state, error = None, e
             # Each process reads its own part: all must have succeeded for the state to be whole.

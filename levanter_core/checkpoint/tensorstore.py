@@ -123,8 +123,8 @@ class TensorStoreCheckpointer(Checkpointer):
             self._thread = None
         self.check_for_errors()
 
-    def load(self, template: Any, path: str) -> Any:
-        return load_checkpoint(template, path)
+    def load(self, template: Any, path: str, *, allow_partial: bool = False) -> Any:
+        return load_checkpoint(template, path, allow_partial=allow_partial)
 
     def candidates(self, where: str) -> list[str]:
         where = _local_path(where)
@@ -202,7 +202,7 @@ def read_metadata(checkpoint_path: str) -> dict:
         raise DamagedCheckpointError(f"{file} is not valid JSON ({e}): the checkpoint is damaged") from None
 
 
-def load_checkpoint(template: Any, path: str, *, subtree: str | None = None) -> Any:
+def load_checkpoint(template: Any, path: str, *, subtree: str | None = None, allow_partial: bool = False) -> Any:
     """Load the checkpoint at ``path`` (a ``step-N`` directory, or a directory of them: the
     latest complete one is used) into the structure of ``template``.
 
@@ -215,6 +215,9 @@ def load_checkpoint(template: Any, path: str, *, subtree: str | None = None) -> 
 
     ``subtree`` loads one part of what was saved: ``subtree="model"`` loads a model
     (``template``) from a checkpoint of a whole training state, or of a model alone.
+
+    ``allow_partial`` (``trainer.allow_partial_checkpoint``): leaves the checkpoint lacks keep
+    ``template``'s values (which must then be arrays, not shapes), each named in a warning.
     """
     checkpoint = _resolve_checkpoint(path)
     described = read_metadata(checkpoint)
@@ -227,8 +230,8 @@ def load_checkpoint(template: Any, path: str, *, subtree: str | None = None) -> 
     stored = {leaf["name"]: leaf for leaf in described["leaves"]}
     if subtree is not None:
         stored = {name: leaf for name, leaf in stored.items() if name.startswith(subtree + "/")}
-        return _load_tree({subtree: template}, checkpoint, stored)[subtree]
-    return _load_tree(template, checkpoint, stored)
+        return _load_tree({subtree: template}, checkpoint, stored, allow_partial)[subtree]
+    return _load_tree(template, checkpoint, stored, allow_partial)
 
 
 def _resolve_checkpoint(path: str) -> str:
@@ -248,10 +251,26 @@ def _resolve_checkpoint(path: str) -> str:
     return found
 
 
-def _load_tree(template: Any, checkpoint: str, stored: dict[str, dict]) -> Any:
+def _load_tree(template: Any, checkpoint: str, stored: dict[str, dict], allow_partial: bool = False) -> Any:
     """Load the leaves ``stored`` (name -> description) of ``checkpoint`` into ``template``."""
     leaves, treedef, names = _flatten(template)
-    _check_fits(checkpoint, {name: _describe(name, _unwrap(leaves[i])) for name, i in names.items()}, stored)
+    expected = {name: _describe(name, _unwrap(leaves[i])) for name, i in names.items()}
+    if allow_partial:
+        missing = sorted(expected.keys() - stored.keys())
+        shapes_only = [name for name in missing if isinstance(_unwrap(leaves[names[name]]), jax.ShapeDtypeStruct)]
+        if shapes_only:
+            raise CheckpointError(f"checkpoint {checkpoint} lacks {shapes_only[0]}, and there is no value to keep for it")
+        for name in missing:
+            logger.warning("checkpoint %s has no %s: it keeps its fresh value (allow_partial_checkpoint)", checkpoint, name)
+        if missing:
+            print(
+                f"loading {checkpoint} partially: {len(missing)} of {len(expected)} arrays are not in it and start fresh "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})",
+                flush=True,
+            )
+        names = {name: i for name, i in names.items() if name in stored}
+        expected = {name: expected[name] for name in names}
+    _check_fits(checkpoint, expected, stored)
     arrays = _read_arrays(checkpoint, {name: (_unwrap(leaves[i]), stored[name]) for name, i in names.items()})
     for name, i in names.items():
         leaf = leaves[i]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -33,6 +33,20 @@ class TypedConfig(ConfigModel):
 
     type: str = ""
     """The registered type name (see ``levanter plugins``)."""
+
+
+def accepted_only_as(allowed: Any, *fields: str, why: str):
+    """A validator for Levanter fields that are accepted only as ``allowed`` (``None`` or
+    ``False``: compared by identity, so ``0`` is not ``False``); any other value is refused with
+    ``why`` (what to do instead). Assign it in the class body:
+    ``_no_haps = accepted_only_as(None, "haps", why="...")``."""
+
+    def check(cls, value):
+        if value is not allowed:
+            raise ValueError(why)
+        return value
+
+    return field_validator(*fields)(check)
 
 
 def _fail(loc: tuple, kind: str, message: str, value: Any) -> ValidationError:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from levanter_core.config.base import ConfigModel, Typed, typed_field_kind
+from levanter_core.config.base import ConfigModel, Typed, accepted_only_as, typed_field_kind
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.data.config import DataSection, data_known_fields
 from levanter_core.errors import ConfigError
@@ -28,15 +28,100 @@ class TrainConfig(ConfigModel):
     optimizer: Typed("optimizer", "adam") = Field(default_factory=dict)  # type: ignore[valid-type]
     """The optimizer and learning-rate schedule (``type``, default ``adam``)."""
 
-    initialize_from_hf: str | None = None
-    """Start from the weights of a Hugging Face model (a local directory, or a hub name when
-    the hub is reachable) for continued pretraining. Its tensors must fit ``model`` exactly,
-    unless ``use_hf_model_config`` is set. Ignored when the run resumes from its own checkpoint
-    or ``trainer.initialize_from`` is set."""
+    initialize_from_hf: bool | str | None = None
+    """Start from the weights of a Hugging Face model (a local directory, or a hub name: from
+    the local Hugging Face cache, or downloaded when the hub is reachable) for continued
+    pretraining. ``true``: the model's ``reference_checkpoint`` (or its family's default, e.g.
+    ``NousResearch/Llama-2-7b-hf`` for ``llama``). Its tensors must fit ``model`` exactly, unless
+    ``use_hf_model_config`` is set. Ignored when the run resumes from its own checkpoint; cannot
+    be combined with ``trainer.initialize_from``."""
 
     use_hf_model_config: bool = False
     """With ``initialize_from_hf``: take the architecture from the Hugging Face
     ``config.json`` instead of the ``model`` section (whose ``seq_len`` is kept)."""
+
+    resize_vocab_to_match_tokenizer: bool = False
+    """With ``initialize_from_hf``: when ``data.tokenizer`` does not fit the checkpoint (more
+    tokens than its embeddings have rows, or another tokenizer than the one it ships), resize the
+    token embeddings and the output head to the tokenizer's size instead of refusing to train:
+    rows past the tokenizer's end are dropped, new rows are drawn from a normal distribution with
+    the mean and spread of the existing ones (as Levanter's ``resize_vocab_to_match_tokenizer``)."""
+
+    initialize_from_checkpoint_path: str | None = None
+    """Start a new run (one with no checkpoint of its own yet) from the whole training state of
+    this checkpoint (a checkpoint, or a directory of them: the newest): weights, optimizer state
+    and step, continuing the data and the schedule from that step, as Levanter does (ablations
+    branching from a shared trunk). Its checkpoints are saved under this run's own path."""
+
+    z_loss_weight: float = Field(0.0, ge=0)
+    """Weight of the z-loss, ``z_loss_weight * logsumexp(logits)^2`` averaged over the predicted
+    tokens and added to the training loss (PaLM's auxiliary loss keeping the softmax's normalizer
+    near 1). 0: none. Logged as ``train/z_loss``; evaluation reports the cross-entropy alone."""
+
+    data_seed: int | None = None
+    """Seed of the data order (shuffling and mixing) in place of ``trainer.seed``, so the data
+    order can change while the initialization stays, or the reverse. None: ``trainer.seed``."""
+
+    epoch: int = Field(0, ge=0)
+    """Train on at most this many passes over the training data (a single source), then stop even
+    if ``trainer.num_train_steps`` is not reached. 0: as many passes as the steps need."""
+
+    log_entropy: bool = False
+    """At each evaluation, also log the mean entropy of the model's next-token distribution over
+    the validation tokens (``eval/entropy``, and per source ``eval/<source>/entropy``)."""
+
+    hf_save_path: str | None = None
+    """Every ``hf_save_steps`` steps, and at the end, export the model (the averaged one under
+    ``trainer.model_averaging``) in Hugging Face format to ``{hf_save_path}/{run_id}/step-N/``, as
+    ``levanter export-hf`` would. None: no exports during training."""
+    hf_upload: str | None = None
+    """Also upload each export to this Hugging Face hub repository (needs the network and a token;
+    ``huggingface_hub`` is installed with the core)."""
+    hf_save_steps: int = Field(10000, ge=1)
+    """How often to export with ``hf_save_path``."""
+    hf_save_dtype: str | None = None
+    """Data type of exported tensors (``float32``, ``bfloat16``, ``float16``). None: the
+    parameters' own."""
+
+    eval_harness: dict | None = None
+    """lm-eval-harness tasks to run during training: provided by the ``levanter-eval-harness``
+    plugin (not part of the core); only null is accepted without it."""
+    eval_harness_steps: int = Field(10000, ge=1)
+    """How often ``eval_harness`` runs."""
+
+    _no_harness = accepted_only_as(
+        None,
+        "eval_harness",
+        why="lm-eval-harness evaluation comes with the levanter-eval-harness plugin, which is not installed; "
+        "remove eval_harness (or set it to null) to train without it",
+    )
+
+    @field_validator("hf_save_dtype")
+    @classmethod
+    def _known_dtype(cls, value):
+        if value is not None and value not in ("float32", "bfloat16", "float16", "f32", "bf16", "f16"):
+            raise ValueError(f"expected float32, bfloat16 or float16, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_initialization(self):
+        if self.initialize_from_hf is True and not self.model.hf_checkpoint:
+            raise ValueError(
+                f"initialize_from_hf is true, but model type {self.model.type!r} has no default Hugging Face "
+                "checkpoint: set model.reference_checkpoint, or give initialize_from_hf a path or hub name"
+            )
+        if self.initialize_from_hf and self.trainer.initialize_from:
+            raise ValueError("initialize_from_hf and trainer.initialize_from cannot both be set; keep one")
+        if self.epoch and self.data.is_mixture:
+            raise ValueError("epoch limits the passes over a single source; a mixture (data.configs) cannot use it")
+        return self
+
+    @property
+    def hf_source(self) -> str | None:
+        """What ``initialize_from_hf`` names: a path or hub name, resolving ``true``."""
+        if self.initialize_from_hf is True:
+            return self.model.hf_checkpoint
+        return self.initialize_from_hf or None
 
 
 def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[TrainConfig, dict]:

@@ -64,6 +64,22 @@ def format_duration(value: datetime.timedelta) -> str:
 Duration = Annotated[datetime.timedelta, BeforeValidator(parse_duration), PlainSerializer(format_duration)]
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(value: Any) -> int:
+    """A number of bytes written as ``512MB``, ``1GiB``, ``2gb`` or a plain positive number."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"expected a positive size, got {value}")
+        return value
+    m = _SIZE.fullmatch(str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"expected a size such as 512MB or 1GiB, got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
 def parse_mp_policy(value: Any) -> str:
     """Check a jmp policy string such as ``p=f32,c=bfloat16`` (or just ``f32``)."""
     import jmp

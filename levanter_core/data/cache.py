@@ -8,7 +8,9 @@ Layout of one cache at ``path`` (a local directory or an fsspec URL)::
     {path}/shards/{i:05d}/target_mask  zarr uint8 like tokens (packed formats only)
 
 Shards (the source's files, usually) are independent: workers (:mod:`.executor`)
-tokenize whole shards and report their progress; only the coordinator, a thread of
+tokenize whole shards (``data.cache_options.batch_size`` records per tokenizer call),
+store what they have each time it reaches ``target_size_per_flush`` bytes, and report
+their progress; only the coordinator, a thread of
 the process that called :func:`open_cache`, writes the ledger. Everything the ledger
 counts is already stored, and a shard resumes from its ledger counts, so a build
 killed at any moment continues where it stopped and ends with the same cache as a
@@ -37,6 +39,7 @@ import numpy as np
 import tensorstore as ts
 from tqdm import tqdm
 
+from levanter_core.data.config import CacheOptions
 from levanter_core.data.executor import BuildStopped, Progress, ShardTask, connect, run_shards
 from levanter_core.data.source import DataSourceConfig, Record
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -47,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2
 LEDGER = "ledger.json"
-RECORDS_PER_BATCH = 1000
-"""Records encoded and stored together: one progress report (and resume point) each."""
 LEDGER_INTERVAL = 0.5
 """Least seconds between two ledger writes, except when a shard finishes or the build ends."""
 MAX_PROBLEMS = 10
@@ -212,6 +213,17 @@ class _Job:
     eos_id: int | None
     skip_bad_data: bool
     token_dtype: str
+    batch_size: int
+    """Records encoded by one call of the tokenizer (``cache_options.batch_size``)."""
+    flush_bytes: int
+    """Encoded bytes accumulated before they are stored and reported (one resume point each;
+    ``cache_options.target_size_per_flush``)."""
+
+
+RECORDS_PER_STORE = 1000
+"""What a worker has encoded is also stored after at most this many records, however small:
+training reads only stored data, and each store is a resume point, so a large shard becomes
+readable (and survives a kill) as it goes, not only at ``target_size_per_flush``."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -259,51 +271,76 @@ def _skip_reason(error: DataError, where: str) -> str:
 
 
 def tokenize_shard(job: _Job, task: ShardTask) -> Iterator[Progress]:
-    """Tokenize one shard from its resume point, storing each batch of records before
-    reporting it. A bad record raises its :class:`DataError` unless ``job.skip_bad_data``."""
+    """Tokenize one shard from its resume point, ``job.batch_size`` records per tokenizer
+    call, storing what is encoded each time it reaches ``job.flush_bytes`` or
+    ``RECORDS_PER_STORE`` records (and at the shard's end) before reporting it. A bad record raises its :class:`DataError` unless
+    ``job.skip_bad_data``. How the work is batched never changes what is stored."""
     tokenizer = _worker_tokenizer(job.tokenizer)
     if tokenizer.fingerprint != job.tokenizer_fingerprint:
         raise DataError(f"data.tokenizer: {job.tokenizer!r} changed while the cache {job.path} was being built")
     fmt = job.source.format
     writer = _ShardWriter(_storage(job.path), task.index, np.dtype(job.token_dtype), fmt.packed)
-    progress = Progress(task.index, task.records, task.documents, task.tokens, dict(task.skipped), [], False)
+    pending = _Pending(Progress(task.index, task.records, task.documents, task.tokens, dict(task.skipped), [], False))
+    # Bytes stored per token (its id, and its target-mask flag) and per document (its offset).
+    token_bytes = np.dtype(job.token_dtype).itemsize + (1 if fmt.packed else 0)
     batch: list[Record] = []
     for record in job.source.records(job.split, task.name, task.records):
         batch.append(record)
-        if len(batch) == RECORDS_PER_BATCH:
-            progress = _store_batch(job, tokenizer, writer, progress, batch)
-            yield progress
+        if len(batch) == job.batch_size:
+            _encode_batch(job, tokenizer, pending, batch)
             batch = []
-    yield dataclasses.replace(_store_batch(job, tokenizer, writer, progress, batch), finished=True)
+            full = pending.tokens * token_bytes + 8 * len(pending.documents) >= job.flush_bytes
+            if full or pending.records >= RECORDS_PER_STORE:
+                yield pending.store(writer)
+    if batch:
+        _encode_batch(job, tokenizer, pending, batch)
+    yield dataclasses.replace(pending.store(writer), finished=True)
 
 
-def _store_batch(
-    job: _Job, tokenizer: Tokenizer, writer: _ShardWriter, before: Progress, batch: list[Record]
-) -> Progress:
+class _Pending:
+    """Documents encoded since the last store, over the shard's progress up to it."""
+
+    def __init__(self, stored: Progress):
+        self.stored = stored
+        self.documents: list = []
+        self.tokens = 0
+        self.records = 0
+        self.skipped = collections.Counter(stored.skipped)
+        self.problems: list[str] = []
+
+    def store(self, writer: _ShardWriter) -> Progress:
+        """Write the pending documents; the progress that now counts them."""
+        before = self.stored
+        writer.write(before.documents, before.tokens, self.documents)
+        self.stored = Progress(
+            index=before.index,
+            records=before.records + self.records,
+            documents=before.documents + len(self.documents),
+            tokens=before.tokens + self.tokens,
+            skipped=dict(sorted(self.skipped.items())),
+            problems=self.problems[:MAX_PROBLEMS],
+            finished=False,
+        )
+        self.documents, self.tokens, self.records, self.problems = [], 0, 0, []
+        return self.stored
+
+
+def _encode_batch(job: _Job, tokenizer: Tokenizer, pending: _Pending, batch: list[Record]) -> None:
     readable = [r for r in batch if not isinstance(r.value, DataError)]
     encoded = iter(
         job.source.format.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id)
     )
-    documents, problems, skipped = [], [], collections.Counter(before.skipped)
     for record in batch:
         result = record.value if isinstance(record.value, DataError) else next(encoded)
         if not isinstance(result, DataError):
-            documents.append(result)
+            pending.documents.append(result)
+            pending.tokens += len(result.ids)
         elif job.skip_bad_data:
-            skipped[_skip_reason(result, record.where)] += 1
-            problems.append(str(result))
+            pending.skipped[_skip_reason(result, record.where)] += 1
+            pending.problems.append(str(result))
         else:
             raise DataError(f"{result} (set data.skip_bad_data: true to skip such records and count them)")
-    writer.write(before.documents, before.tokens, documents)
-    return Progress(
-        index=before.index,
-        records=before.records + len(batch),
-        documents=before.documents + len(documents),
-        tokens=before.tokens + sum(len(d.ids) for d in documents),
-        skipped=dict(sorted(skipped.items())),
-        problems=problems[:MAX_PROBLEMS],
-        finished=False,
-    )
+    pending.records += len(batch)
 
 
 # -- the ledger -------------------------------------------------------------------------------
@@ -421,7 +458,18 @@ class _Build:
     """Builds one cache: hands its unfinished shards to workers, keeps the ledger from their
     reports, and wakes readers waiting for more."""
 
-    def __init__(self, path: str, storage, ledger: dict, job: _Job, *, num_workers: int, ray, progress: bool):
+    def __init__(
+        self,
+        path: str,
+        storage,
+        ledger: dict,
+        job: _Job,
+        *,
+        num_workers: int,
+        num_shard_groups: int | None,
+        ray,
+        progress: bool,
+    ):
         self.path = path
         self.condition = threading.Condition()
         self.ledger = ledger  # guarded by `condition`
@@ -431,6 +479,7 @@ class _Build:
         self._storage = storage
         self._job = job
         self._num_workers = num_workers
+        self._num_shard_groups = num_shard_groups
         self._ray = ray
         self._progress = progress
         self._stop = threading.Event()
@@ -470,6 +519,7 @@ class _Build:
                 tasks,
                 lambda p: self._report(p, bar, started),
                 num_workers=self._num_workers,
+                max_groups=self._num_shard_groups,
                 ray=self._ray,
                 stop=self._stop,
                 processes=self._storage.shared,
@@ -761,6 +811,7 @@ def open_cache(
     enforce_eos: bool,
     skip_bad_data: bool,
     num_workers: int = 1,
+    cache_options: CacheOptions | None = None,
     ray=None,
     background: bool = True,
     progress: bool = False,
@@ -770,6 +821,9 @@ def open_cache(
     (``background``: the reader is usable at once and grows) or here, with a progress bar if
     ``progress``. ``ray``: a :class:`~levanter_core.trainer.config.RayConfig`; with an
     ``address``, shards are tokenized by Ray tasks instead of ``num_workers`` local processes.
+    ``cache_options`` (``data.cache_options``; default its defaults): how the build batches
+    and groups its work; the cache it builds is the same whatever they are, so a cache built
+    with other options is reused.
 
     Raises :class:`DataError` if the stored cache was built from other settings or inputs, or
     (when the build is not in the background) if a record is bad and ``skip_bad_data`` is off."""
@@ -778,6 +832,7 @@ def open_cache(
             f"data.tokenizer: {tokenizer.name!r} has no end-of-text token to append after each "
             "document; give it one (eos_token in tokenizer_config.json) or set data.enforce_eos: false"
         )
+    options = cache_options or CacheOptions()
     storage = _storage(path)
     if not source.shards(split):
         raise DataError(f"the {split} split has no inputs (cache {path})")
@@ -798,8 +853,19 @@ def open_cache(
         eos_id=tokenizer.eos_id if enforce_eos else None,
         skip_bad_data=skip_bad_data,
         token_dtype=ledger["token_dtype"],
+        batch_size=options.batch_size,
+        flush_bytes=options.target_bytes_per_flush,
     )
-    build = _Build(path, storage, ledger, job, num_workers=num_workers, ray=ray, progress=progress)
+    build = _Build(
+        path,
+        storage,
+        ledger,
+        job,
+        num_workers=num_workers,
+        num_shard_groups=options.num_shard_groups,
+        ray=ray,
+        progress=progress,
+    )
     connect(ray)  # here, not in the build's thread: Ray's local processes die with the thread that starts them
     if background:
         reader = TokenCache(path, storage, copy.deepcopy(ledger), build)

@@ -23,7 +23,7 @@ says how often each is sampled::
 from __future__ import annotations
 
 import posixpath
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -33,12 +33,15 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
 from pydantic_core import PydanticCustomError
 
-from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one
+from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one, accepted_only_as
+from levanter_core.config.types import parse_size
+from levanter_core.fileio import require_filesystem
 
 SINGLE = "main"
 """The name the only source of a non-mixture ``data:`` section gets."""
@@ -46,31 +49,107 @@ SINGLE = "main"
 Weights = dict[str, Annotated[float, Field(ge=0)]]
 
 
+class CacheOptions(ConfigModel):
+    """How a cache is built (Levanter's ``cache_options``): none of these changes what the cache
+    holds, only how the build spends memory and time."""
+
+    batch_size: PositiveInt = 128
+    """Records tokenized together in one call of the tokenizer."""
+    num_shard_groups: PositiveInt | None = 128
+    """At most this many groups of shards are tokenized as separate tasks (on a Ray cluster, one
+    task per group); None: one task per shard. The cache's order is the shards' order either way."""
+    target_size_per_flush: int | str = "512MB"
+    """How much a worker accumulates before writing to the cache: bytes as a number or a size such
+    as ``512MB``. Smaller values use less memory and write more often. A worker also writes after
+    every thousand records or so, so that training can read a large shard as it is tokenized."""
+
+    @property
+    def target_bytes_per_flush(self) -> int:
+        return parse_size(self.target_size_per_flush)
+
+    @field_validator("target_size_per_flush")
+    @classmethod
+    def _size(cls, value: int | str) -> int | str:
+        parse_size(value)
+        return value
+
+
+def _typed_sources(configs: Any) -> Any:
+    """Each source of ``configs`` written without ``type`` gets the one its keys imply (``id``:
+    a Hugging Face dataset), as an inline single source does."""
+    if not isinstance(configs, dict):
+        return configs
+    return {
+        name: {**section, "type": _inferred_type(section)} if isinstance(section, dict) and "type" not in section else section
+        for name, section in configs.items()
+    }
+
+
 class DataConfig(ConfigModel):
     """The training and validation data: its sources, tokenizer and cache."""
 
-    tokenizer: str = "byte"
-    """``byte`` for the built-in byte-level tokenizer (256 byte ids plus ``<|endoftext|>``),
-    or the path of a Hugging Face ``tokenizer.json`` or of a directory containing one (with
-    its ``tokenizer_config.json``, whose ``eos_token`` and ``chat_template`` are used)."""
+    tokenizer: str = "gpt2"
+    """``byte`` for the built-in byte-level tokenizer (256 byte ids plus ``<|endoftext|>``); the
+    path of a Hugging Face ``tokenizer.json`` or of a directory containing one (with its
+    ``tokenizer_config.json``, whose ``eos_token`` and ``chat_template`` are used); or a Hugging
+    Face hub name such as ``gpt2`` or ``meta-llama/Llama-2-7b-hf``, read from the local Hugging
+    Face cache (downloaded when the hub is reachable). Default: ``gpt2``, as in Levanter."""
 
-    cache_dir: str = "cache/"
+    vocab_size: PositiveInt | None = None
+    """Levanter's vocabulary size for its ``passthrough`` tokenizer (pre-tokenized data); that
+    tokenizer is not available here, so only null is accepted."""
+
+    cache_dir: str | None = "cache/"
     """Where the tokenized caches live: a local directory or an fsspec URL. A single source
     caches each split in ``{cache_dir}/{split}``; a mixture's source ``name`` in
     ``{cache_dir}/{name}/{split}`` unless it sets its own ``cache_dir``. A cache built from
-    other inputs, another tokenizer or another format is refused, never silently reused."""
+    other inputs, another tokenizer or another format is refused, never silently reused.
+    Null: every source sets its own ``cache_dir``."""
 
     enforce_eos: bool = True
     """Append the end-of-text token after every document (and supervised example), so
     documents joined into one stream stay separated."""
 
-    shuffle: bool | PositiveInt = True
+    shuffle: bool | PositiveInt = False
     """``true``: a keyed permutation of all of each source's sequences, a new one each epoch
     (training waits for the source's cache to be complete, since the permutation needs its
     size). An integer N: shuffle within consecutive eras of N sequences, so training starts
-    as soon as the first sequences are cached. ``false``: read in order, starting at once.
-    Either way the batch at step N depends only on ``trainer.seed`` and N. Evaluation always
-    reads in order."""
+    as soon as the first sequences are cached. ``false`` (the default, as in Levanter): read in
+    order, starting at once. Either way the batch at step N depends only on the seed and N.
+    Evaluation always reads in order."""
+
+    permutation_type: Literal["feistel", "linear"] | None = None
+    """Levanter's choice of permutation for ``shuffle``. Here every shuffle uses one keyed
+    permutation (a Feistel network over the sequence indices), whatever this says."""
+
+    shuffle_buffer_size: PositiveInt | None = None
+    """Deprecated (Levanter's older shuffle buffer): the same as ``shuffle: N``, shuffling within
+    consecutive eras of N sequences."""
+
+    cache_options: CacheOptions = Field(default_factory=CacheOptions)
+    """How caches are built (``batch_size``, ``num_shard_groups``, ``target_size_per_flush``)."""
+
+    stop_strategy: Literal["restart", "first_exhausted", "all_exhausted"] = "restart"
+    """What a mixture does when a source's training data runs out: ``restart`` it (another epoch,
+    reshuffled); ``first_exhausted``: end training when the first source runs out;
+    ``all_exhausted``: restart sources that run out until every source has run out once, then
+    end training. A run that ends early says so and saves its last checkpoint."""
+
+    target_budget: PositiveInt | None = None
+    """Simulated epoching: the number of tokens (or sequences, any unit, with ``experiment_budget``
+    in the same unit) of the full-scale run being simulated. With ``experiment_budget``, each
+    training source is cut to the fraction ``experiment_budget / target_budget`` of its sequences,
+    so a short run sees its data repeat as often as the full run would."""
+    experiment_budget: PositiveInt | None = None
+    """Simulated epoching: the budget of this run, in the unit of ``target_budget``."""
+
+    max_train_batches: dict[str, PositiveInt] | None = None
+    """Per source: train on only its first N x (the first stage's) ``train_batch_size`` sequences,
+    repeating them as the mixture needs."""
+
+    num_validation_sequences: dict[str, PositiveInt] | None = None
+    """Per source: hold out the last N sequences of its training data for validation (in place of
+    any validation data it has); training uses the rest."""
 
     configs: dict[str, Typed("data_source", "url")] = Field(default_factory=dict)  # type: ignore[valid-type]
     """Named sources to mix, each a data source section (``type``, default ``url``). Leave
@@ -94,6 +173,60 @@ class DataConfig(ConfigModel):
     skip_bad_data: bool = False
     """Skip records that cannot be used (not UTF-8, not JSON, missing the text field, an
     empty chat...) and count them in the logs, instead of stopping with the file and line."""
+
+    _filesystem_installed = field_validator("cache_dir")(require_filesystem)
+
+    @field_validator("configs", mode="before")
+    @classmethod
+    def _infer_source_types(cls, value: Any) -> Any:
+        return _typed_sources(value)
+
+    _no_passthrough = accepted_only_as(
+        None, "vocab_size", why="Levanter's passthrough tokenizer (pre-tokenized data) is not available; remove vocab_size"
+    )
+
+    @model_validator(mode="after")
+    def _check_cache_dirs(self):
+        if self.cache_dir is None:
+            homeless = [name for name, source in self.configs.items() if not source.cache_dir]
+            if homeless:
+                raise ValueError(
+                    f"cache_dir is null, so every source needs its own cache_dir; {', '.join(sorted(homeless))} has none"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_budgets(self):
+        if (self.target_budget is None) != (self.experiment_budget is None):
+            raise ValueError("target_budget and experiment_budget go together: set both or neither")
+        if self.target_budget is not None and self.experiment_budget > self.target_budget:
+            raise ValueError(
+                f"experiment_budget ({self.experiment_budget}) must not exceed target_budget ({self.target_budget})"
+            )
+        if self.target_budget is not None and (self.max_train_batches or self.num_validation_sequences):
+            raise ValueError(
+                "simulated epoching (target_budget, experiment_budget) cannot be combined with max_train_batches "
+                "or num_validation_sequences, as in Levanter"
+            )
+        for field in ("max_train_batches", "num_validation_sequences"):
+            unknown = set(getattr(self, field) or {}) - set(self.configs)
+            if unknown:
+                raise ValueError(f"{field} names {', '.join(sorted(unknown))}, not among data.configs")
+        return self
+
+    @property
+    def effective_shuffle(self) -> bool | int:
+        """``shuffle``, or the era size of the deprecated ``shuffle_buffer_size``."""
+        if self.shuffle is False and self.shuffle_buffer_size:
+            return self.shuffle_buffer_size
+        return self.shuffle
+
+    @property
+    def budget_fraction(self) -> float | None:
+        """The share of each training source that simulated epoching keeps; None: all of it."""
+        if self.target_budget is None:
+            return None
+        return self.experiment_budget / self.target_budget
 
     @model_validator(mode="after")
     def _check_weights(self):

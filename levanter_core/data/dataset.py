@@ -8,25 +8,31 @@ Two kinds of sequence dataset sit over one cache (the same cache serves any ``se
   into ``seq_len`` slots, with segment ids so attention does not cross examples and a loss
   mask from the examples' target masks.
 
-:class:`TrainStream` turns named datasets into the training stream: each source an endless
-stream of epochs (a keyed permutation, an era shuffle, or in order), mixed block-wise by
-``train_weights``. The batch at step N holds stream positions ``N*B .. N*B+B-1`` and is
-computed directly from (seed, data config, N), never by reading through earlier steps; it
-does not depend on how fast the cache was built, because a sequence is only read once it is
-final, and reading one that is not waits for the cache.
+:class:`TrainStream` turns named datasets into the training stream: each source a stream of
+passes (a keyed permutation, an era shuffle, or in order; possibly cut to a part of the
+source, see ``data.max_train_batches`` and simulated epoching), mixed block-wise by
+``train_weights``. The batch at step N holds stream positions ``N*B .. N*B+B-1`` (or from
+the position a batch-size schedule gives) and is computed directly from (seed, data config,
+position), never by reading through earlier steps; it does not depend on how fast the cache
+was built, because a sequence is only read once it is final, and reading one that is not
+waits for the cache. The stream is endless unless ``data.stop_strategy`` or ``epoch`` ends
+it; a batch past its end raises :class:`~levanter_core.errors.DataExhausted`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from levanter_core.data.permutation import Permutation, derive_key
-from levanter_core.errors import DataError
+from levanter_core.errors import DataError, DataExhausted
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from levanter_core.data.cache import TokenCache
@@ -52,6 +58,9 @@ class SequenceDataset:
 
     A sequence is *available* once it is final: it will read the same whatever the cache
     adds later. ``final_length()`` is known once the cache is complete."""
+
+    packed = False
+    """Whether rows come with segment ids and loss masks (examples packed into a row)."""
 
     def __init__(self, cache: TokenCache, seq_len: int):
         if seq_len <= 0:
@@ -134,6 +143,8 @@ class PackedSequences(SequenceDataset):
     it is known not to fit, or the cache is complete, so packing never depends on how far
     the cache had got when it was computed. Packs are computed incrementally as the cache
     grows (a Python step per pack, numpy within)."""
+
+    packed = True
 
     def __init__(self, cache: TokenCache, seq_len: int):
         super().__init__(cache, seq_len)
@@ -241,19 +252,175 @@ def sequence_dataset(cache: TokenCache, seq_len: int, *, packed: bool) -> Sequen
     return PackedSequences(cache, seq_len) if packed else TextSequences(cache, seq_len)
 
 
+class SlicedSequences(SequenceDataset):
+    """Sequences ``start .. stop - 1`` of ``base``, numbered from 0. A negative bound counts
+    from the end of the complete cache, as in a Python slice (``stop`` None: to the end).
+    ``empty``: the message of the :class:`DataError` raised when the slice holds no sequence,
+    with ``{n}`` standing for the number of sequences ``base`` has.
+
+    A slice that ends ``k`` sequences before the end grows with the cache (sequence ``i`` is
+    in it once ``i + k`` sequences are available); one that starts from the end waits for the
+    complete cache."""
+
+    def __init__(self, base: SequenceDataset, start: int = 0, stop: int | None = None, *, empty: str):
+        super().__init__(base.cache, base.seq_len)
+        self.base = base
+        self.start = start
+        self.stop = stop
+        self.packed = base.packed
+        self._empty = empty
+
+    def _bounds(self, n: int) -> tuple[int, int]:
+        start = self.start if self.start >= 0 else n + self.start
+        stop = n if self.stop is None else min(n, self.stop if self.stop >= 0 else n + self.stop)
+        if start < 0 or stop <= start:
+            raise DataError(self._empty.format(n=n))
+        return start, stop
+
+    def available(self) -> int:
+        n = self.base.final_length()
+        if n is not None:
+            start, stop = self._bounds(n)
+            return stop - start
+        if self.start < 0:
+            return 0
+        have = self.base.available()
+        if self.stop is not None:
+            have = min(have, self.stop) if self.stop >= 0 else have + self.stop
+        return max(0, have - self.start)
+
+    def final_length(self) -> int | None:
+        n = self.base.final_length()
+        if n is None:
+            return None
+        start, stop = self._bounds(n)
+        return stop - start
+
+    def wait_for(self, n: int) -> None:
+        if self.start < 0:
+            self.base.wait_complete()
+        elif self.stop is not None and self.stop < 0:
+            self.base.wait_for(self.start + n - self.stop)
+        else:
+            self.base.wait_for(self.start + n)
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        indices = np.asarray(indices, np.int64)
+        available = self.available()
+        self._check_available(indices, available)
+        first = self.start
+        if first < 0:  # something is available, so the cache is complete
+            first = self._bounds(self.base.final_length())[0]
+        return self.base.rows(indices + first)
+
+
+def held_out(dataset: SequenceDataset, name: str, count: int) -> tuple[SlicedSequences, SlicedSequences]:
+    """``data.num_validation_sequences``: source ``name``'s training sequences split into what
+    training reads (all but the last ``count``) and the validation set (the last ``count``)."""
+    empty = (
+        f"data.num_validation_sequences.{name} holds out the last {count} sequences of source {name!r} for "
+        f"validation, but its training data has only {{n}} sequences of seq_len {dataset.seq_len}, which leaves "
+        "none for training; lower it or add data"
+    )
+    return SlicedSequences(dataset, 0, -count, empty=empty), SlicedSequences(dataset, -count, None, empty=empty)
+
+
 class _EpochOrder:
     """Which sequence of ``dataset`` the ``p``-th draw from source ``name`` reads: an endless
     stream of epochs, each all of the dataset's sequences in an order set by ``shuffle``
     (``True``: a keyed permutation; an int N: a keyed permutation within each era of N
-    consecutive sequences; ``False``: stored order)."""
+    consecutive sequences; ``False``: stored order).
 
-    def __init__(self, name: str, dataset: SequenceDataset, seed: int, shuffle: bool | int):
+    A *cut* source reads only the first sequences of its first epoch, over and over:
+    ``limit`` of them (``data.max_train_batches``), or the share ``fraction`` of all of them
+    (simulated epoching, which needs the complete cache). Each pass after the first reads
+    them in a new keyed order when ``shuffle`` is on."""
+
+    def __init__(
+        self,
+        name: str,
+        dataset: SequenceDataset,
+        seed: int,
+        shuffle: bool | int,
+        *,
+        limit: int | None = None,
+        fraction: float | None = None,
+    ):
         self.name = name
         self.dataset = dataset
         self.seed = seed
         self.shuffle = shuffle
+        self.limit = limit
+        self.fraction = fraction
+        self._cut: int | None = None
+
+    @property
+    def is_cut(self) -> bool:
+        return self.limit is not None or self.fraction is not None
+
+    def pass_length(self, *, wait: bool) -> int | None:
+        """Sequences in one pass over the source; None when not known yet and ``wait`` is false."""
+        if self.is_cut:
+            return self._cut_length(wait=wait)
+        return self.dataset.wait_complete() if wait else self.dataset.final_length()
+
+    def exceeds(self, needed: int, passes: int) -> bool:
+        """Whether reading ``needed`` draws takes more than ``passes`` passes over the source;
+        waits for the cache only as far as reading those draws would."""
+        if self.is_cut:
+            return needed > passes * self._cut_length(wait=True)
+        if self.dataset.available() >= needed:
+            return False
+        self.dataset.wait_for(needed)
+        if self.dataset.available() >= needed:
+            return False
+        n = self.dataset.final_length()  # complete: wait_for returned short of `needed`
+        return n is not None and needed > passes * n
+
+    def _cut_length(self, *, wait: bool) -> int | None:
+        if self.limit is not None:
+            n = self.dataset.final_length()
+            if n is not None and n < self.limit:
+                raise DataError(
+                    f"data.max_train_batches.{self.name}: training on the first {self.limit} sequences of source "
+                    f"{self.name!r} (max_train_batches x the first train_batch_size), but it has only {n} sequences "
+                    f"of seq_len {self.dataset.seq_len}; lower it or add data"
+                )
+            return self.limit
+        if self._cut is None:
+            if not wait and self.dataset.final_length() is None:
+                return None
+            n = self.dataset.wait_complete()
+            cut = int(n * self.fraction)
+            if cut == 0:
+                raise DataError(
+                    f"data.experiment_budget / data.target_budget = {self.fraction:.3g} keeps none of the {n} "
+                    f"sequences of source {self.name!r}; raise experiment_budget or add data"
+                )
+            logger.info(
+                "simulated epoching: source %s trains on %d of its %d sequences (%.3g)",
+                self.name,
+                cut,
+                n,
+                self.fraction,
+            )
+            self._cut = cut
+        return self._cut
 
     def indices(self, positions: np.ndarray) -> np.ndarray:
+        if len(positions) == 0 or not self.is_cut:
+            return self._epochs(positions)
+        cut = self._cut_length(wait=True)
+        passes, within = np.divmod(positions, cut)
+        if self.shuffle is not False:
+            for p in np.unique(passes[passes > 0]).tolist():
+                here = passes == p
+                within[here] = Permutation(cut, derive_key(self.seed, self.name, "pass", p))(within[here])
+        out = self._epochs(within)
+        self._cut_length(wait=False)  # the source may have turned out shorter than the cut
+        return out
+
+    def _epochs(self, positions: np.ndarray) -> np.ndarray:
         if len(positions) == 0:
             return np.zeros(0, np.int64)
         if self.shuffle is True:  # the permutation needs the final size
@@ -320,9 +487,10 @@ def _block_layout(counts: tuple[int, ...], key: int) -> tuple[np.ndarray, np.nda
 
 class _Mixture:
     """Block-wise mixing: stream positions ``[j*K, (j+1)*K)`` form block ``j``, holding
-    exactly each source's count for the stage active at the block's first step, in a keyed
-    order. Where a source's draws stand at any block is a sum over stages, so a position is
-    placed without visiting earlier blocks."""
+    exactly each source's count for the stage active at the block, in a keyed order. A
+    stage starts at the first block that starts at or after its first step's stream position
+    (``stage_starts``, one per stage). Where a source's draws stand at any block is a sum over
+    stages, so a position is placed without visiting earlier blocks."""
 
     def __init__(self, stages: Sequence[tuple[int, np.ndarray]], block_size: int, seed: int):
         self.steps = [step for step, _ in stages]
@@ -330,26 +498,58 @@ class _Mixture:
         self.block_size = block_size
         self.seed = seed
 
-    def locate(self, positions: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: np.ndarray, stage_starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The source of each stream position and the position within that source's draws."""
         blocks, slots = np.divmod(positions, self.block_size)
-        first_blocks = self._first_blocks(batch_size)
-        stage_ends = np.append(first_blocks[1:], np.iinfo(np.int64).max)
         sources = np.empty_like(positions)
         drawn = np.empty_like(positions)
         for block in np.unique(blocks).tolist():
-            stage = int(np.searchsorted(first_blocks, block, side="right")) - 1
-            blocks_before = np.clip(np.minimum(block, stage_ends) - first_blocks, 0, None)  # per stage
-            offsets = blocks_before @ self.counts
-            labels, ranks = _block_layout(tuple(self.counts[stage].tolist()), derive_key(self.seed, "mixture", block))
+            offsets = self._drawn_before_block(block, stage_starts)
+            labels, ranks = self._layout(block, stage_starts)
             here = blocks == block
             sources[here] = labels[slots[here]]
             drawn[here] = offsets[sources[here]] + ranks[slots[here]]
         return sources, drawn
 
-    def _first_blocks(self, batch_size: int) -> np.ndarray:
-        """The first block of each stage: the first whose first step ``j*K // B`` reaches it."""
-        return np.array([-(-step * batch_size // self.block_size) for step in self.steps], np.int64)
+    def drawn_before(self, position: int, stage_starts: Sequence[int]) -> np.ndarray:
+        """How many draws each source has at the stream positions before ``position``."""
+        block, slot = divmod(position, self.block_size)
+        drawn = self._drawn_before_block(block, stage_starts)
+        if slot:
+            labels, _ = self._layout(block, stage_starts)
+            drawn = drawn + np.bincount(labels[:slot], minlength=len(drawn))
+        return drawn
+
+    def position_of(self, source: int, draw: int, stage_starts: Sequence[int]) -> int | None:
+        """The stream position of draw ``draw`` (from 0) of ``source``; None if never reached."""
+        first_blocks = self._first_blocks(stage_starts)
+        done = 0
+        for stage, first in enumerate(first_blocks.tolist()):
+            count = int(self.counts[stage, source])
+            last = stage + 1 == len(first_blocks)
+            blocks = None if last else max(int(first_blocks[stage + 1]) - first, 0)
+            if count and (blocks is None or draw < done + blocks * count):
+                block = first + (draw - done) // count
+                labels, ranks = self._layout(block, stage_starts)
+                slot = int(np.flatnonzero((labels == source) & (ranks == (draw - done) % count))[0])
+                return block * self.block_size + slot
+            if blocks is None:
+                return None
+            done += blocks * count
+        return None
+
+    def _drawn_before_block(self, block: int, stage_starts: Sequence[int]) -> np.ndarray:
+        first_blocks = self._first_blocks(stage_starts)
+        stage_ends = np.append(first_blocks[1:], np.iinfo(np.int64).max)
+        blocks_before = np.clip(np.minimum(block, stage_ends) - first_blocks, 0, None)  # per stage
+        return blocks_before @ self.counts
+
+    def _layout(self, block: int, stage_starts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        stage = int(np.searchsorted(self._first_blocks(stage_starts), block, side="right")) - 1
+        return _block_layout(tuple(self.counts[stage].tolist()), derive_key(self.seed, "mixture", block))
+
+    def _first_blocks(self, stage_starts: Sequence[int]) -> np.ndarray:
+        return np.array([-(-int(start) // self.block_size) for start in stage_starts], np.int64)
 
 
 class TrainStream:
@@ -357,7 +557,17 @@ class TrainStream:
 
     ``stages``: ``[(first_step, {name: weight})]`` as :meth:`DataConfig.weight_stages` gives
     (None: equal weights). A source with weight 0 in every stage is never read. ``shuffle``
-    is ``DataConfig.shuffle``. With one source read, no mixing is done."""
+    is ``DataConfig.effective_shuffle``. With one source read, no mixing is done.
+
+    ``limits``: per source, train on only the first that many sequences (of its first epoch's
+    order), repeated. ``fraction``: every source cut to that share of its sequences
+    (simulated epoching). ``stop_strategy``: ``restart`` (endless), ``first_exhausted`` (the
+    stream ends where any source would start its second pass) or ``all_exhausted`` (sources
+    restart until each has run out once; the stream ends where the last one does).
+    ``max_epochs`` (one source only): the stream ends after that many passes; 0: no limit.
+    ``offsets``: the stream position of a step's first sequence, for a batch-size schedule
+    (places the weight stages, which are given in steps); default ``step * batch_size``.
+    ``initial_batch_size``: the first step's batch size, for :meth:`end_position`."""
 
     def __init__(
         self,
@@ -367,6 +577,12 @@ class TrainStream:
         shuffle: bool | int = True,
         stages: Sequence[tuple[int, Mapping[str, float]]] | None = None,
         block_size: int = 2048,
+        limits: Mapping[str, int] | None = None,
+        fraction: float | None = None,
+        stop_strategy: str = "restart",
+        max_epochs: int = 0,
+        offsets: Callable[[int], int] | None = None,
+        initial_batch_size: int | None = None,
     ):
         if stages is None:
             stages = [(0, {name: 1.0 for name in datasets})]
@@ -379,40 +595,107 @@ class TrainStream:
         lengths = {datasets[name].seq_len for name in names}
         if len(lengths) != 1:
             raise ValueError(f"the sources' datasets have different seq_len: {sorted(lengths)}")
+        if stop_strategy not in ("restart", "first_exhausted", "all_exhausted"):
+            raise ValueError(f"unknown stop_strategy {stop_strategy!r}")
+        if max_epochs and len(names) > 1:
+            raise ValueError("max_epochs limits the passes over a single source; this stream mixes several")
         self.names = names
         self.seq_len = lengths.pop()
         # Every batch has the same structure (a pytree the step is compiled for): with loss
         # masks and segments as soon as one source read is packed.
-        self.packed = any(isinstance(datasets[name], PackedSequences) for name in names)
-        self._orders = [_EpochOrder(name, datasets[name], seed, shuffle) for name in names]
+        self.packed = any(datasets[name].packed for name in names)
+        limits = limits or {}
+        self._orders = [
+            _EpochOrder(name, datasets[name], seed, shuffle, limit=limits.get(name), fraction=fraction)
+            for name in names
+        ]
+        for order in self._orders:
+            if order.limit is not None:
+                logger.info(
+                    "source %s: training on its first %d sequences (data.max_train_batches)", order.name, order.limit
+                )
+        self.stop_strategy = stop_strategy
+        self.max_epochs = max_epochs
+        # The passes any source may take before the stream ends (None: no such limit).
+        passes = [p for p in (1 if stop_strategy == "first_exhausted" else None, max_epochs or None) if p]
+        self._passes = min(passes) if passes else None
+        self._offsets = offsets
+        self._initial_batch_size = initial_batch_size
         self._mixture = None
         if len(names) > 1:
             weights = [(step, np.array([w.get(name, 0.0) for name in names])) for step, w in stages]
             self._mixture = _Mixture(weights, block_size, seed)
 
     @classmethod
-    def from_config(cls, datasets: Mapping[str, SequenceDataset], config: DataConfig, seed: int) -> TrainStream:
-        """The stream that ``config`` (the ``data:`` section) describes, seeded by ``trainer.seed``."""
+    def from_config(
+        cls,
+        datasets: Mapping[str, SequenceDataset],
+        config: DataConfig,
+        seed: int,
+        *,
+        initial_batch_size: int | None = None,
+        max_epochs: int = 0,
+        offsets: Callable[[int], int] | None = None,
+    ) -> TrainStream:
+        """The stream that ``config`` (the ``data:`` section) describes over the training
+        ``datasets``, seeded by ``seed`` (``data_seed`` or ``trainer.seed``).
+
+        ``initial_batch_size``: the batch size at step 0 (``data.max_train_batches`` counts in
+        batches of it; required when that is set). ``max_epochs``: the top-level ``epoch``.
+        ``offsets``: step -> stream position of its first sequence, with a batch-size
+        schedule. ``data.num_validation_sequences`` holds the last sequences of those sources
+        out of ``datasets`` here; :func:`held_out` gives the validation part."""
+        datasets = dict(datasets)
+        for name, count in (config.num_validation_sequences or {}).items():
+            if name in datasets:
+                datasets[name] = held_out(datasets[name], name, count)[0]
+                logger.info("source %s: its last %d training sequences are held out for validation", name, count)
+        limits = {}
+        if config.max_train_batches:
+            if initial_batch_size is None:
+                raise ValueError("data.max_train_batches needs the initial batch size (initial_batch_size)")
+            limits = {name: batches * initial_batch_size for name, batches in config.max_train_batches.items()}
         return cls(
             datasets,
             seed=seed,
-            shuffle=config.shuffle,
+            shuffle=config.effective_shuffle,
             stages=config.weight_stages(),
             block_size=config.mixture_block_size,
+            limits=limits,
+            fraction=config.budget_fraction,
+            stop_strategy=config.stop_strategy,
+            max_epochs=max_epochs,
+            offsets=offsets,
+            initial_batch_size=initial_batch_size,
         )
 
-    def batch(self, step: int, batch_size: int, rows: np.ndarray | None = None) -> Batch:
-        """Stream positions ``step * batch_size ..`` ``+ batch_size - 1``; waits for the
-        cache where they are not yet built, and raises its build's error. ``rows``: only
-        these rows of the batch, in this order (a process of a multi-process run reads its
-        share only); the rows are the same whichever others are read."""
+    @property
+    def endless(self) -> bool:
+        """Whether the stream never ends (``restart`` and no ``max_epochs``)."""
+        return self._passes is None and self.stop_strategy != "all_exhausted"
+
+    def batch(
+        self, step: int, batch_size: int, rows: np.ndarray | None = None, *, start: int | None = None
+    ) -> Batch:
+        """Stream positions ``start ..`` ``start + batch_size - 1`` (``start`` default
+        ``step * batch_size``; with a batch-size schedule, where the step's batch starts).
+        Waits for the cache where they are not yet built, and raises its build's error.
+        ``rows``: only these rows of the batch, in this order (a process of a multi-process
+        run reads its share only); the rows are the same whichever others are read.
+
+        Raises :class:`DataExhausted` when the batch would read past the end of the stream
+        (a batch only partly there raises too: partial batches are dropped)."""
+        if start is None:
+            start = step * batch_size
+        stage_starts = self._stage_starts(batch_size)
+        self._check_not_ended(step, start, start + batch_size, stage_starts)
         if rows is None:
             rows = np.arange(batch_size, dtype=np.int64)
-        positions = step * batch_size + np.asarray(rows, np.int64)
+        positions = start + np.asarray(rows, np.int64)
         if self._mixture is None:
             sources, drawn = np.zeros_like(positions), positions
         else:
-            sources, drawn = self._mixture.locate(positions, batch_size)
+            sources, drawn = self._mixture.locate(positions, stage_starts)
         parts = []
         for source in np.unique(sources).tolist():
             here = sources == source
@@ -420,10 +703,83 @@ class TrainStream:
             parts.append((here, order.dataset.rows(order.indices(drawn[here]))))
         return _assemble(len(positions), self.seq_len, parts, self.packed)
 
+    def end_position(self, batch_size: int | None = None) -> int | None:
+        """The stream position where the stream ends (a batch reaching past it raises
+        :class:`DataExhausted`); None when it is endless or not known yet (a source's cache
+        is still being built). Never waits. ``batch_size`` places staged weights when there
+        is no ``offsets`` (default: ``initial_batch_size``)."""
+        if self.endless:
+            return None
+        stage_starts = self._stage_starts(batch_size or self._initial_batch_size)
+        if stage_starts is None:
+            return None
+        lengths = [order.pass_length(wait=False) for order in self._orders]
+        if any(length is None for length in lengths):
+            return None
+        return self._end(lengths, stage_starts)
+
     def template(self, batch_size: int) -> Batch:
         """A batch of zeros with the shapes and structure of every batch of this stream (to
         compile the training step before the data is there)."""
         return _assemble(batch_size, self.seq_len, [], self.packed)
+
+    # -- where the stream ends
+
+    def _stage_starts(self, batch_size: int | None) -> list[int] | None:
+        steps = [0] if self._mixture is None else self._mixture.steps
+        if self._offsets is not None:
+            return [int(self._offsets(step)) for step in steps]
+        if batch_size is None:
+            return None if len(steps) > 1 else [0]
+        return [step * batch_size for step in steps]
+
+    def _drawn_before(self, position: int, stage_starts: list[int]) -> list[int]:
+        if self._mixture is None:
+            return [position]
+        return self._mixture.drawn_before(position, stage_starts).tolist()
+
+    def _position_of(self, source: int, draw: int, stage_starts: list[int]) -> int | None:
+        if self._mixture is None:
+            return draw
+        return self._mixture.position_of(source, draw, stage_starts)
+
+    def _end(self, lengths: list[int], stage_starts: list[int]) -> int | None:
+        ends = []
+        if self._passes is not None:  # the first source to use up its passes ends the stream
+            found = [self._position_of(s, self._passes * n, stage_starts) for s, n in enumerate(lengths)]
+            ends += [min(p for p in found if p is not None)] if any(p is not None for p in found) else []
+        if self.stop_strategy == "all_exhausted":  # the last source to run out ends it
+            found = [self._position_of(s, n, stage_starts) for s, n in enumerate(lengths)]
+            ends += [max(found)] if all(p is not None for p in found) else []
+        return min(ends) if ends else None
+
+    def _check_not_ended(self, step: int, start: int, stop: int, stage_starts: list[int]) -> None:
+        if self.endless:
+            return
+        needed = self._drawn_before(stop, stage_starts)
+        why = None
+        if self._passes is not None:
+            for order, n in zip(self._orders, needed):
+                if n and order.exceeds(n, self._passes):
+                    length = order.pass_length(wait=True)
+                    passes = f"{self._passes} passes" if self._passes > 1 else "one pass"
+                    reason = "epoch" if self._passes == self.max_epochs else "data.stop_strategy: first_exhausted"
+                    source = f"source {order.name!r}" if self._mixture is not None else "the training data"
+                    why = f"{source} ran out after {passes} over its {length} sequences ({reason})"
+                    break
+        if why is None and self.stop_strategy == "all_exhausted":
+            if all(order.exceeds(n, 1) for order, n in zip(self._orders, needed)):
+                sources = "every source has" if self._mixture is not None else "the training data has"
+                why = f"{sources} run out at least once (data.stop_strategy: all_exhausted)"
+        if why is None:
+            return
+        lengths = [order.pass_length(wait=True) for order in self._orders]
+        end = self._end(lengths, stage_starts)
+        raise DataExhausted(
+            step,
+            f"step {step}: the training stream has ended: {why}; this batch would read stream positions "
+            f"{start}..{stop - 1}, but the stream ends at position {end}",
+        )
 
 
 def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch]], packed: bool) -> Batch:

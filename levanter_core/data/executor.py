@@ -6,12 +6,18 @@ is a generator of :class:`Progress` reports, each sent after the data it counts 
 stored. Shards go out in index order, so the ready prefix of the cache grows early;
 they may finish out of order. Every report comes back to the coordinator's thread.
 
+The shards are handed out in at most ``data.cache_options.num_shard_groups`` *groups* of
+consecutive shards (None: one group per shard): a group is one unit of work, a Ray task or
+one take from a local worker's queue, whose shards are tokenized one after the other. Fewer
+groups mean fewer, longer tasks (less scheduling on a cluster with many small files); how
+many run at once is still ``data.num_workers`` locally, the cluster's CPUs on Ray.
+
 * Local: ``num_workers`` processes from a *spawn* context (the caller may have JAX
   loaded, which must never be forked), fed shards from a queue. A cache in this
   process's memory (``memory://``) is built by threads instead: other processes
   cannot see it.
 * Ray: with ``trainer.ray.address`` set (``local``, ``auto`` or ``host:port``), each
-  shard is a streaming Ray task whose reports are its yielded values. Tasks are spread
+  group of shards is a streaming Ray task whose reports are its yielded values. Tasks are spread
   over the cluster's nodes; each first reports which node runs it, and the build logs how
   many shards each node tokenized (never in the ledger, which stays the same wherever the
   shards ran).
@@ -75,28 +81,46 @@ class BuildStopped(Exception):
 Work = Callable[[ShardTask], Iterator[Progress]]
 
 
+def shard_groups(tasks: list[ShardTask], max_groups: int | None) -> list[list[ShardTask]]:
+    """``tasks`` (in index order) as at most ``max_groups`` runs of consecutive tasks, as even
+    in length as they can be, longer ones first; None: one group per task."""
+    if max_groups is None or max_groups >= len(tasks):
+        return [[task] for task in tasks]
+    size, extra = divmod(len(tasks), max_groups)
+    groups, start = [], 0
+    for g in range(max_groups):
+        stop = start + size + (1 if g < extra else 0)
+        groups.append(tasks[start:stop])
+        start = stop
+    return groups
+
+
 def run_shards(
     work: Work,
     tasks: list[ShardTask],
     report: Callable[[Progress], None],
     *,
     num_workers: int,
+    max_groups: int | None = None,
     ray=None,
     stop: threading.Event,
     processes: bool = True,
 ) -> None:
     """Run ``work`` on every task and call ``report`` (in this thread) with each report.
     Returns when every shard is finished; raises the first worker error, or
-    :class:`BuildStopped` soon after ``stop`` is set. ``ray``: a ``RayConfig``, used when it
-    has an ``address``. ``processes=False``: local workers are threads of this process."""
+    :class:`BuildStopped` soon after ``stop`` is set. ``max_groups``: the tasks go out in at
+    most this many groups of consecutive shards (:func:`shard_groups`). ``ray``: a
+    ``RayConfig``, used when it has an ``address``. ``processes=False``: local workers are
+    threads of this process."""
     if not tasks:
         return
+    groups = shard_groups(tasks, max_groups)
     if ray is not None and ray.address:
         if not processes:
             raise DataError("a cache kept in this process's memory (memory://) cannot be built by Ray workers")
-        _run_ray(work, tasks, report, ray.address, stop)
+        _run_ray(work, groups, report, ray.address, stop)
     else:
-        _run_local(work, tasks, report, num_workers, stop, processes)
+        _run_local(work, groups, report, num_workers, stop, processes)
 
 
 # -- local processes --------------------------------------------------------------------------
@@ -112,18 +136,19 @@ def _serve(work: Work, todo, results, halt, own_process: bool, threads: int | No
         if threads is not None:
             os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     while not halt.is_set():
-        task = todo.get()
-        if task is None:
+        group = todo.get()
+        if group is None:
             return
-        try:
-            for progress in work(task):
-                if halt.is_set():
-                    return
-                results.put(("progress", progress))
-            results.put(("done", task.index))
-        except BaseException as e:  # reaches the coordinator, which fails the build
-            results.put(("error", _portable(e, task)))
-            return
+        for task in group:
+            try:
+                for progress in work(task):
+                    if halt.is_set():
+                        return
+                    results.put(("progress", progress))
+                results.put(("done", task.index))
+            except BaseException as e:  # reaches the coordinator, which fails the build
+                results.put(("error", _portable(e, task)))
+                return
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -145,9 +170,9 @@ def _portable(error: BaseException, task: ShardTask) -> BaseException:
 
 
 def _run_local(
-    work: Work, tasks: list[ShardTask], report, num_workers: int, stop: threading.Event, processes: bool
+    work: Work, groups: list[list[ShardTask]], report, num_workers: int, stop: threading.Event, processes: bool
 ) -> None:
-    count = min(num_workers, len(tasks))
+    count = min(num_workers, len(groups))
     if processes:
         context = multiprocessing.get_context("spawn")
         todo, results, halt = context.Queue(), context.Queue(), context.Event()
@@ -161,13 +186,13 @@ def _run_local(
         workers = [
             threading.Thread(target=_serve, args=(work, todo, results, halt, False), daemon=True) for _ in range(count)
         ]
-    for task in tasks:  # in index order: the first shards go out first
-        todo.put(task)
+    for group in groups:  # in index order: the first shards go out first
+        todo.put(group)
     for _ in workers:
         todo.put(None)
     for worker in workers:
         worker.start()
-    remaining = len(tasks)
+    remaining = sum(len(group) for group in groups)
     try:
         while remaining:
             if stop.is_set():
@@ -218,12 +243,13 @@ class RanOn:
         return f"{self.host} [{self.node_id[:8]}]"
 
 
-def _stream(work: Work, task: ShardTask) -> Iterator[RanOn | Progress]:
-    """A Ray task's body: where it runs, then the shard's reports, as the values it streams back."""
+def _stream(work: Work, group: list[ShardTask]) -> Iterator[RanOn | Progress]:
+    """A Ray task's body: where it runs, then its shards' reports, as the values it streams back."""
     import ray
 
     yield RanOn(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-    yield from work(task)
+    for task in group:
+        yield from work(task)
 
 
 _RAY_INIT = threading.Lock()  # the caches of a run are built by concurrent coordinator threads
@@ -254,7 +280,7 @@ def _connect(address: str) -> None:
             ray.init(address=address, log_to_driver=False)
 
 
-def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: threading.Event) -> None:
+def _run_ray(work: Work, groups: list[list[ShardTask]], report, address: str, stop: threading.Event) -> None:
     import ray
     from ray.exceptions import RayTaskError
 
@@ -263,15 +289,15 @@ def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: thr
     stream = ray.remote(num_returns="streaming", max_retries=0, scheduling_strategy="SPREAD")(_stream)
     # No more tasks in flight than CPUs, so they start in index order.
     capacity = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    pending = list(tasks)
+    pending = list(groups)
     running: dict = {}
     nodes: dict = {}  # generator -> the node running it
     shards_by_node: collections.Counter[str] = collections.Counter()
     try:
         while pending or running:
             while pending and len(running) < capacity:
-                task = pending.pop(0)
-                running[stream.remote(work, task)] = task
+                group = pending.pop(0)
+                running[stream.remote(work, group)] = group
             if stop.is_set():
                 raise BuildStopped()
             ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL)
@@ -279,8 +305,7 @@ def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: thr
                 try:
                     value = ray.get(next(generator))
                 except StopIteration:
-                    del running[generator]
-                    shards_by_node[str(nodes.pop(generator))] += 1
+                    shards_by_node[str(nodes.pop(generator))] += len(running.pop(generator))
                     continue
                 except RayTaskError as e:
                     raise (e.cause if isinstance(e.cause, UserError) else e) from None
@@ -292,9 +317,10 @@ def _run_ray(work: Work, tasks: list[ShardTask], report, address: str, stop: thr
         for generator in running:
             ray.cancel(generator, force=True)
     logger.info(
-        "tokenized %d shards on %d Ray nodes (%s)",
-        len(tasks),
+        "tokenized %d shards on %d Ray nodes in %d tasks (%s)",
+        sum(len(group) for group in groups),
         len(shards_by_node),
+        len(groups),
         ", ".join(f"{node}: {count}" for node, count in sorted(shards_by_node.items())),
         extra={"shards_by_node": dict(shards_by_node)},
     )

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 from levanter_core.data.cache import TokenCache, open_cache, read_cache
 from levanter_core.data.config import DataConfig
-from levanter_core.data.dataset import SequenceDataset, TrainStream, sequence_dataset
+from levanter_core.data.dataset import SequenceDataset, TrainStream, held_out, sequence_dataset
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
 from levanter_core.errors import DataError
 
@@ -69,6 +69,7 @@ def _open(
             enforce_eos=config.enforce_eos,
             skip_bad_data=config.skip_bad_data,
             num_workers=config.num_workers,
+            cache_options=config.cache_options,
             ray=ray,
             background=background,
             progress=progress,
@@ -86,21 +87,41 @@ def _open(
 def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
     """``(source name, split)`` of every cache a run needs, training first."""
     stages = config.weight_stages()
+    held = config.num_validation_sequences or {}
     for name, source in config.configs.items():
         trained = any(weights[name] > 0 for _, weights in stages)
-        if trained:
+        if trained or name in held:
             if not source.has_split("train"):
+                needs = "data.num_validation_sequences names it" if name in held and not trained else "it is trained on"
                 raise DataError(
-                    f"{config.field_of(name)}: no training data is configured for source {name!r} (set its train_urls)"
+                    f"{config.field_of(name)}: no training data is configured for source {name!r}, but {needs} "
+                    "(set its train_urls)"
                 )
             yield name, "train"
     for name, source in config.configs.items():
-        if source.has_split("validation"):
+        if name in held:
+            if source.has_split("validation"):
+                logger.info(
+                    "source %s: validating on the last %d sequences of its training data "
+                    "(data.num_validation_sequences) instead of its validation split",
+                    name,
+                    held[name],
+                )
+        elif source.has_split("validation"):
             yield name, "validation"
 
 
 def build_lm_data(
-    config: DataConfig, *, seq_len: int, seed: int, ray=None, progress: bool = True, build: bool = True
+    config: DataConfig,
+    *,
+    seq_len: int,
+    seed: int,
+    ray=None,
+    progress: bool = True,
+    build: bool = True,
+    initial_batch_size: int | None = None,
+    max_epochs: int = 0,
+    offsets: Callable[[int], int] | None = None,
 ) -> LmData:
     """Start (or reuse) every cache in the background and wire up the datasets.
 
@@ -109,7 +130,12 @@ def build_lm_data(
     :class:`DataError` here; problems found while tokenizing are raised by the reads.
 
     ``build`` false: build nothing, read the caches that another process (process 0 of a
-    multi-process run) builds, waiting up to ``FOLLOWER_WAIT_S`` for each to be started."""
+    multi-process run) builds, waiting up to ``FOLLOWER_WAIT_S`` for each to be started.
+
+    ``initial_batch_size`` (the batch size at step 0; needed with ``data.max_train_batches``),
+    ``max_epochs`` (the top-level ``epoch``) and ``offsets`` (step -> stream position, with a
+    batch-size schedule) go to :meth:`TrainStream.from_config`. A source of
+    ``data.num_validation_sequences`` validates on the held-out tail of its training data."""
     tokenizer = load_tokenizer(config.tokenizer)
     caches: dict[tuple[str, str], TokenCache] = {}
     try:
@@ -126,11 +152,17 @@ def build_lm_data(
         datasets[name, split] = sequence_dataset(cache, seq_len, packed=config.configs[name].format.packed)
     train = {name: ds for (name, split), ds in datasets.items() if split == "train"}
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
+    for name, count in (config.num_validation_sequences or {}).items():
+        validation[name] = held_out(train[name], name, count)[1]
     for name, cache in caches.items():
         if not cache.complete:
             builder = "in the background" if build else "by process 0"
             logger.info("%s/%s: the cache is being built %s (%s)", *name, builder, cache.path)
-    return LmData(tokenizer, TrainStream.from_config(train, config, seed), validation, caches)
+    stream = TrainStream.from_config(
+        train, config, seed, initial_batch_size=initial_batch_size, max_epochs=max_epochs, offsets=offsets
+    )
+    validation = {name: validation[name] for name in config.configs if name in validation}
+    return LmData(tokenizer, stream, validation, caches)
 
 
 def build_caches(config: DataConfig, *, ray=None, progress: bool = True) -> Iterator[tuple[str, str, TokenCache]]:

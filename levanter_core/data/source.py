@@ -30,6 +30,7 @@ from pydantic import Field, PositiveInt, field_validator
 from levanter_core.config.base import TypedConfig
 from levanter_core.data.formats import DataFormat, TextFormat
 from levanter_core.errors import DataError
+from levanter_core.fileio import require_filesystem
 
 SPLITS = ("train", "validation")
 
@@ -56,12 +57,18 @@ class DataSourceConfig(TypedConfig, abc.ABC):
     cache_dir: str | None = None
     """This source's own cache directory, in a mixture. Default: ``{data.cache_dir}/{name}``."""
 
+    tags: list[str] | None = None
+    """Labels of this source for evaluation: besides each source's own ``eval/<name>/loss``, the
+    loss over all validation tokens of the sources sharing a tag is logged as ``eval/<tag>/loss``."""
+
     format: DataFormat = Field(default_factory=TextFormat)
     """How records become examples: ``type: text`` (default), ``chat`` or ``supervised``."""
 
     inferred_from: ClassVar[tuple[str, ...]] = ()
     """Keys that select this source when a section has no ``type`` (``id`` for Hugging
     Face datasets); a section with none of them is a ``url`` source."""
+
+    _filesystem_installed = field_validator("cache_dir")(require_filesystem)
 
     @abc.abstractmethod
     def has_split(self, split: str) -> bool:
@@ -139,6 +146,13 @@ class UrlSourceConfig(DataSourceConfig):
     @classmethod
     def _one_url_is_a_list(cls, value):
         return (value,) if isinstance(value, str) else value
+
+    @field_validator("train_urls", "validation_urls")
+    @classmethod
+    def _filesystems_installed(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            require_filesystem(url)
+        return urls
 
     def has_split(self, split: str) -> bool:
         return bool(self._urls(split))

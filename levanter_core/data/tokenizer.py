@@ -1,4 +1,5 @@
-"""Tokenizers: the built-in byte-level one, and Hugging Face ``tokenizers`` files.
+"""Tokenizers: the built-in byte-level one, and Hugging Face ``tokenizers`` files, local or
+named by hub model id (read through the Hugging Face cache).
 
 Both offer the same small interface (:class:`Tokenizer`): a vocabulary size, an
 end-of-text id, a fingerprint that keys the tokenized cache, batch encoding to
@@ -22,6 +23,9 @@ EOS_TEXT = "<|endoftext|>"
 
 # Names that tokenizers commonly give their end-of-text token, most common first.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+HUB_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+"""The files of a hub model that make its tokenizer (all that is fetched of it)."""
 
 
 class Tokenizer(abc.ABC):
@@ -211,24 +215,18 @@ class HfTokenizer(Tokenizer):
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``byte``, a ``tokenizer.json`` file, or a directory containing one (local path or
-    fsspec URL). The end-of-text token is the ``eos_token`` of a ``tokenizer_config.json``
-    beside it, else the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``
-    that the vocabulary has. The same file gives the ``bos_token`` and ``chat_template``
-    (a ``chat_template.jinja`` beside it is used when the file has none)."""
+    """``byte``, a ``tokenizer.json`` file, a directory containing one (local path or fsspec
+    URL), or the name of a Hugging Face hub model (``gpt2``, ``meta-llama/Llama-2-7b-hf``)
+    that is not a local path: its tokenizer files are read from the Hugging Face cache,
+    downloaded into it first when the hub is reachable and ``HF_HUB_OFFLINE`` is not set.
+
+    The end-of-text token is the ``eos_token`` of a ``tokenizer_config.json`` beside the
+    ``tokenizer.json``, else the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``,
+    ``<eos>`` that the vocabulary has. The same file gives the ``bos_token`` and
+    ``chat_template`` (a ``chat_template.jinja`` beside it is used when the file has none)."""
     if spec == "byte":
         return ByteTokenizer()
-    fs, path = fsspec.core.url_to_fs(spec)
-    if fs.isdir(path):
-        path = posixpath.join(path, "tokenizer.json")
-        if not fs.isfile(path):
-            raise DataError(f"data.tokenizer: the directory {spec!r} has no tokenizer.json")
-    elif not fs.isfile(path):
-        raise DataError(
-            f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer.json file or "
-            "directory containing one (tokenizers are not downloaded from the Hugging Face hub; "
-            "save one locally first)"
-        )
+    fs, path = find_tokenizer_json(spec)
     with fs.open(path, "r", encoding="utf-8") as f:
         tokenizer_json = f.read()
     directory = posixpath.dirname(path)
@@ -240,6 +238,93 @@ def load_tokenizer(spec: str) -> Tokenizer:
         bos_token=_token_text(config.get("bos_token")),
         chat_template=_chat_template(fs, directory, config),
     )
+
+
+def check_tokenizer_available(spec: str) -> None:
+    """Raise :class:`DataError` (exit status 2) unless :func:`load_tokenizer` will find the
+    files of tokenizer ``spec``, so that a missing tokenizer stops a run before it reads data
+    or touches a device. A hub name missing from the Hugging Face cache is downloaded into it
+    here when the hub is reachable; offline, the error says how to get it there."""
+    if spec != "byte":
+        find_tokenizer_json(spec)
+
+
+def find_tokenizer_json(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of the ``tokenizer.json`` that ``spec`` (not ``byte``) names;
+    for a hub name, in the Hugging Face cache's snapshot directory, beside the model's
+    ``tokenizer_config.json``. Raises :class:`DataError` saying what to do if there is none."""
+    fs, path = fsspec.core.url_to_fs(spec)
+    from_hub = not fs.exists(path) and _is_hub_name(spec)
+    if from_hub:
+        fs, path = fsspec.filesystem("file"), _hub_snapshot(spec)
+    if fs.isdir(path):
+        json_path = posixpath.join(path, "tokenizer.json")
+        if fs.isfile(json_path):
+            return fs, json_path
+        if from_hub:
+            raise DataError(
+                f"data.tokenizer: the Hugging Face hub model {spec!r} has no tokenizer.json (looked in {path}). "
+                f"Download it with `hf download {spec} {' '.join(HUB_TOKENIZER_FILES[:2])}`; if the model has "
+                "only a slow tokenizer (vocab.json and merges.txt, or tokenizer.model), convert it with "
+                f"transformers (AutoTokenizer.from_pretrained({spec!r}).save_pretrained(DIR)) and set "
+                "data.tokenizer to DIR"
+            )
+        raise DataError(f"data.tokenizer: the directory {spec!r} has no tokenizer.json")
+    if fs.isfile(path):
+        return fs, path
+    raise DataError(
+        f"data.tokenizer: {spec!r} is neither 'byte', an existing tokenizer.json file or directory "
+        "containing one, nor the name of a Hugging Face hub model"
+    )
+
+
+def _is_hub_name(spec: str) -> bool:
+    """Whether ``spec`` can be a hub model id (``name`` or ``org/name``). A URL, or a name
+    ending in ``.json`` (a tokenizer file that is not there), is not one."""
+    if "://" in spec or spec.endswith(".json"):
+        return False
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_snapshot(name: str) -> str:
+    """The directory of the Hugging Face cache holding the tokenizer files of hub model
+    ``name`` at its main revision: downloaded when the hub is reachable (and
+    ``HF_HUB_OFFLINE`` is not set), else the copy already in the cache."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(name, allow_patterns=list(HUB_TOKENIZER_FILES))
+    except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and nothing cached
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if constants.is_offline_mode()
+            else f"the hub could not be reached ({type(e.__cause__ or e).__name__})"
+        )
+        raise DataError(
+            f"data.tokenizer: {name!r} is not a local path, and the tokenizer of the Hugging Face hub model "
+            f"{name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and cannot be downloaded: "
+            f"{why}. Fetch it on a machine with network access, into a Hugging Face cache that this one "
+            f"reads (HF_HUB_CACHE): `hf download {name} {' '.join(HUB_TOKENIZER_FILES[:2])}`; or set "
+            "data.tokenizer to a local directory holding tokenizer.json and tokenizer_config.json"
+        ) from None
+    except RepositoryNotFoundError:  # also a gated or private model without access
+        raise DataError(
+            f"data.tokenizer: {name!r} is not a local path, and the Hugging Face hub has no model {name!r} "
+            "that you can read (a private or gated model needs `hf auth login` and, for a gated one, its "
+            "terms accepted on the hub)"
+        ) from None
+    except Exception as e:  # the hub's other HTTP errors, a proxy refusing...
+        raise DataError(
+            f"data.tokenizer: the tokenizer of the Hugging Face hub model {name!r} could not be fetched: {e}"
+        ) from None
 
 
 def _tokenizer_config(fs, directory: str) -> dict:

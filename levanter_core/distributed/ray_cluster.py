@@ -17,6 +17,11 @@ processes:
 * several processes, no ``address``, ``auto_start_cluster: false``: no Ray; process 0
   tokenizes with local worker processes.
 
+Ray is an optional dependency (the core's ``ray`` extra). Without it on process 0's host, a
+multi-process run with no ``address`` tokenizes without Ray, as with ``auto_start_cluster:
+false``, and logs that it does; an ``address`` (which asks for Ray) stops the run before
+training with a :class:`~levanter_core.errors.ConfigError` saying what to install.
+
 A node is a ``ray start --block`` child process of the training process; it stops its
 node's processes when it ends and is ended, on exit or error, by the process that started
 it (never with ``ray stop``, which would stop every Ray of the machine, other users'
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -141,7 +147,10 @@ def _forget_head(port: int) -> None:
     """Remove the note ``ray start --head`` left of its address on this machine (as ``ray
     stop`` would), if it still names our head: ``ray.init()`` would try to join the stopped
     head for minutes."""
-    from ray._common.utils import get_ray_address_file
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # no Ray here (its node could not have started): no note to remove
+        return
 
     path = get_ray_address_file(None)
     try:
@@ -150,6 +159,28 @@ def _forget_head(port: int) -> None:
                 os.remove(path)
     except OSError:
         pass  # no note, or another one's
+
+
+INSTALL_RAY = "pip install 'levanter-core[ray]'"
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported in this environment (the core's ``ray`` extra)."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ImportError:  # an import hook that refuses it, or a broken parent package
+        return False
+
+
+def require_ray(config) -> None:
+    """Raise :class:`ConfigError` naming ``trainer.ray.address`` if ``config`` (a ``RayConfig``)
+    asks for a Ray cluster and Ray is not installed: without this the first cache build
+    would stop the run with an import error."""
+    if config.address is not None and not ray_installed():
+        raise ConfigError(
+            f"trainer.ray.address is {config.address!r}, but Ray is not installed: {INSTALL_RAY}, or unset "
+            "trainer.ray.address to tokenize without Ray (with local processes, on process 0)"
+        )
 
 
 def check_reachable(address: str, *, timeout_s: float = 10.0) -> None:
@@ -282,6 +313,12 @@ def _role(config, multi: bool) -> str | None:
     return "join" if config.start_workers else None
 
 
+def _leader_has_ray() -> bool:
+    """Whether Ray is installed on process 0's host, in every process: process 0 decides
+    whether the run starts a cluster, so that all of them meet at the same barriers."""
+    return distributed.share("ray/installed", str(ray_installed()) if distributed.is_leader() else None) == "True"
+
+
 @contextlib.contextmanager
 def ray_for_run(config) -> Iterator:
     """Start or join the run's Ray cluster as ``config`` (a ``RayConfig``) says; yield the
@@ -289,7 +326,17 @@ def ray_for_run(config) -> Iterator:
     hosts started one). Call it in every process, from the main thread, after
     ``jax.distributed`` started; on exit (normal or error) the nodes this process started are
     stopped and its Ray client disconnected."""
+    require_ray(config)
     role = _role(config, distributed.process_count() > 1)
+    if role == "start" and not _leader_has_ray():
+        role = None
+        if distributed.is_leader():
+            logger.warning(
+                "Ray is not installed (%s), so no Ray cluster is started over the %d processes: process 0 "
+                "tokenizes with local processes (trainer.ray.auto_start_cluster: false does the same, quietly)",
+                INSTALL_RAY,
+                distributed.process_count(),
+            )
     connected_before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     nodes: list[RayNode] = []
     with contextlib.ExitStack() as stack:

@@ -143,6 +143,59 @@ def load_hf_model(source: str, *, config: Any | None = None) -> HfModel:
     return HfModel(model, config, Vocab, directory, hf_config)
 
 
+def check_tokenizer_fits(directory: str, vocab_size: int, tokenizer, *, source: str) -> None:
+    """Raise :class:`ConfigError` unless ``tokenizer`` (the run's ``data.tokenizer``) fits the
+    Hugging Face checkpoint in ``directory`` (``source``: what ``initialize_from_hf`` names),
+    whose embeddings have ``vocab_size`` rows: it may not have more tokens than that, and where
+    the checkpoint ships a ``tokenizer.json``, each id both know must be the same token in both
+    (a checkpoint's vocabulary padded past its tokenizer's end, or tokens added after it, fit)."""
+    remedy = (
+        f"Use the checkpoint's own tokenizer (data.tokenizer: {source}), or set "
+        f"resize_vocab_to_match_tokenizer: true to resize its embeddings and output head to "
+        f"the tokenizer's {tokenizer.vocab_size} tokens."
+    )
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"initialize_from_hf: data.tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} tokens, but the "
+            f"checkpoint {source} has embeddings for {vocab_size} (vocab_size in its config.json): ids from "
+            f"{vocab_size} on would have none. {remedy}"
+        )
+    shipped = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(shipped):
+        return
+    from tokenizers import Tokenizer as RustTokenizer
+
+    theirs = _tokens_by_id(RustTokenizer.from_file(shipped))
+    ours = _tokens_by_id(RustTokenizer.from_str(tokenizer.to_tokenizer_json()))
+    differing = [i for i in sorted(theirs.keys() & ours.keys()) if theirs[i] != ours[i]]
+    if differing:
+        i = differing[0]
+        raise ConfigError(
+            f"initialize_from_hf: data.tokenizer ({tokenizer.name}, {tokenizer.vocab_size} tokens) is not the "
+            f"tokenizer of the checkpoint {source} ({len(theirs)} tokens, vocab_size {vocab_size}): "
+            f"{len(differing)} ids mean other tokens, e.g. id {i} is {ours[i]!r} here and {theirs[i]!r} there, "
+            f"so the embeddings would be read as the wrong tokens. {remedy}"
+        )
+
+
+def _tokens_by_id(tokenizer) -> dict[int, str]:
+    return {i: token for token, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+
+
+def resize_vocab(model: Any, config: Any, Vocab: Axis, *, key) -> Any:
+    """``model`` (built from ``config``) with every array along its ``vocab`` axis (the token
+    embeddings, an untied output head) cut or grown to ``Vocab``: as Levanter's
+    ``resize_vocab_to_match_tokenizer``, new rows are drawn from a truncated normal
+    distribution with the mean and standard deviation of the existing ones."""
+    import equinox as eqx
+    import haliax as hax
+
+    resized = hax.tree_util.resize_axis(model, "vocab", Vocab.size, key=key)
+    # the modules also record the axis itself (static fields): take them from a model of the new size
+    template = eqx.filter_eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
+    return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(resized))
+
+
 # -- import ----------------------------------------------------------------------------------
 
 
@@ -185,17 +238,33 @@ def _copy_tokenizer_files(source: str, target: str) -> list[str]:
 # -- export ----------------------------------------------------------------------------------
 
 
-def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard_bytes: int = 2 * 1024**3) -> str:
+def export_hf(
+    checkpoint: str,
+    output: str,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = 2 * 1024**3,
+    averaged: bool = True,
+) -> str:
     """Write our checkpoint (a training checkpoint, a run's checkpoint directory, or an
     import) as a Hugging Face model directory: ``config.json``, sharded safetensors with
-    their index, and the tokenizer files. Returns ``output``."""
+    their index, and the tokenizer files. Returns ``output``.
+
+    A run with ``trainer.model_averaging`` keeps the running average beside the trained
+    weights; evaluation uses the average, and so does the export unless ``averaged`` is
+    false (then the trained weights themselves are written).
+
+    ``config.json`` carries the special token ids (``pad_token_id``, ``bos_token_id``,
+    ``eos_token_id``) of the exported tokenizer; an id it does not define is the imported
+    ``config.json``'s, else null, and never one outside the vocabulary."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
     from levanter_core.config.base import validate_section
 
     found = discover_latest(checkpoint)
     if found is None:
         raise CheckpointError(f"no complete checkpoint at {checkpoint}")
-    stored = read_metadata(found).get("metadata", {})
+    described = read_metadata(found)
+    stored = described.get("metadata", {})
     run_config = stored.get("config") or {}
     if "model" not in run_config:
         raise CheckpointError(f"{found} does not record its model config; it cannot be exported")
@@ -209,22 +278,140 @@ def export_hf(checkpoint: str, output: str, *, dtype: str = "float32", max_shard
         vocab_size = tokenizer.vocab_size
     Vocab = Axis("vocab", int(vocab_size))
 
+    try:
+        translated = config.to_hf_config(Vocab.size)
+    except ValueError as e:  # a setting the Hugging Face architecture does not have
+        raise CheckpointError(f"{found} cannot be exported: {e}") from None
+
     key = jax.random.PRNGKey(0)
     template = jax.eval_shape(lambda: config.build(Vocab, key=key))
-    model = load_checkpoint(template, found, subtree="model")
+    has_average = any(leaf["name"].startswith(f"{AVERAGED_MODEL}/") for leaf in described.get("leaves", []))
+    if averaged and has_average:
+        # the average of a TrainerState is saved as `model_averaging/model/...`
+        owner, field = AVERAGED_MODEL.split("/")
+        model = load_checkpoint({field: template}, found, subtree=owner)[field]
+        logger.info("exporting the averaged weights of trainer.model_averaging (evaluation used them)")
+    else:
+        model = load_checkpoint(template, found, subtree="model")
+        if has_average:
+            logger.info("exporting the trained weights, not the average trainer.model_averaging kept")
+    write_hf_model(
+        model,
+        config,
+        Vocab,
+        output,
+        run_config=run_config,
+        imported_hf_config=stored.get("hf_config"),
+        tokenizer_dirs=(os.path.join(found, HF_TOKENIZER_DIR),),
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        translated=translated,
+    )
+    logger.info("exported %s to %s", found, output)
+    return output
+
+
+def write_hf_model(
+    model: Any,
+    config: Any,
+    Vocab: Axis,
+    output: str,
+    *,
+    run_config: dict,
+    imported_hf_config: dict | None = None,
+    tokenizer_dirs: tuple[str, ...] = (),
+    tokenizer=None,
+    dtype: str = "float32",
+    max_shard_bytes: int = 2 * 1024**3,
+    translated: dict | None = None,
+) -> list[str]:
+    """Write ``model`` (of the :class:`HfConvertible` ``config``, arrays this process can read)
+    as a Hugging Face model directory ``output``: ``config.json`` (the translated config over
+    ``imported_hf_config``, with the tokenizer's special token ids), sharded safetensors, and
+    the tokenizer files (from the first of ``tokenizer_dirs`` that has them, else the run's
+    ``data.tokenizer``). Returns the safetensors files written."""
+    if translated is None:
+        try:
+            translated = config.to_hf_config(Vocab.size)
+        except ValueError as e:  # a setting the Hugging Face architecture does not have
+            raise CheckpointError(f"the model cannot be exported: {e}") from None
     # every parameter is floating point; jnp.dtype knows bfloat16, NumPy alone does not
     tensors = {name: array.astype(jnp.dtype(dtype)) for name, array in to_hf_state_dict(model).items()}
 
     os.makedirs(output, exist_ok=True)
-    hf_config = {k: v for k, v in (stored.get("hf_config") or {}).items() if k not in _DROPPED_HF_KEYS}
-    hf_config.update(config.to_hf_config(Vocab.size))
+    _write_tokenizer(tokenizer_dirs, run_config, output, tokenizer)
+    hf_config = {k: v for k, v in (imported_hf_config or {}).items() if k not in _DROPPED_HF_KEYS}
+    hf_config.update(translated)
+    hf_config.update(_special_token_ids(output, hf_config, Vocab.size))
     hf_config["architectures"] = [config.hf_architecture]
     hf_config["torch_dtype"] = dtype
     write_text_atomically(os.path.join(output, "config.json"), json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    files = write_hf_checkpoint(output, tensors, max_shard_bytes=max_shard_bytes)
-    _write_tokenizer(found, run_config, output, tokenizer)
-    logger.info("exported %s to %s (%d shard(s))", found, output, len(files))
-    return output
+    return write_hf_checkpoint(output, tensors, max_shard_bytes=max_shard_bytes)
+
+
+AVERAGED_MODEL = "model_averaging/model"
+"""Where a training checkpoint keeps the model that ``trainer.model_averaging`` averages."""
+
+SPECIAL_TOKENS = {"pad_token_id": "pad_token", "bos_token_id": "bos_token", "eos_token_id": "eos_token"}
+"""The ``config.json`` keys of the special token ids, and the ``tokenizer_config.json`` keys
+that name those tokens."""
+
+
+def _special_token_ids(directory: str, hf_config: dict, vocab_size: int) -> dict[str, int | list[int] | None]:
+    """The special token ids for the ``config.json`` of an export in ``directory``: those of
+    the tokenizer written there, else those of ``hf_config`` (an imported model's), else None,
+    written explicitly so that ``transformers`` does not fall back to its family's defaults
+    (GPT-2's 50256, say), which need not exist in this vocabulary. An id outside
+    ``0 .. vocab_size - 1`` is never written."""
+    from_tokenizer = _tokenizer_special_ids(directory)
+    ids = {}
+    for key in SPECIAL_TOKENS:
+        ours, theirs = from_tokenizer.get(key), hf_config.get(key)
+        # keep an imported list of end ids (chat models stop on several) when it has ours
+        value = theirs if ours is None or (isinstance(theirs, list) and ours in theirs) else ours
+        if value is not None and not in_vocabulary(value, vocab_size):
+            logger.warning("not writing %s %s: the vocabulary has %d tokens", key, value, vocab_size)
+            value = None
+        ids[key] = value
+    return ids
+
+
+def in_vocabulary(value, vocab_size: int) -> bool:
+    """Whether ``value`` (a token id, or a list of them) names tokens of a ``vocab_size``-token vocabulary."""
+    values = value if isinstance(value, list) else [value]
+    return all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in values)
+
+
+def _tokenizer_special_ids(directory: str) -> dict[str, int]:
+    """The ids of the special tokens that the tokenizer files in ``directory`` define (its
+    ``tokenizer_config.json`` or ``special_tokens_map.json`` names them; the end-of-text token
+    is found as training found it, see :func:`levanter_core.data.tokenizer.load_tokenizer`)."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return {}
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from levanter_core.data.tokenizer import load_tokenizer
+
+    vocabulary = RustTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    named = {}
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = os.path.join(directory, file)
+        if os.path.isfile(path):
+            with open(path) as f:
+                contents = json.load(f)
+            if isinstance(contents, dict):
+                named.update({k: contents[k] for k in SPECIAL_TOKENS.values() if contents.get(k) is not None})
+    ids = {}
+    for key, name in SPECIAL_TOKENS.items():
+        token = named.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and vocabulary.token_to_id(token) is not None:
+            ids[key] = vocabulary.token_to_id(token)
+    eos = load_tokenizer(directory).eos_id
+    if eos is not None:
+        ids["eos_token_id"] = eos
+    return ids
 
 
 def _run_tokenizer(run_config: dict):
@@ -236,10 +423,31 @@ def _run_tokenizer(run_config: dict):
     return load_tokenizer(spec)
 
 
-def _write_tokenizer(checkpoint: str, run_config: dict, output: str, tokenizer=None) -> None:
-    """Tokenizer files for the export: those an import brought along, else the run's
-    tokenizer (its directory's files, or its ``tokenizer.json`` rebuilt)."""
-    for directory in (os.path.join(checkpoint, HF_TOKENIZER_DIR), (run_config.get("data") or {}).get("tokenizer")):
+def _tokenizer_directory(spec: str | None) -> str | None:
+    """The local directory holding the files of the tokenizer ``spec`` names: a directory
+    itself, or a hub name's snapshot in the Hugging Face cache (None for ``byte``, a lone
+    ``tokenizer.json``, or a remote location)."""
+    if not spec or spec == "byte":
+        return None
+    if os.path.isdir(spec):
+        return spec
+    from levanter_core.data.tokenizer import find_tokenizer_json
+    from levanter_core.errors import DataError
+
+    try:
+        fs, path = find_tokenizer_json(spec)
+    except DataError:
+        return None
+    directory = os.path.dirname(path)
+    return directory if "file" in fs.protocol and os.path.isdir(directory) and not os.path.isfile(spec) else None
+
+
+def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: str, tokenizer=None) -> None:
+    """Tokenizer files for the export: those an import brought along (``tokenizer_dirs``), else
+    the run's tokenizer (its directory's files, or its hub snapshot's, or its ``tokenizer.json``
+    rebuilt)."""
+    spec = (run_config.get("data") or {}).get("tokenizer")
+    for directory in (*tokenizer_dirs, _tokenizer_directory(spec)):
         if directory and os.path.isdir(directory) and "tokenizer.json" in _copy_tokenizer_files(directory, output):
             return
     if not (run_config.get("data") or {}).get("tokenizer"):

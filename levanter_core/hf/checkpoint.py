@@ -8,10 +8,12 @@ are all known up front and can be reported together with any shape mismatch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import struct
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -41,6 +43,8 @@ class StoredTensor:
     """One tensor as a shard's header describes it."""
 
     name: str
+    """Its name in the shard (which :meth:`HfCheckpoint.with_base_model_prefix` may have
+    changed in ``HfCheckpoint.tensors``)."""
     shape: tuple[int, ...]
     dtype: str
     """NumPy's name for it (``float32``, ``bfloat16``, ...)."""
@@ -115,7 +119,27 @@ class HfCheckpoint:
 
         stored = self.tensors[name]
         with safe_open(os.path.join(self.directory, stored.file), framework="np") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(stored.name)
+
+    def with_base_model_prefix(self, expected: Iterable[str]) -> "HfCheckpoint":
+        """This checkpoint with the prefix that ``expected`` (the model's tensor names) puts
+        before every name (``transformer.``, ``model.``) added to its own names, if it was
+        saved without it; else this checkpoint.
+
+        ``transformers`` saves the base model of a family (``GPT2Model`` rather than
+        ``GPT2LMHeadModel``) without the prefix, and loads either way: so does the original
+        ``gpt2`` checkpoint on the hub, whose tensors are ``wte.weight``, ``h.0.ln_1.weight``..."""
+        prefixes = {name.split(".", 1)[0] for name in expected if "." in name}
+        names = self.tensors.keys() | self.damaged.keys()
+        for prefix in sorted(prefixes):
+            if any(n.startswith(prefix + ".") for n in names):
+                continue
+            if any(f"{prefix}.{n}" in expected for n in names):
+                view = copy.copy(self)
+                view.tensors = {f"{prefix}.{n}": t for n, t in self.tensors.items()}
+                view.damaged = {f"{prefix}.{n}": why for n, why in self.damaged.items()}
+                return view
+        return self
 
 
 def _read_header(path: str) -> tuple[dict, int, int]:

@@ -6,7 +6,9 @@ and its modules use Hugging Face's parameter names as their field names, so that
 Haliax's state-dict serialization (``haliax.state_dict``: linear layers flattened to
 ``(out, in)``, scanned layers unstacked into ``layers.0``, ``layers.1``, ...) yields the
 Hugging Face tensor names directly. A module whose layout differs (stacked experts,
-say) overrides ``to_state_dict``/``from_state_dict`` as Haliax allows.
+say) overrides ``to_state_dict``/``from_state_dict`` as Haliax allows. A layer may be a
+plain ``eqx.Module`` whether the layers are stacked (``hnn.Stacked``) or unrolled
+(``hnn.BlockSeq``, ``scan_layers: false``): both read and write the same tensor names.
 """
 
 from __future__ import annotations
@@ -15,10 +17,20 @@ import abc
 from typing import Any, ClassVar, Self
 
 import equinox as eqx
+import haliax.nn as hnn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from haliax import Axis
-from haliax.state_dict import flatten_modules_for_export, from_torch_compatible_state_dict, to_state_dict
+from haliax.state_dict import (
+    ModuleWithStateDictSerialization,
+    StateDict,
+    flatten_modules_for_export,
+    from_state_dict,
+    to_state_dict,
+    unflatten_modules_from_export,
+    with_prefix,
+)
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.checkpoint import HfCheckpoint
@@ -100,11 +112,48 @@ def _is_float(dtype) -> bool:
 
 def load_hf_weights(config: Any, Vocab: Axis, checkpoint: HfCheckpoint, *, dtype=np.float32) -> Any:
     """Build ``config``'s model with the checkpoint's weights (cast to ``dtype``), after
-    checking that every tensor fits (:func:`check_fits`)."""
+    checking that every tensor fits (:func:`check_fits`). A checkpoint of the family's base
+    model, saved without the prefix of the model's names, loads too."""
     expected = hf_state_dict_shapes(config, Vocab)
+    checkpoint = checkpoint.with_base_model_prefix(expected)
     ignored = config.hf_ignored_tensors() if isinstance(config, HfConvertible) else frozenset()
     check_fits(expected, checkpoint, ignored=ignored)
     state_dict = {name: checkpoint.read(name).astype(dtype) for name in expected}
     key = jax.random.PRNGKey(0)
     template = eqx.filter_eval_shape(lambda: config.build(Vocab, key=key))
-    return from_torch_compatible_state_dict(template, state_dict)
+    return from_hf_state_dict(template, state_dict)
+
+
+def from_hf_state_dict(template: Any, state_dict: dict[str, Any]) -> Any:
+    """``template`` (a model, or its shapes from ``eqx.filter_eval_shape``) with the values of
+    ``state_dict``, a dict in Hugging Face's names and layouts (the inverse of
+    :func:`to_hf_state_dict`).
+
+    Haliax's ``from_torch_compatible_state_dict``, except that the layers of an unrolled
+    stack (``hnn.BlockSeq``) need not implement ``from_state_dict`` themselves: Haliax's
+    ``BlockSeq`` calls that method on each layer, which a plain ``eqx.Module`` lacks."""
+    model = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, template)
+    flat = flatten_modules_for_export(model)
+    loaded = from_state_dict(_loadable_stacks(flat), state_dict)
+    return unflatten_modules_from_export(loaded, model)
+
+
+def _loadable_stacks(tree: Any) -> Any:
+    """``tree`` with each ``hnn.BlockSeq`` wrapped in an :class:`_UnrolledLayers`."""
+    is_seq = lambda x: isinstance(x, hnn.BlockSeq)  # noqa: E731
+    return jax.tree.map(lambda x: _UnrolledLayers(x) if is_seq(x) else x, tree, is_leaf=is_seq)
+
+
+class _UnrolledLayers(ModuleWithStateDictSerialization):
+    """Stands in for an ``hnn.BlockSeq`` while a state dict is read, and becomes the
+    ``BlockSeq`` again: reads layer ``i`` from ``{prefix}.{i}.`` with Haliax's generic
+    ``from_state_dict``, which handles any module."""
+
+    layers: hnn.BlockSeq
+
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> hnn.BlockSeq:
+        blocks = [
+            from_state_dict(_loadable_stacks(block), state_dict, with_prefix(prefix, str(i)))
+            for i, block in enumerate(self.layers.blocks)
+        ]
+        return eqx.tree_at(lambda seq: seq.blocks, self.layers, blocks)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import equinox as eqx
 import haliax as hax
@@ -31,13 +31,37 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from pydantic import BeforeValidator
 
 from levanter_core.layers.mlp import init_linear
 from levanter_core.layers.norm import RmsNorm
 from levanter_core.layers.rotary import apply_rotary, rotary_tables
 
-AttentionBackend = Literal["auto", "reference", "jax"]
-"""``auto``, ``reference`` or ``jax`` (see the module docstring)."""
+_LEVANTER_BACKENDS = {
+    None: "auto",
+    "default": "auto",
+    "jax_flash": "auto",
+    "splash": "auto",
+    "nvte": "jax",
+    "vanilla": "reference",
+}
+"""Levanter's ``attn_backend`` names and what they mean here: ``default`` (and null) let the
+hardware decide; ``jax_flash`` (blockwise flash attention written in JAX) and ``splash`` (TPU's
+fused kernel) ask for memory-efficient attention, which ``auto`` gives (cuDNN's fused kernel on
+GPU, causal query blocks elsewhere); ``nvte`` (Transformer Engine's fused kernel) is cuDNN's
+fused attention, ``jax``; ``vanilla`` is the plain computation, ``reference``."""
+
+
+def _backend_from_levanter(value):
+    if value is None or (isinstance(value, str) and value.lower() in _LEVANTER_BACKENDS):
+        return _LEVANTER_BACKENDS[value.lower() if isinstance(value, str) else None]
+    return value
+
+
+AttentionBackend = Annotated[Literal["auto", "reference", "jax"], BeforeValidator(_backend_from_levanter)]
+"""``auto``, ``reference`` or ``jax`` (see the module docstring). Levanter's names are accepted
+too: ``default``/null and ``jax_flash``/``splash`` mean ``auto``, ``nvte`` means ``jax``,
+``vanilla`` means ``reference``."""
 
 QUERY_BLOCK = 128
 """Queries per block of causal attention in the ``reference`` backend. A block attends to the
@@ -121,16 +145,24 @@ def dot_product_attention(
     backend: AttentionBackend = "auto",
     dropout: float = 0.0,
     key=None,
+    query_block: int | None = None,
+    upcast: bool = False,
 ) -> NamedArray:
     """Attention of ``q`` over ``k``/``v`` (axes as in the module docstring).
 
     ``scale`` multiplies the query-key products; ``soft_cap`` applies
     ``soft_cap * tanh(scores / soft_cap)`` before masking (Gemma 2). The softmax runs in
     float32; the result has ``q``'s axes and dtype. ``dropout`` is the probability of dropping
-    each attention weight, in training only (when a ``key`` is given)."""
+    each attention weight, in training only (when a ``key`` is given). ``query_block``: queries
+    per block of causal attention (default ``QUERY_BLOCK``; the models' ``flash_attention_block_size``).
+    ``upcast``: compute the query-key products in float32 too, not only the softmax (Levanter's
+    ``upcast_attn``)."""
     dropout = dropout if key is not None else 0.0
+    block_size = query_block or QUERY_BLOCK
     if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0) == "jax":
         return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
+    if upcast:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
     axes = q.axes
     # Heads before positions: the einsums below then need no transposes between them.
@@ -138,11 +170,11 @@ def dot_product_attention(
     k, v = k.rearrange((..., KeyPos, HeadSize)), v.rearrange((..., KeyPos, HeadSize))
     scale = jnp.asarray(scale, q.dtype)
     causal_self = mask.causal and Pos.size == KeyPos.size
-    starts = range(0, Pos.size, QUERY_BLOCK) if causal_self else [0]
+    starts = range(0, Pos.size, block_size) if causal_self else [0]
     keys_per_block = jax.random.split(key, len(starts)) if dropout > 0 else [None] * len(starts)
     blocks = []
     for start, block_key in zip(starts, keys_per_block):
-        end = min(start + QUERY_BLOCK, Pos.size) if causal_self else Pos.size
+        end = min(start + block_size, Pos.size) if causal_self else Pos.size
         keys = end if causal_self else KeyPos.size  # a causal block sees no key after its last query
         blocks.append(
             _attend(
@@ -158,7 +190,7 @@ def dot_product_attention(
             )
         )
     out = blocks[0] if len(blocks) == 1 else hax.concatenate(Pos.name, blocks)
-    return out.rearrange(axes)
+    return out.rearrange(axes).astype(v.dtype)
 
 
 def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key):
@@ -229,6 +261,10 @@ class AttentionConfig:
     logits_soft_cap: float | None = None
     sliding_window: int | None = None
     backend: AttentionBackend = "auto"
+    query_block: int | None = None
+    """Queries per block of causal attention (``flash_attention_block_size``); None: ``QUERY_BLOCK``."""
+    upcast: bool = False
+    """Compute the query-key products in float32 (``upcast_attn``); the softmax always is."""
     initializer_range: float = 0.02
     out_std: float | None = None
     """Standard deviation of ``o_proj``'s initialization; default ``initializer_range``."""
@@ -318,5 +354,7 @@ class Attention(eqx.Module):
             window=c.sliding_window,
             sliding=sliding,
             backend=c.backend,
+            query_block=c.query_block,
+            upcast=c.upcast,
         )
         return self.o_proj(attended)

@@ -54,6 +54,19 @@ class DefaultRotaryConfig(_RotaryBase):
     type: Literal["default"] = "default"
     """``default``: no scaling."""
 
+    factor: PositiveFloat = 1.0
+    """Levanter's ``default`` rotary also takes a ``factor`` (1: no scaling); another value divides
+    every frequency by it, as ``linear`` does."""
+
+    def inverse_frequencies(self, head_size: int) -> np.ndarray:
+        freqs = super().inverse_frequencies(head_size)
+        return freqs if self.factor == 1.0 else (freqs / np.float32(self.factor)).astype(np.float32)
+
+    def to_hf(self) -> dict:
+        if self.factor == 1.0:
+            return super().to_hf()
+        return {"rope_type": "linear", "rope_theta": self.theta, "factor": self.factor}
+
 
 class LinearRotaryConfig(_RotaryBase):
     """Position interpolation: every frequency divided by ``factor``."""
@@ -200,18 +213,93 @@ RotaryConfig = Annotated[
 _BY_TYPE = {cls.model_fields["type"].default: cls for cls in RotaryConfig.__origin__.__args__}
 
 
-def rotary_from_hf(params: dict | None, *, default_theta: float = 10000.0) -> _RotaryBase:
+# What transformers reads from ``rope_parameters`` for each rope type we implement, besides
+# ``rope_type`` and ``rope_theta``. Other keys do not change its results (it ignores them),
+# so they are ignored here too; ``partial_rotary_factor`` is handled on its own.
+_HF_ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "attention_factor",
+            "truncate",
+        }
+    ),
+}
+
+# rope types of transformers that we do not implement, and what they do, for the error message
+_HF_UNSUPPORTED_ROPE = {
+    "dynamic": "dynamic NTK scaling, which changes the frequencies with the sequence length",
+    "longrope": "LongRoPE (Phi-3), per-frequency short and long factors",
+    "proportional": "proportional partial rotation",
+    "axial": "axial (2-D) rotation",
+}
+
+
+def rotary_from_hf(
+    params: dict | None, *, default_theta: float = 10000.0, hf_config: dict | None = None
+) -> _RotaryBase:
     """Our rotary config from a Hugging Face ``rope_parameters`` (or legacy ``rope_scaling``)
-    dictionary. Raises ``ValueError`` for a scaling we do not implement."""
+    dictionary.
+
+    ``hf_config``, the whole ``config.json``, supplies what ``transformers`` reads beside the
+    dictionary: a top-level ``partial_rotary_factor``, a top-level
+    ``original_max_position_embeddings`` (which takes precedence), and
+    ``max_position_embeddings``, the default of ``original_max_position_embeddings`` for
+    ``llama3`` and ``yarn`` and of a null YaRN ``factor`` (``max / original``). Pass it
+    whenever the dictionary comes from a config file.
+
+    Raises ``ValueError`` naming the setting, for anything that would change the rotation
+    and that we do not implement: a rope type other than ``default``, ``linear``, ``llama3``
+    and ``yarn``, or a ``partial_rotary_factor`` other than 1 (rotating only part of each
+    head), so that an import fails rather than giving wrong logits."""
+    hf_config = hf_config or {}
     params = dict(params or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    cls = _BY_TYPE.get(rope_type)
-    if cls is None:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {sorted(_BY_TYPE)}")
+    params.pop("type", None)  # transformers keeps the legacy alias beside rope_type
+    if rope_type not in _HF_ROPE_KEYS:
+        what = _HF_UNSUPPORTED_ROPE.get(rope_type, "unknown to us")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported ({what}); supported: {sorted(_HF_ROPE_KEYS)} "
+            "(rope_parameters.rope_type, or rope_scaling.type in older files)"
+        )
+    for where, partial in (
+        ("rope_parameters.partial_rotary_factor", params.pop("partial_rotary_factor", None)),
+        ("partial_rotary_factor", hf_config.get("partial_rotary_factor")),
+    ):
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(
+                f"{where} = {partial} is not supported: only rotating every dimension of each head "
+                "(partial_rotary_factor 1.0) is implemented"
+            )
     theta = params.pop("rope_theta", None) or default_theta
-    allowed = {name for name in cls.model_fields if name != "type"}
-    kwargs = {k: v for k, v in params.items() if k in allowed and v is not None}
-    return cls(theta=theta, **kwargs)
+    kwargs = {k: v for k, v in params.items() if k in _HF_ROPE_KEYS[rope_type] and v is not None}
+    if "original_max_position_embeddings" in _HF_ROPE_KEYS[rope_type]:
+        # transformers' precedence: the top-level key, the dictionary's, then the context length
+        candidates = (
+            hf_config.get("original_max_position_embeddings"),
+            params.get("original_max_position_embeddings"),
+            hf_config.get("max_position_embeddings"),
+        )
+        original = next((c for c in candidates if c is not None), None)
+        if original is not None:
+            kwargs["original_max_position_embeddings"] = original
+    if rope_type == "yarn" and "factor" in params and params["factor"] is None:
+        # a null factor means the ratio of the context lengths (DeepSeek-V3's convention)
+        if hf_config.get("max_position_embeddings") is None or "original_max_position_embeddings" not in kwargs:
+            raise ValueError(
+                "rope_parameters.factor is null for yarn, and max_position_embeddings and "
+                "original_max_position_embeddings are not both given to derive it from"
+            )
+        kwargs["factor"] = hf_config["max_position_embeddings"] / kwargs["original_max_position_embeddings"]
+    return _BY_TYPE[rope_type](theta=theta, **kwargs)
 
 
 def rotary_tables(rope: _RotaryBase, head_size: int, positions: NamedArray, HeadSize: Axis):

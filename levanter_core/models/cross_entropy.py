@@ -30,7 +30,17 @@ def cross_entropy_sum(hidden, head, targets, weights, *, block: int | None = Non
     """``sum(weights * (logsumexp(logits) - logits[target]))`` with ``logits = hidden @ head``
     (soft-capped as ``cap * tanh(logits / cap)`` when ``cap`` is set), in float32.
     ``block``: positions per block (None: all of them, one block)."""
-    return _fused(block, cap, hidden, head, targets, weights.astype(jnp.float32))
+    return _fused(block, cap, 0.0, hidden, head, targets, weights.astype(jnp.float32))[0]
+
+
+def cross_entropy_and_z_sum(
+    hidden, head, targets, weights, *, z_weight: float, block: int | None = None, cap: float | None = None
+):
+    """``(sum(weights * (loss + z_weight * logsumexp(logits)^2)), sum(weights * logsumexp^2))``: the
+    cross-entropy with PaLM's z-loss added, and the z-loss term alone (for logging; it has no
+    gradient of its own, differentiate the first value)."""
+    total, z_sum = _fused(block, cap, float(z_weight), hidden, head, targets, weights.astype(jnp.float32))
+    return total, jax.lax.stop_gradient(z_sum)
 
 
 def token_losses(hidden, head, targets, *, block: int | None = None, cap: float | None = None):
@@ -95,47 +105,70 @@ def _block_losses(h, head, t, cap):
     return losses, exp, total, logits
 
 
-def _block_loss_and_grads(h, h_t, head, t, w, cap):
-    """One block's weighted loss sum, its gradient with respect to ``h`` and its
-    contribution to the gradient with respect to ``head``. ``h_t`` is ``h`` transposed: the
-    head's gradient is then a plain matmul, which XLA's CPU backend runs 5% faster than one
-    that contracts the leading axes of both operands."""
+def _block_lse(exp_total, logits):
+    """``logsumexp`` of each row, from :func:`_block_losses`' row sums and logits."""
+    return (jnp.max(logits, axis=-1, keepdims=True) + jnp.log(exp_total))[..., 0]
+
+
+def _block_loss_and_grads(h, h_t, head, t, w, cap, z):
+    """One block's weighted loss sum (with ``z`` times the z-loss), its weighted z-loss sum, its
+    gradient with respect to ``h`` and its contribution to the gradient with respect to ``head``.
+    ``h_t`` is ``h`` transposed: the head's gradient is then a plain matmul, which XLA's CPU
+    backend runs 5% faster than one that contracts the leading axes of both operands."""
     losses, exp, total, logits = _block_losses(h, head, t, cap)
     # d loss / d logits = w * (softmax - one_hot(target)), through the cap's tanh if any
-    d_logits = exp * (w[..., None] / total) - jax.nn.one_hot(t, exp.shape[-1], dtype=exp.dtype) * w[..., None]
+    scale = w[..., None] / total
+    z_sum = jnp.zeros((), jnp.float32)
+    if z:  # d (z * lse^2) / d logits = 2 z lse softmax
+        lse = _block_lse(total, logits)
+        z_sum = jnp.sum(jnp.square(lse) * w)
+        losses = losses + z * jnp.square(lse)
+        scale = scale * (1.0 + 2.0 * z * lse[..., None])
+    d_logits = exp * scale - jax.nn.one_hot(t, exp.shape[-1], dtype=exp.dtype) * w[..., None]
     if cap is not None:
         d_logits = d_logits * (1.0 - jnp.square(logits / cap))
     d_logits = d_logits.astype(h.dtype)
     d_h = jnp.dot(d_logits, head.T, preferred_element_type=jnp.float32)
     d_head = jnp.dot(h_t, d_logits, preferred_element_type=jnp.float32)
-    return jnp.sum(losses * w), d_h, d_head
+    return jnp.sum(losses * w), z_sum, d_h, d_head
 
 
 # -- the fused loss and its gradient ---------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused(block, cap, hidden, head, targets, weights):
-    return jnp.sum(token_losses(hidden, head, targets, block=block, cap=cap) * weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(block, cap, z, hidden, head, targets, weights):
+    """``(loss sum with z x z-loss, z-loss sum)``; only the first value has a gradient."""
+    blocks = _blocks(hidden.shape[1], block)
+    h, t, w = _split(hidden, blocks), _split(targets, blocks), _split(weights, blocks)
+
+    def sums(xs):
+        losses, _, total, logits = _block_losses(xs[0], head, xs[1], cap)
+        z_terms = jnp.square(_block_lse(total, logits)) if z else jnp.zeros_like(losses)
+        return jnp.sum((losses + z * z_terms) * xs[2]), jnp.sum(z_terms * xs[2])
+
+    loss, z_sum = jax.lax.map(sums, (h, t, w))
+    return jnp.sum(loss), jnp.sum(z_sum)
 
 
-def _fused_forward(block, cap, hidden, head, targets, weights):
+def _fused_forward(block, cap, z, hidden, head, targets, weights):
     per_block = _blocks(hidden.shape[1], block)
     h, t, w = _split(hidden, per_block), _split(targets, per_block), _split(weights, per_block)
 
     def step(carry, xs):
-        loss, d_head = carry
-        block_loss, d_h, block_d_head = _block_loss_and_grads(*xs[:2], head, *xs[2:], cap)
-        return (loss + block_loss, d_head + block_d_head), d_h
+        loss, z_sum, d_head = carry
+        block_loss, block_z, d_h, block_d_head = _block_loss_and_grads(*xs[:2], head, *xs[2:], cap, z)
+        return (loss + block_loss, z_sum + block_z, d_head + block_d_head), d_h
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
-    (loss, d_head), d_h = jax.lax.scan(step, init, (h, jnp.swapaxes(h, 1, 2), t, w))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
+    (loss, z_sum, d_head), d_h = jax.lax.scan(step, init, (h, jnp.swapaxes(h, 1, 2), t, w))
     d_hidden = _join(d_h, *hidden.shape[:2]).astype(hidden.dtype)
-    return loss, (d_hidden, d_head.astype(head.dtype), weights)
+    return (loss, z_sum), (d_hidden, d_head.astype(head.dtype), weights)
 
 
-def _fused_backward(block, cap, residuals, g):
+def _fused_backward(block, cap, z, residuals, g):
     d_hidden, d_head, weights = residuals
+    g = g[0]  # the z-loss sum alone is a metric: its cotangent is ignored
     # targets are integers (no gradient); the weights are data, not parameters
     return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(d_head.dtype), None, jnp.zeros_like(weights)
 

@@ -19,7 +19,7 @@ example.
 from __future__ import annotations
 
 import abc
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 import haliax as hax
@@ -30,13 +30,22 @@ from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
-from levanter_core.models.cross_entropy import cross_entropy_sum, soft_cap, token_losses  # noqa: F401
+from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, soft_cap, token_losses  # noqa: F401
 
 DEFAULT_BLOCK_LOGITS = {"cpu": 2**22, "gpu": 2**28, "tpu": 2**28}
 """Logits per block of the loss when ``cross_entropy_block_size`` is not set, by JAX backend: on
 CPU a block's logits (16 MiB in float32) stay in the processor's cache (blocks of 256 to 512
 tokens ran the reference model's loss 25% faster than larger ones); accelerators get large
 blocks, which keep their matmuls big."""
+
+
+GradientCheckpointing = bool | Literal["offload", "recompute", "full", "save_all", "nested"]
+"""What a model's layers keep for the backward pass (``gradient_checkpointing``), as in Levanter:
+``true`` recomputes each layer's internals from its saved input; ``false`` saves everything;
+``offload`` keeps the layers' inputs in host memory; ``recompute`` (or ``full``) saves nothing
+and recomputes; ``save_all`` saves everything through the checkpointing machinery; ``nested``
+saves the inputs of every sqrt(layers)-th layer only and recomputes the rest in two levels.
+(Haliax's ``ScanCheckpointPolicy`` carries it out.)"""
 
 
 class LmConfig(TypedConfig, abc.ABC):
@@ -59,6 +68,24 @@ class LmConfig(TypedConfig, abc.ABC):
     faster). Parameters stay stacked either way, so checkpoints and exports do not change. With
     gradient checkpointing, XLA may merge a layer's recomputation back into the forward pass and
     keep its activations after all."""
+
+    flash_attention_block_size: PositiveInt | None = None
+    """Queries per block of blockwise (flash-style) causal attention, where the model's attention
+    runs in blocks. None: the backend's default (128 on CPU)."""
+
+    reference_checkpoint: str | None = None
+    """The Hugging Face checkpoint this architecture corresponds to (a hub name or a local
+    directory): what ``initialize_from_hf: true`` loads. None: the family's default
+    (``default_hf_checkpoint``), if it has one."""
+
+    default_hf_checkpoint: ClassVar[str | None] = None
+    """The checkpoint ``initialize_from_hf: true`` loads when ``reference_checkpoint`` is unset
+    (a plugin sets it on its config class; Levanter's defaults, e.g. ``gpt2``)."""
+
+    @property
+    def hf_checkpoint(self) -> str | None:
+        """``reference_checkpoint``, else the family's ``default_hf_checkpoint``."""
+        return self.reference_checkpoint or self.default_hf_checkpoint
 
     @property
     def Pos(self) -> Axis:
@@ -151,9 +178,12 @@ def _attn_kwargs(example: LmExample) -> dict:
     return {} if mask is None else {"attn_mask": mask}
 
 
-def lm_loss_and_metrics(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> tuple[jnp.ndarray, dict]:
+def lm_loss_and_metrics(
+    model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None, z_loss_weight: float = 0.0
+) -> tuple[jnp.ndarray, dict]:
     """The training objective of a batch and the model's own metrics: mean next-token
-    cross-entropy over the positions ``loss_mask`` selects, plus the model's
+    cross-entropy over the positions ``loss_mask`` selects, plus ``z_loss_weight`` times the
+    mean squared log-normalizer of the logits (logged as ``train/z_loss``), plus the model's
     :class:`AuxiliaryLoss` if it has one."""
     example = as_example(batch)
     kwargs = _attn_kwargs(example)
@@ -161,10 +191,32 @@ def lm_loss_and_metrics(model: LmHeadModel, batch: "LmExample | NamedArray", *, 
         hidden, aux = model.activations_with_aux(example.tokens, key=key, **kwargs)
     else:
         hidden, aux = model.activations(example.tokens, key=key, **kwargs), None
-    loss = next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
+    metrics = {}
+    if z_loss_weight:
+        targets, mask = _targets_and_mask(example.tokens, example.loss_mask)
+        h, head, (t, w), block, cap = _loss_inputs(model, hidden, targets, mask)
+        total, z_sum = cross_entropy_and_z_sum(h, head, t, w, z_weight=z_loss_weight, block=block, cap=cap)
+        count = jnp.maximum(hax.sum(mask).scalar(), 1.0)
+        loss = total / count
+        metrics["train/z_loss"] = z_sum / count
+    else:
+        loss = next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
     if aux is None:
-        return loss, {}
-    return loss + aux.loss, dict(aux.metrics)
+        return loss, metrics
+    return loss + aux.loss, {**metrics, **aux.metrics}
+
+
+def lm_eval_entropy(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
+    """The mean entropy (nats) of the model's next-token distribution over the positions the
+    loss counts (``log_entropy``)."""
+    example = as_example(batch)
+    hidden = model.activations(example.tokens, key=key, **_attn_kwargs(example))
+    _, mask = _targets_and_mask(example.tokens, example.loss_mask)
+    logits = hax.dot(hidden, model.get_lm_head(), axis="embed").astype(jnp.float32)
+    logits = soft_cap(logits, getattr(model.config, "final_logit_soft_cap", None))
+    log_p = hax.nn.log_softmax(logits, axis=model.Vocab)
+    entropy = -hax.sum(hax.exp(log_p) * log_p, axis=model.Vocab)
+    return hax.sum(entropy * mask).scalar() / jnp.maximum(hax.sum(mask).scalar(), 1.0)
 
 
 def lm_eval_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
@@ -190,17 +242,24 @@ def next_token_loss(
     The loss is computed in float32 whatever the compute precision. ``hidden``, if
     given, are the model's final hidden states for ``input_ids`` (already computed).
     """
-    Pos = input_ids.resolve_axis("position")
     if hidden is None:
         hidden = model.activations(input_ids, key=key)
-    targets = hax.roll(input_ids, -1, Pos)
-    mask = hax.broadcast_to((hax.arange(Pos) < Pos.size - 1).astype(jnp.float32), input_ids.axes)
-    if loss_mask is not None:
-        mask = mask * loss_mask.astype(jnp.float32)
+    targets, mask = _targets_and_mask(input_ids, loss_mask)
     total = _fused_cross_entropy(model, hidden, targets, mask)
     if reduction == "sum":
         return total
     return total / jnp.maximum(hax.sum(mask).scalar(), 1.0)
+
+
+def _targets_and_mask(input_ids: NamedArray, loss_mask: NamedArray | None) -> tuple[NamedArray, NamedArray]:
+    """The token each position predicts, and the float weight of each position's prediction
+    (0 at the last position, which predicts nothing, and where ``loss_mask`` is 0)."""
+    Pos = input_ids.resolve_axis("position")
+    targets = hax.roll(input_ids, -1, Pos)
+    mask = hax.broadcast_to((hax.arange(Pos) < Pos.size - 1).astype(jnp.float32), input_ids.axes)
+    if loss_mask is not None:
+        mask = mask * loss_mask.astype(jnp.float32)
+    return targets, mask
 
 
 def _loss_inputs(model, hidden: NamedArray, *per_position: NamedArray):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import re
+import warnings
 from typing import Annotated, Any, Callable
 
 import haliax as hax
@@ -20,7 +21,7 @@ import jax
 import optax
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
-from levanter_core.config.base import TypedConfig
+from levanter_core.config.base import TypedConfig, accepted_only_as
 from levanter_core.errors import ConfigError
 from levanter_core.optim.schedule import DecayShape, learning_rate_schedule
 from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
@@ -88,6 +89,14 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     cycles: int | list[int] | None = None
     """The number of (equal) cycles, or a list of the steps where cycles end. None means a single
     cycle. Cannot be combined with ``cycle_length``."""
+    cooldown: FractionOrSteps | None = None
+    """Deprecated (as in Levanter): a final phase of this many steps (or this fraction of the
+    run) after the schedule above, which then fits in the steps before it, going linearly from
+    the schedule's last learning rate to ``min_lr_ratio * learning_rate``. Write ``decay``
+    instead."""
+    haps: list[int] | None = None
+    """Deprecated in Levanter, where it no longer has any effect; only null is accepted. Write
+    ``cycles`` (a list of the steps where cycles end) instead."""
     lr_schedule: DecayShape = "cosine"
     """Shape of the decay phase: ``constant`` (no decay), ``linear``, ``cosine``, ``inv_sqrt``
     (``1/sqrt``) or ``inv`` (``1/x``). Each goes from the peak to exactly the minimum learning rate;
@@ -141,6 +150,10 @@ class OptimizerConfig(TypedConfig, abc.ABC):
                 raise ValueError(f"invalid regular expression {pattern!r}: {e}") from None
         return value
 
+    _no_haps = accepted_only_as(
+        None, "haps", why="haps is deprecated and has no effect in Levanter; write cycles (the steps where cycles end)"
+    )
+
     @model_validator(mode="after")
     def _check_combination(self):
         if self.cycles is not None and self.cycle_length is not None:
@@ -169,10 +182,16 @@ class OptimizerConfig(TypedConfig, abc.ABC):
 
         Raises :class:`ConfigError` when the cycles or phases do not fit the run.
         """
+        cooldown_steps = 0
+        if self.cooldown is not None:
+            warnings.warn("optimizer.cooldown is deprecated; use decay", DeprecationWarning, stacklevel=2)
+            cooldown_steps = int(self.cooldown * num_train_steps) if self.cooldown < 1 else int(self.cooldown)
+            if not 0 <= cooldown_steps < num_train_steps:
+                raise ConfigError(f"optimizer.cooldown ({self.cooldown}) leaves no steps of the run for the schedule")
         try:
-            return learning_rate_schedule(
+            main = learning_rate_schedule(
                 learning_rate=self.learning_rate,
-                num_train_steps=num_train_steps,
+                num_train_steps=num_train_steps - cooldown_steps,
                 min_lr_ratio=self.min_lr_ratio,
                 warmup=self.warmup,
                 decay=self.decay,
@@ -183,6 +202,11 @@ class OptimizerConfig(TypedConfig, abc.ABC):
             )
         except ValueError as e:
             raise ConfigError(f"optimizer: {e}") from None
+        if not cooldown_steps:
+            return main
+        last = float(main(num_train_steps - cooldown_steps - 1))
+        tail = optax.linear_schedule(last, self.learning_rate * self.min_lr_ratio, cooldown_steps)
+        return optax.join_schedules([main, tail], [num_train_steps - cooldown_steps])
 
     def build_weight_decay_mask(self) -> Callable[[PyTree], PyTree] | None:
         """A function from parameters to a tree of the same structure with a bool in place of

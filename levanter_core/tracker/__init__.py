@@ -6,8 +6,10 @@ from levanter_core.tracker.base import (
     NoopTracker,
     NoopTrackerConfig,
     RunInfo,
+    RunStatus,
     Tracker,
     TrackerConfig,
+    finish_tracker,
 )
 from levanter_core.tracker.jit_log import jit_log
 
@@ -17,7 +19,9 @@ __all__ = [
     "NoopTracker",
     "NoopTrackerConfig",
     "RunInfo",
+    "RunStatus",
     "Tracker",
     "TrackerConfig",
+    "finish_tracker",
     "jit_log",
 ]

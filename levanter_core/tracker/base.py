@@ -4,17 +4,32 @@ A tracker plugin provides a config class (subclass of :class:`TrackerConfig`,
 registered with the ``register_trackers`` hook) whose :meth:`TrackerConfig.init`
 returns a :class:`Tracker`. The trainer talks to trackers only through these
 five methods; values are plain Python numbers by the time they arrive.
+
+When the run ends, :meth:`Tracker.finish` is told how (:data:`RunStatus`), so a tracker
+can mark a failed run as failed. Trackers written before it took that argument
+(``def finish(self)``) still work: :func:`finish_tracker` calls them without it.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Sequence
+import inspect
+import warnings
+from typing import Any, Literal, Sequence, get_args
 
 import numpy as np
 
 from levanter_core.config.base import TypedConfig
+
+
+RunStatus = Literal["success", "failed", "interrupted"]
+"""How a run ended, as :meth:`Tracker.finish` is told: ``"success"`` (it trained every
+step and saved its last checkpoint), ``"failed"`` (an error stopped it: a bad batch, a NaN
+loss under ``trainer.crash_on_nan``, a failed save...) or ``"interrupted"`` (stopped by
+the user: Ctrl-C)."""
+
+RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +97,12 @@ class Tracker(abc.ABC):
     def log_artifact(self, path: str, *, name: str | None = None, type: str | None = None) -> None:
         """Attach a file or directory produced by the run."""
 
-    def finish(self) -> None:
-        """Flush and close. Called once, also when the run fails."""
+    def finish(self, status: RunStatus = "success") -> None:
+        """Flush and close. Called once when the run ends, whether it succeeded or not;
+        ``status`` (a :data:`RunStatus`) says how it ended, for trackers that show it
+        (a W&B run marked failed, say). An override may leave the argument out
+        (``def finish(self)``), as trackers written before it existed do; it then gets
+        called without it."""
 
 
 class TrackerConfig(TypedConfig, abc.ABC):
@@ -116,15 +135,41 @@ class CompositeTracker(Tracker):
         for t in self.trackers:
             t.log_artifact(path, name=name, type=type)
 
-    def finish(self):
+    def finish(self, status: RunStatus = "success"):
         errors = []
         for t in self.trackers:
             try:
-                t.finish()
+                finish_tracker(t, status)
             except Exception as e:  # one tracker failing to close must not stop the others closing
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def finish_tracker(tracker: Tracker, status: RunStatus) -> None:
+    """Close ``tracker``, telling it how the run ended (``status``, a :data:`RunStatus`).
+
+    A tracker whose ``finish`` takes no argument (written before :meth:`Tracker.finish`
+    took one) is called without it, with a :class:`DeprecationWarning`: it cannot tell a
+    failed run from one that succeeded."""
+    if status not in RUN_STATUSES:
+        raise ValueError(f"finish_tracker: status must be one of {', '.join(RUN_STATUSES)}, got {status!r}")
+    signature = inspect.signature(tracker.finish)
+    for args, kwargs in (((status,), {}), ((), {"status": status})):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        tracker.finish(*args, **kwargs)
+        return
+    cls = type(tracker)
+    warnings.warn(
+        f"{cls.__module__}.{cls.__qualname__}.finish() takes no argument, so it is not told how the run "
+        f"ended; define it as `def finish(self, status=\"success\")` (status: {', '.join(RUN_STATUSES)})",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    tracker.finish()
 
 
 class NoopTracker(Tracker):

@@ -82,7 +82,7 @@ class JsonTracker(Tracker):
         else:
             shutil.copy2(path, target)
 
-    def finish(self):
+    def finish(self, status="success"):
         if not self._file.closed:
             self._file.close()
 

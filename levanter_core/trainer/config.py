@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from levanter_core.config.base import ConfigModel, Typed, TypedList
+from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_only_as
 from levanter_core.config.types import MpPolicy
+from levanter_core.fileio import require_filesystem
 from levanter_core.optim.model_averaging import ModelAveragingConfig
 from levanter_core.trainer.viz import VizConfig
 from levanter_core.trainer.watch import WatchConfig
@@ -78,8 +81,82 @@ class RayConfig(ConfigModel):
     process 0 tokenizes with local processes."""
 
 
+class QuantizationConfig(ConfigModel):
+    """Quantized training of the linear layers (Haliax's quantization): their matrix products run in
+    FP8 (with delayed scaling: each layer keeps a history of the largest values it saw, updated
+    by the training step) or INT8, while the parameters stay in their own precision."""
+
+    fp8: bool = False
+    """Matrix products of the linear layers in FP8 (E4M3 forward, E5M2 gradients)."""
+    int8: bool = False
+    """Matrix products of the linear layers in INT8."""
+    targets: list[str] | str | None = None
+    """Which linear layers: a list of module names, or a regular expression matched against their
+    dotted paths. None: every linear layer."""
+    amax_history_length: int = Field(1024, ge=1)
+    """FP8: how many steps of largest absolute values each layer remembers for its scale."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "QuantizationConfig":
+        if self.fp8 and self.int8:
+            raise ValueError("fp8 and int8 cannot both be on; choose one")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.fp8 or self.int8
+
+    def to_haliax(self):
+        from haliax.quantization import QuantizationConfig as HaliaxQuantization
+
+        return HaliaxQuantization(
+            targets=self.targets, amax_history_length=self.amax_history_length, fp8=self.fp8, int8=self.int8
+        )
+
+
+class BatchSizeStage(ConfigModel):
+    """One stage of a batch-size schedule: ``value`` sequences per step from step ``start`` on."""
+
+    start: int = Field(ge=0)
+    """The first step of this stage."""
+    value: int = Field(ge=1)
+    """The batch size from ``start`` on."""
+
+
+def _tracker_sections(value: Any) -> Any:
+    """A tracker section written without ``type`` is W&B's, as in Levanter (whose default tracker
+    is W&B); ``trainer.tracker`` left out is the built-in ``json`` tracker."""
+
+    def typed(section: Any) -> Any:
+        if isinstance(section, dict) and "type" not in section:
+            return {"type": "wandb", **section}
+        return section
+
+    if isinstance(value, (list, tuple)):
+        return [typed(v) for v in value]
+    return typed(value)
+
+
 class TrainerConfig(ConfigModel):
     """How to train: steps and batches, precision, device mesh, evaluation, tracking, checkpoints."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _levanter_wandb_section(cls, data: Any) -> Any:
+        # Levanter's deprecated `trainer.wandb` section: the W&B tracker, in place of `tracker`.
+        if isinstance(data, dict) and "wandb" in data:
+            data = dict(data)
+            section = data.pop("wandb")
+            if section is not None:
+                warnings.warn(
+                    "trainer.wandb is deprecated (as in Levanter): write trainer.tracker: {type: wandb, ...}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                data["tracker"] = {"type": "wandb", **(section if isinstance(section, dict) else {})}
+        if isinstance(data, dict) and "tracker" in data:
+            data = {**data, "tracker": _tracker_sections(data["tracker"])}
+        return data
 
     seed: int = 0
     """The random seed. Every random number of the run (init, dropout, data order) derives from it."""
@@ -94,7 +171,9 @@ class TrainerConfig(ConfigModel):
     so running the same command again resumes the same run."""
     tracker: TypedList("tracker", "json") = Field(default_factory=dict)  # type: ignore[valid-type]
     """Where metrics go: one tracker section or a list of them. Default: the built-in ``json``
-    tracker, writing ``metrics.jsonl`` in the run directory."""
+    tracker, writing ``metrics.jsonl`` in the run directory (Levanter's default is W&B, which
+    needs an account: name it to use it). A section without ``type`` is W&B's, as in Levanter.
+    ``metrics.jsonl`` is written whatever the trackers."""
     checkpointer: Typed("checkpointer", "tensorstore") = Field(default_factory=dict)  # type: ignore[valid-type]
     """Checkpoint location and save policy (``base_path``, ``save_interval``, ``keep``)."""
 
@@ -105,8 +184,11 @@ class TrainerConfig(ConfigModel):
 
     num_train_steps: int = Field(400_000, ge=1)
     """How many optimizer steps to train for."""
-    train_batch_size: int = Field(512, ge=1)
-    """Sequences per optimizer step (the global batch, across all devices)."""
+    train_batch_size: int | list[BatchSizeStage] = 512
+    """Sequences per optimizer step (the global batch, across all devices): a number, or a
+    schedule ``[{start: 0, value: 64}, {start: 1000, value: 128}, ...]`` whose first stage starts
+    at step 0 (the step is compiled once per batch size; each step reads the sequences after the
+    previous step's, so the data is the same whatever the schedule cuts it into)."""
     per_device_parallelism: int = Field(
         -1, validation_alias=AliasChoices("per_device_parallelism", "per_device_train_parallelism")
     )
@@ -163,6 +245,33 @@ class TrainerConfig(ConfigModel):
     Default: the checkpointer's path for this run."""
     initialize_from: str | None = None
     """Start from this checkpoint's state (a checkpoint or a directory of them) as a new run."""
+    allow_partial_checkpoint: bool = False
+    """Load a checkpoint (resume, ``initialize_from``) that lacks some parts of the state, e.g.
+    one saved without the averaged model or with another optimizer: what it lacks starts fresh,
+    with a warning naming each missing part. False: such a checkpoint is refused."""
+
+    quantization: QuantizationConfig | None = None
+    """Quantized training of the linear layers (``{fp8: true}`` or ``{int8: true}``). None: none."""
+
+    profiler: bool = False
+    """Record a JAX profiler trace of ``profiler_num_steps`` steps starting at
+    ``profiler_start_step``, into ``{run_dir}/profiler/`` (open with TensorBoard's profile
+    plugin, or Perfetto)."""
+    profiler_start_step: int = Field(5, ge=0)
+    """The first step traced (later than the first steps, which compile)."""
+    profiler_num_steps: int = Field(100, ge=1)
+    """How many steps are traced (fewer if the run ends first)."""
+    profiler_perfetto_link: bool = False
+    """Also write a Perfetto trace (``perfetto_trace.json.gz``) beside the trace and print its path,
+    to open at ui.perfetto.dev."""
+
+    require_accelerator: bool | None = None
+    """True: stop before training when JAX finds no GPU or TPU. None or false: train on whatever
+    there is (Levanter's None requires an accelerator except on macOS; here CPU training is a
+    first-class use, so None allows it)."""
+    shutdown_at_exit: bool | float = False
+    """Levanter shuts the TPU VM down this long after the run ends; this framework never powers off
+    a machine, so only false is accepted."""
 
     viz: VizConfig | None = None
     """Every ``viz.interval`` steps, draw the log-probability of each token of a few
@@ -197,6 +306,27 @@ class TrainerConfig(ConfigModel):
     ray: RayConfig = Field(default_factory=RayConfig)
     """The Ray cluster used for data preprocessing."""
 
+    _filesystem_installed = field_validator("load_checkpoint_path", "initialize_from")(require_filesystem)
+
+    _no_shutdown = accepted_only_as(
+        False,
+        "shutdown_at_exit",
+        why="shutting the machine down at exit is not supported; remove the field or set it to false, "
+        "and stop the machine from your job script",
+    )
+
+    @field_validator("train_batch_size")
+    @classmethod
+    def _check_schedule(cls, v: int | list[BatchSizeStage]) -> int | list[BatchSizeStage]:
+        if isinstance(v, int):
+            if v < 1:
+                raise ValueError(f"must be a positive number of sequences, got {v}")
+            return v
+        starts = [stage.start for stage in v]
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)):
+            raise ValueError(f"a batch-size schedule's stages must start at step 0 and increase (got starts {starts})")
+        return v
+
     @field_validator("per_device_parallelism", "per_device_eval_parallelism")
     @classmethod
     def _positive_or_auto(cls, v: int) -> int:
@@ -224,6 +354,14 @@ class TrainerConfig(ConfigModel):
         return self
 
     # -- derived -------------------------------------------------------------------------
+    @property
+    def batch_schedule(self) -> "BatchSchedule":
+        """``train_batch_size`` as a schedule (one stage for a plain number)."""
+        stages = [(0, self.train_batch_size)] if isinstance(self.train_batch_size, int) else [
+            (stage.start, stage.value) for stage in self.train_batch_size
+        ]
+        return BatchSchedule(tuple(stages))
+
     @property
     def fsdp_axes(self) -> list[str]:
         if self.fsdp_axis is None:
@@ -261,6 +399,40 @@ class TrainerConfig(ConfigModel):
         if axis in (self.tensor_parallel_axes or []):
             return "trainer.tensor_parallel_axes"
         return "trainer.fsdp_axis"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchedule:
+    """Batch sizes by step: ``stages`` are ``(first step, batch size)``, the first at step 0."""
+
+    stages: tuple[tuple[int, int], ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Every batch size of the schedule, each once, in order of first use."""
+        return list(dict.fromkeys(size for _, size in self.stages))
+
+    @property
+    def max_size(self) -> int:
+        return max(self.sizes)
+
+    def size_at(self, step: int) -> int:
+        size = self.stages[0][1]
+        for start, value in self.stages:
+            if start > step:
+                break
+            size = value
+        return size
+
+    def offset_at(self, step: int) -> int:
+        """How many sequences the steps before ``step`` read: where step ``step``'s batch starts."""
+        offset = 0
+        for i, (start, size) in enumerate(self.stages):
+            end = self.stages[i + 1][0] if i + 1 < len(self.stages) else None
+            if step <= start:
+                break
+            offset += size * ((step if end is None else min(step, end)) - start)
+        return offset
 
 
 def _as_mesh_axes(value: str | list[str]) -> str | tuple[str, ...]:

@@ -10,6 +10,7 @@ model and optimizer -> fresh or resumed state -> trackers -> train loop
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -26,7 +27,7 @@ from levanter_core import __version__
 from levanter_core.config.train import TrainConfig
 from levanter_core.errors import CheckpointError, ConfigError
 from levanter_core.fileio import write_text_atomically
-from levanter_core.tracker.base import RunInfo
+from levanter_core.tracker.base import RunInfo, finish_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class RunResult:
     tokens_per_second: float | None = None
     wall_seconds: float = 0.0
     checkpoint: str | None = None
+    ended_early: str | None = None
+    """Why training stopped before ``trainer.num_train_steps`` (the data ran out: ``epoch``,
+    ``data.stop_strategy``); None when it did not."""
 
 
 # -- identity and the run record ---------------------------------------------------------------
@@ -185,9 +189,39 @@ def configure_jax(config: TrainConfig) -> None:
     from levanter_core import distributed
 
     distributed.initialize(trainer.distributed)
+    if trainer.require_accelerator and jax.default_backend() == "cpu":
+        raise ConfigError(
+            "trainer.require_accelerator is true, but JAX found no GPU or TPU (its backend is cpu); "
+            "run on a machine with one, or set trainer.require_accelerator: false to train on the CPU"
+        )
 
 
 # -- the run -------------------------------------------------------------------------------
+
+
+def preflight(config: TrainConfig) -> None:
+    """Check, before anything starts (no device, no data read), what the config names but this
+    environment cannot provide: the tokenizer, and places the checkpointer or the exports
+    cannot reach. Raises :class:`ConfigError` naming the field."""
+    from levanter_core.data.tokenizer import check_tokenizer_available
+
+    check_tokenizer_available(config.data.tokenizer)  # a hub tokenizer that cannot be had
+    trainer = config.trainer
+    places = {
+        "trainer.checkpointer.base_path": trainer.checkpointer.base_path,
+        "trainer.load_checkpoint_path": trainer.load_checkpoint_path,
+        "trainer.initialize_from": trainer.initialize_from,
+        "initialize_from_checkpoint_path": config.initialize_from_checkpoint_path,
+    }
+    for field, path in places.items():
+        problem = path and trainer.checkpointer.location_problem(path)
+        if problem:
+            raise ConfigError(f"{field}: {problem}")
+    if config.hf_save_path and "://" in config.hf_save_path:
+        raise ConfigError(
+            f"hf_save_path: {config.hf_save_path!r} is not a local path; exports are written to local (or mounted) "
+            "directories for now (hf_upload sends them on to the Hugging Face hub)"
+        )
 
 
 def run_training(config: TrainConfig, *, config_path: str | None = None, progress: bool = True) -> RunResult:
@@ -196,6 +230,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     In a multi-process run every process calls this with the same config: process 0 writes
     the run record, logs to the trackers, shows progress and builds the data caches; every
     process reads its share of each batch and writes its part of each checkpoint."""
+    preflight(config)
     configure_jax(config)
 
     from levanter_core import distributed
@@ -213,6 +248,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     logger.info("run %s: run directory %s", run_id, run_dir)
     if leader:
         print(f"run directory: {run_dir}", flush=True)
+        for note in levanter_differences(config):
+            print(f"note: {note}", flush=True)
     if distributed.process_count() > 1:
         print(_describe_processes(), flush=True)
     run = _Run(run_id, run_dir, resolved, plugins, record_files, wall_start)
@@ -223,7 +260,10 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         data = build_lm_data(
             config.data,
             seq_len=config.model.seq_len,
-            seed=trainer_cfg.seed,
+            seed=trainer_cfg.seed if config.data_seed is None else config.data_seed,
+            initial_batch_size=trainer_cfg.batch_schedule.size_at(0),
+            max_epochs=config.epoch,
+            offsets=trainer_cfg.batch_schedule.offset_at,
             ray=ray_config,
             progress=progress,
             build=leader,
@@ -232,6 +272,24 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
             return _train(config, run, data, progress)
         finally:
             data.close()
+
+
+def levanter_differences(config: TrainConfig) -> list[str]:
+    """Where this run, as configured, does something other than Levanter would with the same
+    config: defaults of Levanter's that need an account or an accelerator."""
+    import jax
+
+    notes = []
+    if "tracker" not in config.trainer.model_fields_set:
+        notes.append(
+            "trainer.tracker is not set: metrics go to metrics.jsonl in the run directory (Levanter's default "
+            "is W&B; set trainer.tracker: {type: wandb} for it)"
+        )
+    if config.trainer.require_accelerator is None and jax.default_backend() == "cpu":
+        notes.append(
+            "training on the CPU: Levanter would require a GPU or TPU here (trainer.require_accelerator: true)"
+        )
+    return notes
 
 
 def _describe_processes() -> str:
@@ -269,7 +327,10 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build_for_trainer(num_steps)
-    trainer = Trainer(trainer_cfg, optimizer, lm_loss_and_metrics, mesh=mesh, eval_loss_fn=lm_eval_loss)
+    loss_fn = lm_loss_and_metrics
+    if config.z_loss_weight:
+        loss_fn = functools.partial(lm_loss_and_metrics, z_loss_weight=config.z_loss_weight)
+    trainer = Trainer(trainer_cfg, optimizer, loss_fn, mesh=mesh, eval_loss_fn=lm_eval_loss)
 
     def model_init(key):
         return model_config.build(Vocab, key=key)
@@ -286,15 +347,28 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     if hf_directory is not None:
 
         def load_hf():
+            from haliax import Axis
+
             from levanter_core.hf import load_hf_weights
+            from levanter_core.hf.bridge import read_hf_config, resize_vocab
             from levanter_core.hf.checkpoint import HfCheckpoint
 
-            model = load_hf_weights(model_config, Vocab, HfCheckpoint(hf_directory))
-            print(f"initialized from Hugging Face model {config.initialize_from_hf}", flush=True)
+            hf_Vocab = Axis("vocab", read_hf_config(hf_directory)["vocab_size"])
+            model = load_hf_weights(model_config, hf_Vocab, HfCheckpoint(hf_directory))
+            print(f"initialized from Hugging Face model {config.hf_source}", flush=True)
+            if hf_Vocab != Vocab:  # resize_vocab_to_match_tokenizer (_resolve_model refuses otherwise)
+                model = resize_vocab(model, model_config, Vocab, key=jax.random.fold_in(key, 1))
+                print(
+                    f"resized its vocabulary from {hf_Vocab.size} to the tokenizer's {Vocab.size} "
+                    "(resize_vocab_to_match_tokenizer)",
+                    flush=True,
+                )
             return model
 
     trainer.check_sharding(model_init, key)  # a mapping that does not fit the model fails here, before compiling
-    state, resumed_from = _initial_state(trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf)
+    state, resumed_from = _initial_state(
+        trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=config.initialize_from_checkpoint_path
+    )
     _check_model_takes_packed_data(state.model, config)
     start_step = int(state.step)
     if resumed_from:
@@ -303,21 +377,30 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
     tracker = _make_tracker(config, run_info)
     result = RunResult(run_id, run_dir, start_step, start_step)
+    status = "success"  # what the trackers are told at the end
     try:
         tracker.log_hyperparameters(resolved)
         for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
         flops = model_config.flops_per_token(Vocab.size)
+        exporter = None
+        if config.hf_save_path:
+            exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)
+            exporter.check()
         loop = _TrainLoop(
-            config, trainer, data, tracker, checkpointer, run_dir=run_dir, flops_per_token=flops, progress=progress
-        )
+            config, trainer, data, tracker, checkpointer, run_dir=run_dir, flops_per_token=flops, progress=progress,
+            exporter=exporter,
+        )  # fmt: skip
         state = loop.run(state, result)
         checkpointer.on_step(state, int(state.step), force=True)
+        if exporter is not None and exporter.last_step != int(state.step):
+            exporter.export(trainer.eval_model(state), int(state.step))
         checkpointer.wait_until_finished()
         result.checkpoint = checkpointer.latest()
         result.wall_seconds = time.perf_counter() - run.wall_start
         tracker.log_summary({k: v for k, v in dataclasses.asdict(result).items() if v is not None})
-    except BaseException:
+    except BaseException as error:
+        status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         # The run is failing already; a save still being written is finished, not cut short.
         try:
             checkpointer.wait_until_finished()
@@ -325,18 +408,26 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             logger.error("the checkpoint being saved when the run failed could not be completed: %s", e)
         raise
     finally:
-        tracker.finish()
+        finish_tracker(tracker, status)
     return result
 
 
-def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None):
+def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None):
     """Loaded from this run's newest checkpoint that loads, else from ``initialize_from``,
-    else around the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
+    else from the whole state of ``trunk`` (``initialize_from_checkpoint_path``), else around the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
+
+    partial = cfg.allow_partial_checkpoint
+
+    def template():
+        # a partial load keeps the fresh values of what the checkpoint lacks, so it needs them
+        return trainer.init_state(model_init, key) if partial else trainer.state_template(model_init, key)
 
     if cfg.load_checkpoint is not False:
         where = cfg.load_checkpoint_path or checkpointer.path
-        resumed = checkpointer.resume(trainer.state_template(model_init, key), where)
+        resumed = checkpointer.resume(template(), where, allow_partial=True) if partial else checkpointer.resume(
+            template(), where
+        )
         if resumed is not None:
             return resumed
         if cfg.load_checkpoint:
@@ -353,29 +444,70 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None)
 
             model = load_checkpoint(eqx.filter_eval_shape(model_init, key), found, subtree="model")
             return trainer.state_from_model(model, key), None
-        return checkpointer.load(trainer.state_template(model_init, key), found), found
+        return _load(checkpointer, template(), found, partial), found
+    if trunk:
+        found = discover_latest(trunk) or trunk
+        state = _load(checkpointer, template(), found, partial)
+        print(f"initialized from the training state of {found} (step {int(state.step)})", flush=True)
+        return state, None
     if load_hf is not None:
         return trainer.state_from_model(load_hf(), key), None
     return trainer.init_state(model_init, key), None
 
 
+def _load(checkpointer, template, path: str, partial: bool):
+    # a checkpointer written before allow_partial_checkpoint existed is only asked for whole loads
+    return checkpointer.load(template, path, allow_partial=True) if partial else checkpointer.load(template, path)
+
+
+RUN_SETTINGS = (
+    "seq_len",
+    "scan_layers",
+    "unroll_layers",
+    "gradient_checkpointing",
+    "attn_backend",
+    "flash_attention_block_size",
+    "cross_entropy_block_size",
+    "upcast_attn",
+    "reference_checkpoint",
+)
+"""Model fields that say how to run an architecture, not what it is: under ``use_hf_model_config``
+they are still taken from the ``model`` section (``seq_len`` always, the others where written)."""
+
+
+def _with_run_settings(hf_model, model):
+    """``hf_model`` (the architecture read from ``config.json``) with ``model``'s run settings."""
+    given = model.model_fields_set | {"seq_len"}
+    update = {name: getattr(model, name) for name in RUN_SETTINGS if name in given and name in type(hf_model).model_fields}
+    return hf_model.model_copy(update=update)
+
+
 def _resolve_model(config: TrainConfig, tokenizer):
     """The model config to build, its vocabulary axis, and the Hugging Face directory to
     initialize from (None without ``initialize_from_hf``). The vocabulary is the
-    tokenizer's, or that of the weights the run starts from, which may be larger."""
+    tokenizer's, or that of the weights the run starts from, which may be larger.
+
+    A tokenizer that does not fit the Hugging Face checkpoint stops the run here, before
+    anything is built, unless ``resize_vocab_to_match_tokenizer`` asks for the checkpoint's
+    vocabulary to be resized to the tokenizer's."""
     from haliax import Axis
 
     from levanter_core.checkpoint import discover_latest, read_metadata
 
     model_config, vocab_size, directory, origin = config.model, tokenizer.vocab_size, None, None
     if config.initialize_from_hf:
-        from levanter_core.hf.bridge import config_from_hf, read_hf_config, resolve_source
+        from levanter_core.hf.bridge import check_tokenizer_fits, config_from_hf, read_hf_config, resolve_source
 
-        directory = resolve_source(config.initialize_from_hf)
+        directory = resolve_source(config.hf_source)
         hf_config = read_hf_config(directory)
         if config.use_hf_model_config:
-            model_config = config_from_hf(hf_config).model_copy(update={"seq_len": config.model.seq_len})
+            model_config = _with_run_settings(config_from_hf(hf_config), config.model)
         vocab_size, origin = hf_config.get("vocab_size"), "initialize_from_hf"
+        if not isinstance(vocab_size, int):
+            raise CheckpointError(f"initialize_from_hf: {directory}/config.json has no integer vocab_size")
+        if config.resize_vocab_to_match_tokenizer:
+            return model_config, Axis("vocab", tokenizer.vocab_size), directory
+        check_tokenizer_fits(directory, vocab_size, tokenizer, source=config.hf_source)
     elif config.trainer.initialize_from and (found := discover_latest(config.trainer.initialize_from)):
         # the vocabulary of the weights we start from (an import keeps its model's padded size)
         vocab_size = read_metadata(found).get("metadata", {}).get("vocab_size", vocab_size)
@@ -413,6 +545,120 @@ def _make_tracker(config: TrainConfig, info: RunInfo):
     return trackers[0] if len(trackers) == 1 else CompositeTracker(trackers)
 
 
+class HfExporter:
+    """Hugging Face exports during training (``hf_save_path``, ``hf_save_steps``, ``hf_upload``,
+    ``hf_save_dtype``): the model evaluation uses, as ``levanter export-hf`` would write it, to
+    ``{hf_save_path}/{run_id}/step-N/``."""
+
+    _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+    def __init__(self, config: TrainConfig, run_id: str, model_config, Vocab, tokenizer, resolved: dict, hf_directory):
+        from levanter_core.hf.bridge import read_hf_config
+
+        self.config, self.model_config, self.Vocab, self.tokenizer = config, model_config, Vocab, tokenizer
+        self.directory = os.path.join(os.path.expanduser(config.hf_save_path), run_id)
+        self.resolved = resolved
+        self.imported = read_hf_config(hf_directory) if hf_directory else None
+        dtype = config.hf_save_dtype or "float32"
+        self.dtype = self._DTYPES.get(dtype, dtype)
+        self.last_step: int | None = None
+
+    def check(self) -> None:
+        """Refuse, before training, a model that has no Hugging Face form."""
+        from levanter_core.hf.convert import HfConvertible
+
+        if not isinstance(self.model_config, HfConvertible):
+            raise ConfigError(f"hf_save_path: model type {self.model_config.type!r} has no Hugging Face form to save")
+        try:
+            self.model_config.to_hf_config(self.Vocab.size)
+        except ValueError as e:
+            raise ConfigError(f"hf_save_path: the model cannot be saved in Hugging Face form: {e}") from None
+
+    def export(self, model, step: int) -> str:
+        import jax
+        from jax.experimental import multihost_utils
+
+        from levanter_core import distributed
+        from levanter_core.hf.bridge import write_hf_model
+
+        if jax.process_count() > 1:  # every process holds a part; process 0 writes the whole
+            model = multihost_utils.process_allgather(model, tiled=True)
+        self.last_step = step
+        output = os.path.join(self.directory, f"step-{step}")
+        if not distributed.is_leader():
+            return output
+        write_hf_model(
+            model, self.model_config, self.Vocab, output, run_config=self.resolved, imported_hf_config=self.imported,
+            tokenizer=self.tokenizer, dtype=self.dtype,
+        )  # fmt: skip
+        print(f"saved the model in Hugging Face form to {output}", flush=True)
+        if self.config.hf_upload:
+            self._upload(output, step)
+        return output
+
+    def _upload(self, output: str, step: int) -> None:
+        from huggingface_hub import upload_folder
+
+        try:
+            upload_folder(
+                repo_id=self.config.hf_upload,
+                folder_path=output,
+                commit_message=f"step {step} of {os.path.basename(self.directory)}",
+            )
+            print(f"uploaded step {step} to the Hugging Face hub repository {self.config.hf_upload}", flush=True)
+        except Exception as e:  # the network or the hub; the export on disk stands, training goes on
+            logger.error("hf_upload: could not upload %s to %s: %s", output, self.config.hf_upload, e)
+            print(f"hf_upload: could not upload step {step} to {self.config.hf_upload}: {e}", flush=True)
+
+
+class _Profile:
+    """The JAX profiler trace of ``trainer.profiler``: steps ``profiler_start_step`` to
+    ``profiler_start_step + profiler_num_steps - 1`` (fewer if the run ends first), written to
+    ``{run_dir}/profiler/``."""
+
+    def __init__(self, trainer_cfg, run_dir: str):
+        self.on = trainer_cfg.profiler
+        self.first = trainer_cfg.profiler_start_step
+        self.last = trainer_cfg.profiler_start_step + trainer_cfg.profiler_num_steps - 1
+        self.perfetto = trainer_cfg.profiler_perfetto_link
+        self.directory = os.path.join(run_dir, "profiler")
+        self.active = False
+
+    def before_step(self, index: int) -> None:
+        if self.on and not self.active and self.first <= index <= self.last:
+            import jax
+
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=self.perfetto)
+            self.active = True
+            print(f"profiling steps {index + 1} to {self.last + 1} into {self.directory}", flush=True)
+
+    def after_step(self, index: int, metrics) -> None:
+        if self.active and index >= self.last:
+            import jax
+
+            jax.block_until_ready(metrics)
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        import jax
+
+        jax.profiler.stop_trace()
+        self.active = False
+        print(f"profiler trace written to {self.directory}", flush=True)
+        if self.perfetto:
+            traces = [
+                os.path.join(root, name)
+                for root, _, names in os.walk(self.directory)
+                for name in names
+                if name.startswith("perfetto_trace")
+            ]
+            if traces:
+                print(f"Perfetto trace (open it at ui.perfetto.dev): {max(traces, key=os.path.getmtime)}", flush=True)
+
+
 class _TrainLoop:
     """Steps, logging, evaluation and checkpoints; metrics are fetched one step late."""
 
@@ -427,6 +673,7 @@ class _TrainLoop:
         run_dir: str,
         flops_per_token: float | None,
         progress: bool,
+        exporter: "HfExporter | None" = None,
     ):
         import jax
         import numpy as np
@@ -444,8 +691,16 @@ class _TrainLoop:
         # loop would wait for that step before dispatching the next.
         schedule = config.optimizer.lr_scheduler(self.num_steps)
         self.learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(self.num_steps)), np.float64)
+        self.batches = config.trainer.batch_schedule
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
-        self.flops_per_step = flops_per_token * self.tokens_per_step if flops_per_token else None
+        self.flops_per_token = flops_per_token
+        self.entropy_fn = None
+        if config.log_entropy:
+            from levanter_core.models.lm import lm_eval_entropy
+
+            self.entropy_fn = lm_eval_entropy
+        self.profile = _Profile(config.trainer, run_dir)
+        self.exporter = exporter
 
     def evaluate(self, model) -> dict[str, float]:
         """``eval/loss`` over every validation set, and ``eval/<source>/loss`` for each
@@ -453,7 +708,8 @@ class _TrainLoop:
         from levanter_core.data.dataset import eval_batches
 
         size, limit = self.trainer.plan.eval_batch_size, self.trainer.config.max_eval_batches
-        losses, counts = {}, {}
+        rows = self.trainer.local_rows(self.trainer.EvalBatch)
+        losses, entropies, counts = {}, {}, {}
         for name, dataset in self.data.validation.items():
             counts[name] = 0
 
@@ -462,16 +718,39 @@ class _TrainLoop:
                     counts[name] += 1
                     yield batch
 
-            batches = eval_batches(dataset, size, limit, rows=self.trainer.local_rows(self.trainer.EvalBatch))
-            losses[name] = self.trainer.evaluate(model, counted(batches))
+            losses[name] = self.trainer.evaluate(model, counted(eval_batches(dataset, size, limit, rows=rows)))
+            if self.entropy_fn is not None:
+                batches = eval_batches(dataset, size, limit, rows=rows)
+                entropies[name] = self.trainer.evaluate(model, batches, fn=self.entropy_fn)
         if not losses:
             return {}
-        # Every batch has the same size: the mean over all of them weighs each source by its batches.
-        total = sum(losses[n] * counts[n] for n in losses) / sum(counts.values())
-        metrics = {"eval/loss": total}
+
+        def mean(values: dict[str, float], names) -> float:
+            # Every batch has the same size: the mean over all of them weighs each source by its batches.
+            return sum(values[n] * counts[n] for n in names) / sum(counts[n] for n in names)
+
+        metrics = {"eval/loss": mean(losses, losses)}
+        if entropies:
+            metrics["eval/entropy"] = mean(entropies, entropies)
         if self.config.data.is_mixture:
             metrics.update({f"eval/{name}/loss": loss for name, loss in losses.items()})
+            metrics.update({f"eval/{name}/entropy": value for name, value in entropies.items()})
+        for tag, names in self._tags().items():
+            names = [n for n in names if n in losses]
+            if names:
+                metrics[f"eval/{tag}/loss"] = mean(losses, names)
+                if entropies:
+                    metrics[f"eval/{tag}/entropy"] = mean(entropies, names)
         return metrics
+
+    def _tags(self) -> dict[str, list[str]]:
+        """Each ``tags`` entry of the data sources, with the sources that carry it."""
+        tags: dict[str, list[str]] = {}
+        for name, source in self.config.data.configs.items():
+            for tag in source.tags or []:
+                if tag != name:
+                    tags.setdefault(tag, []).append(name)
+        return tags
 
     def draw_viz(self, model, step: int) -> None:
         """The token log-probability heatmap of ``trainer.viz`` for ``step``, written to the
@@ -511,6 +790,8 @@ class _TrainLoop:
         import jax
         from tqdm.auto import tqdm
 
+        from levanter_core.errors import DataExhausted
+
         from levanter_core.trainer.trainer import Prefetcher, Throughput
 
         start = int(state.step)
@@ -519,11 +800,9 @@ class _TrainLoop:
             return state
 
         # The first batches are read (waiting for the cache where needed) while the step compiles.
-        batch_size = self.trainer.plan.batch_size
-        rows = self.trainer.local_rows(self.trainer.Batch)  # this process reads its share only
-        prefetch = Prefetcher(lambda s: self.data.train.batch(s, batch_size, rows), start, self.num_steps)
+        prefetch = Prefetcher(self._read_batch, start, self.num_steps)
         try:
-            self.trainer.compile_ahead(state, self.data.train.template(batch_size))
+            self.trainer.compile_ahead(state, self.data.train.template(self.batches.size_at(start)), self.batches.size_at(start))
             if start == 0:
                 initial = self.evaluate(self.trainer.eval_model(state))
                 if initial:
@@ -533,6 +812,7 @@ class _TrainLoop:
             prefetch.close()
             raise
         throughput = Throughput(self.tokens_per_step)
+        self.throughput = throughput
         bar = tqdm(
             total=self.num_steps,
             initial=start,
@@ -546,10 +826,24 @@ class _TrainLoop:
         try:
             carried: dict[str, Any] = {}  # logged with the next step
             for _ in range(start, self.num_steps):
-                index, batch = prefetch.get()
+                try:
+                    index, batch = prefetch.get()
+                except DataExhausted as e:
+                    print(f"ending the run early: {e.message}", flush=True)
+                    if pending is not None:
+                        last = pending["step"]
+                        if last % steps_per_eval and last != self.num_steps:  # not evaluated yet
+                            evaluated = self.evaluate(self.trainer.eval_model(state))
+                            pending.setdefault("host", {}).update(evaluated)
+                            if evaluated:
+                                result.final_eval_loss = evaluated["eval/loss"]
+                    result.ended_early = e.message
+                    break
                 if index == start:
                     self._say_if_still_building()
-                state, metrics = self.trainer.train_step(state, batch)
+                self.profile.before_step(index)
+                state, metrics = self.trainer.train_step(state, batch, self.batches.size_at(index))
+                self.profile.after_step(index, metrics)
                 if pending is not None:
                     self._finish(pending, throughput, bar, result)
                 step = index + 1
@@ -570,6 +864,8 @@ class _TrainLoop:
                     pending["host"].update(evaluated)
                     if evaluated:
                         result.final_eval_loss = evaluated["eval/loss"]
+                if self.exporter is not None and step % self.config.hf_save_steps == 0:
+                    self.exporter.export(self.trainer.eval_model(state), step)
                 if saving:
                     # The step is logged before its checkpoint can exist, so that a run resumed
                     # from that checkpoint has logged every step it does not train again.
@@ -583,12 +879,20 @@ class _TrainLoop:
             if pending is not None:
                 self._finish(pending, throughput, bar, result)
         finally:
+            self.profile.stop()
             prefetch.close()
             bar.close()
         if throughput.step_times:
             times = sorted(throughput.step_times)
             result.tokens_per_second = self.tokens_per_step / times[len(times) // 2]
         return state
+
+    def _read_batch(self, step: int):
+        """Step ``step``'s batch (this process's rows of it): the sequences after those of the
+        steps before it, however many ``trainer.train_batch_size``'s schedule gave them."""
+        size = self.batches.size_at(step)
+        rows = self.trainer.local_rows(self.trainer.batch_axis(size))  # this process reads its share only
+        return self.data.train.batch(step, size, rows, start=self.batches.offset_at(step))
 
     def _say_if_still_building(self) -> None:
         building = self.data.building()
@@ -609,11 +913,14 @@ class _TrainLoop:
         }
         self.trainer.check_finite(metrics["train/loss"], step)
         metrics["optim/learning_rate"] = float(self.learning_rates[step - 1])
+        throughput.tokens_per_step = self.batches.size_at(step - 1) * self.config.model.seq_len
         rate = throughput.tick()
         if rate is not None:
             metrics["throughput/tokens_per_second"] = rate
-            if self.flops_per_step:
-                metrics["throughput/model_gflops_per_second"] = rate / self.tokens_per_step * self.flops_per_step / 1e9
+            if self.flops_per_token:
+                metrics["throughput/model_gflops_per_second"] = rate * self.flops_per_token / 1e9
+        if len(self.batches.stages) > 1:
+            metrics["train/batch_size"] = self.batches.size_at(step - 1)
         metrics.update(pending.get("host", {}))
         if "checkpoint/save_blocked_seconds" in pending:
             metrics["checkpoint/save_blocked_seconds"] = pending["checkpoint/save_blocked_seconds"]

@@ -81,10 +81,12 @@ class BatchPlan:
         return {name: physical for name, physical in mapping.items() if name != Batch.name}
 
     @staticmethod
-    def from_config(config: TrainerConfig, data_size: int) -> "BatchPlan":
-        """The plan for ``config`` on ``data_size`` data-parallel devices; a :class:`ConfigError`
+    def from_config(config: TrainerConfig, data_size: int, batch: int | None = None) -> "BatchPlan":
+        """The plan for ``config`` on ``data_size`` data-parallel devices, for batches of ``batch``
+        sequences (default: the first of ``train_batch_size``'s schedule); a :class:`ConfigError`
         naming the field when the sizes do not fit."""
-        batch = config.train_batch_size
+        if batch is None:
+            batch = config.batch_schedule.size_at(0)
         if batch % data_size and not config.allow_nondivisible_batch_size:
             raise ConfigError(
                 f"trainer.train_batch_size ({batch}) must be a multiple of the {data_size} data-parallel device(s) "
@@ -198,17 +200,22 @@ class Trainer:
         self.compute_mapping = config.compute_axis_mapping()
         self.parameter_mapping = config.parameter_axis_mapping()
         self.plan = BatchPlan.from_config(config, data_axis_size(mesh))
+        # one plan per batch size of trainer.train_batch_size's schedule (the first is `plan`)
+        self.plans = {size: BatchPlan.from_config(config, data_axis_size(mesh), size) for size in config.batch_schedule.sizes}
+        self.plans[self.plan.batch_size] = self.plan
+        self.quantization = config.quantization.to_haliax() if config.quantization and config.quantization.enabled else None
         self.Batch = Axis(config.batch_axis, self.plan.batch_size)
         self.EvalBatch = Axis(config.batch_axis, self.plan.eval_batch_size)
         self._flat_steps: list[tuple[Any, Callable]] = []  # (state structure, compiled step)
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
+        self._eval_steps: dict[Callable, Callable] = {}
         self._local_rows: dict[int, np.ndarray] = {}
 
     # -- state ---------------------------------------------------------------------------
     def _fresh_state(self, model, training_key: jax.Array) -> TrainerState:
         """Step 0 around ``model``: parameter precision, a fresh optimizer state, and an
         average that starts at the model when averaging is on."""
-        model = self.mp.cast_to_param(model)
+        model = self.quantize(self.mp.cast_to_param(model))
         averaging = self.config.model_averaging
         return TrainerState(
             jnp.zeros((), jnp.int32),
@@ -233,6 +240,17 @@ class Trainer:
         _, training_key = jax.random.split(key)
         with hax.partitioning.set_mesh(self.mesh):
             return hax.named_jit(self._fresh_state, axis_resources=self.parameter_mapping)(model, training_key)
+
+    def quantize(self, model):
+        """``model`` with its linear layers quantized as ``trainer.quantization`` says (a model
+        quantized already, or no quantization: unchanged)."""
+        if self.quantization is None or _is_quantized(model):
+            return model
+        return hax.quantization.quantize_linear_layers(model, self.quantization)
+
+    def batch_axis(self, size: int) -> Axis:
+        """The batch axis of a global batch of ``size`` sequences (a size of the schedule)."""
+        return Axis(self.config.batch_axis, size)
 
     def eval_model(self, state: TrainerState):
         """The model to evaluate (and export): the averaged model when
@@ -282,17 +300,19 @@ class Trainer:
     def _loss_and_grad(self, model, batch: LmExample, key):
         """``((loss, metrics), grads)``, averaged over the microbatches."""
         grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
-        n = self.plan.num_microbatches
+        Batch = getattr(batch, "tokens", batch).resolve_axis(self.config.batch_axis)  # an LmExample or token ids
+        plan = self.plans[Batch.size]
+        n = plan.num_microbatches
         if n == 1:
             return grad_fn(model, batch, key)
-        Micro = self.Batch.resize(self.plan.microbatch_size)
+        Micro = Batch.resize(plan.microbatch_size)
         Steps = Axis("microbatch", n)
 
         def rest(x: NamedArray) -> tuple[Axis, ...]:
-            return tuple(ax for ax in x.axes if ax.name != self.Batch.name)
+            return tuple(ax for ax in x.axes if ax.name != Batch.name)
 
         def split(x: NamedArray):
-            return x.unflatten_axis(self.Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest(x))).array
+            return x.unflatten_axis(Batch.name, (Steps, Micro)).rearrange((Steps, Micro, *rest(x))).array
 
         def microbatch(arrays):
             return jax.tree.map(
@@ -318,11 +338,18 @@ class Trainer:
         key, next_key = jax.random.split(state.training_key)
         (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
+        overwrites = None
+        if self.quantization is not None:
+            # FP8's scale histories come back as "gradients" that replace the state outright
+            overwrites, grads = hax.quantization.partition_for_grad_overwrite(grads)
         optimizer = optax.with_extra_args_support(self.optimizer)
         with collecting() as optimizer_logged:  # jit_log from the optimizer's update
             updates, opt_state = optimizer.update(grads, state.opt_state, params, loss=loss)
         model_metrics = {**model_metrics, **optimizer_logged}
-        model = eqx.apply_updates(state.model, updates)
+        if overwrites is None:
+            model = eqx.apply_updates(state.model, updates)
+        else:
+            model = hax.quantization.apply_updates(state.model, updates, overwrites)
         averaging = state.model_averaging
         if averaging is not None:
             averaging = averaging.update(model, state.step)
@@ -388,20 +415,24 @@ class Trainer:
             put(getattr(batch, "segment_ids", None), np.int32),
         )
 
-    def train_step(self, state: TrainerState, batch):
+    def train_step(self, state: TrainerState, batch, batch_size: int | None = None):
         """One optimizer step on a global batch (token ids ``[batch, seq_len]``, a
-        ``data.Batch``, or an :class:`LmExample` already on the mesh); returns (state, metrics)."""
-        example = batch if isinstance(batch, LmExample) else self.to_device(batch, self.Batch)
+        ``data.Batch``, or an :class:`LmExample` already on the mesh); returns (state, metrics).
+        ``batch_size``: the global batch's size when ``batch`` holds only this process's rows of
+        a batch of another size than the first of the schedule."""
+        Batch = self.Batch if batch_size is None else self.batch_axis(batch_size)
+        example = batch if isinstance(batch, LmExample) else self.to_device(batch, Batch)
         leaves, structure = jax.tree.flatten(state)
         with hax.partitioning.set_mesh(self.mesh):
             leaves, metrics = self._flat_step(structure, leaves)(leaves, example)
         return jax.tree.unflatten(structure, leaves), metrics
 
-    def compile_ahead(self, state: TrainerState, template) -> None:
-        """Compile the training step now for batches shaped like ``template`` (a host batch),
-        so that it is ready when the first batch is: compilation then overlaps with whatever
-        else start-up waits for (the data, typically)."""
-        example = self.to_device(template, self.Batch)
+    def compile_ahead(self, state: TrainerState, template, batch_size: int | None = None) -> None:
+        """Compile the training step now for batches shaped like ``template`` (a host batch of
+        ``batch_size`` sequences, default the schedule's first), so that it is ready when the
+        first batch is: compilation then overlaps with whatever else start-up waits for (the
+        data, typically)."""
+        example = self.to_device(template, self.Batch if batch_size is None else self.batch_axis(batch_size))
         leaves, structure = jax.tree.flatten(state)
         with hax.partitioning.set_mesh(self.mesh):
             self._flat_step(structure, leaves).lower(leaves, example).compile()
@@ -428,13 +459,20 @@ class Trainer:
         self._flat_steps.append((structure, step))
         return step
 
-    def evaluate(self, model, batches: Iterator) -> float | None:
+    def evaluate(self, model, batches: Iterator, fn: Callable[..., jax.Array] | None = None) -> float | None:
         """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]`` ids or a
-        ``data.Batch``); None if there are none."""
+        ``data.Batch``); None if there are none. ``fn(model, example, *, key)``: another scalar
+        to average instead of the evaluation loss (the entropy, say)."""
+        step = self._eval_step if fn is None else self._eval_steps.get(fn)
+        if step is None:
+            step = self._eval_steps[fn] = hax.named_jit(
+                lambda model, batch: fn(self.mp.cast_to_compute(model), batch, key=None),
+                axis_resources=self.compute_mapping,
+            )
         losses = []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:
-                losses.append(self._eval_step(model, self.to_device(batch, self.EvalBatch)))
+                losses.append(step(model, self.to_device(batch, self.EvalBatch)))
         if not losses:
             return None
         return float(np.mean([float(x) for x in losses]))
@@ -446,9 +484,21 @@ class Trainer:
             raise NonFiniteLossError(f"the training loss became infinite at step {step} (trainer.crash_on_inf is true)")
 
 
+def _is_overwrite(x) -> bool:
+    return isinstance(x, hax.quantization.OverwriteWithGradient)
+
+
+def _is_quantized(model) -> bool:
+    return any(_is_overwrite(x) for x in jax.tree.leaves(model, is_leaf=_is_overwrite))
+
+
 def trainable(model):
-    """The parameters the optimizer updates: every floating-point array."""
-    return eqx.filter(model, eqx.is_inexact_array)
+    """The parameters the optimizer updates: every floating-point array, except the state of
+    quantized layers (FP8 scales), which the step replaces instead of updating."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    if not _is_quantized(model):
+        return params
+    return eqx.filter(params, lambda x: not _is_overwrite(x), is_leaf=_is_overwrite)
 
 
 class Prefetcher:

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import Field
 
-from levanter_core.tracker import RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker import RunInfo, RunStatus, Tracker, TrackerConfig
 
 
 class CsvTrackerConfig(TrackerConfig):
@@ -71,7 +71,9 @@ class CsvTracker(Tracker):
             self._file.truncate()
         self._append(row)
 
-    def finish(self) -> None:
+    def finish(self, status: RunStatus = "success") -> None:
+        # Every row is on disk already, however the run ended: a failed run's table is
+        # complete up to its last logged step, which is what a reader of the file needs.
         if self._file is not None:
             self._file.close()
             self._file = None

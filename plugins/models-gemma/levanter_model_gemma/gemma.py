@@ -47,7 +47,7 @@ from levanter_core.layers import (
     rotary_from_hf,
 )
 from levanter_core.models.flops import lm_flops_per_token
-from levanter_core.models.lm import LmConfig, soft_cap
+from levanter_core.models.lm import GradientCheckpointing, LmConfig, soft_cap
 
 GEMMA_NORM_OFFSET = 1.0
 """Gemma's RMSNorms scale by ``1 + weight``."""
@@ -58,6 +58,8 @@ class GemmaConfig(LmConfig, HfConvertible):
 
     type: str = "gemma"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-2b"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "GemmaForCausalLM"
     hf_model_type: ClassVar[str] = "gemma"
@@ -107,8 +109,10 @@ class GemmaConfig(LmConfig, HfConvertible):
     (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
     (``jax`` on GPU, ``reference`` elsewhere or when attention logits are soft-capped)."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     scan_layers: bool = True
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
@@ -144,6 +148,7 @@ class GemmaConfig(LmConfig, HfConvertible):
             qkv_bias=self.use_bias,
             out_bias=self.use_bias,
             backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
             initializer_range=self.initializer_range,
         )
 
@@ -197,7 +202,7 @@ class GemmaConfig(LmConfig, HfConvertible):
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
             use_bias=hf.get("attention_bias", False),
             rope=rotary_from_hf(
-                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0)
+                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0), hf_config=hf
             ),
         )
 

@@ -40,6 +40,8 @@ class Gemma2Config(GemmaConfig):
 
     type: str = "gemma2"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-2-2b"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "Gemma2ForCausalLM"
     hf_model_type: ClassVar[str] = "gemma2"

@@ -38,6 +38,8 @@ class Gemma3Config(Gemma2Config):
 
     type: str = "gemma3"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-3-1b-pt"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "Gemma3ForCausalLM"
     hf_model_type: ClassVar[str] = "gemma3_text"
@@ -136,7 +138,9 @@ def _ropes_from_hf(hf: dict) -> dict:
         raise ValueError(
             f"rope_parameters.sliding_attention: rope type {local_type!r} is not supported, only 'default'"
         )
+    # both through rotary_from_hf, which refuses what either may hold that we do not implement
+    local = rotary_from_hf(local_params, default_theta=_LOCAL_THETA, hf_config=hf)
     return {
-        "rope": rotary_from_hf(global_params, default_theta=_GLOBAL_THETA),
-        "rope_local_base_freq": local_params.get("rope_theta") or _LOCAL_THETA,
+        "rope": rotary_from_hf(global_params, default_theta=_GLOBAL_THETA, hf_config=hf),
+        "rope_local_base_freq": local.theta,
     }

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import equinox as eqx
 import haliax as hax
@@ -98,6 +99,44 @@ def test_parity_with_transformers(variant, tmp_path):
     assert report.export_config_differences == {}
     assert report.shards > 1
 
+
+
+# scan_layers: false (hnn.BlockSeq): the per-layer sliding flags and Gemma 3's two rotary
+# embeddings reach every unrolled layer
+@pytest.mark.parametrize("variant", ["gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope"])
+def test_unrolled_layers_match_transformers(variant, tmp_path):
+    report = check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN, scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.export_config_differences == {}
+
+
+REFUSED = {
+    "gemma: partial_rotary_factor = 0.5": lambda: transformers.GemmaConfig(
+        **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
+    ),
+    "gemma2: rope type 'dynamic' is not supported": lambda: transformers.Gemma2Config(
+        **COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    ),
+    "gemma3: partial_rotary_factor = 0.5": lambda: transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
+    ),
+    "gemma3: rope type 'dynamic' is not supported": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        num_hidden_layers=2,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_unsupported_rotary_settings_are_refused_by_name(case):
+    message = case.split(": ", 1)[1]
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(REFUSED[case]().to_dict())
 
 @pytest.mark.parametrize("hidden", [1152, 2048, 2304, 3072, 3584, 4608])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

@@ -4,6 +4,13 @@ The modules are built bottom-up: MLP, attention, block (pre-LayerNorm), the
 stack of blocks, embeddings, and the LM head model, whose output projection is
 the token embedding matrix (tied, as in GPT-2).
 
+Hugging Face's ``GPT2LMHeadModel`` stores the same parameters under other names
+(``transformer.wte``, ``transformer.h.0.attn.c_attn``, ...) and keeps its projections
+in ``Conv1D`` layers, whose weights are ``(in, out)`` rather than PyTorch's usual
+``(out, in)``. The modules map their field names to Hugging Face's with Haliax's
+``_state_dict_key_map`` and transpose the projections only when exporting
+(``flatten_for_export``), so that our own checkpoints and initialization stay as they were.
+
 Axes used throughout: ``position`` and its alias ``key_position``, ``embed``,
 ``heads``, ``head_size``, ``mlp``, ``layers``, ``vocab`` and any batch axes the
 caller puts in front.
@@ -11,8 +18,9 @@ caller puts in front.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Annotated, Callable, Literal
+from typing import Annotated, Callable, ClassVar, Literal
 
 import equinox as eqx
 import haliax as hax
@@ -21,10 +29,12 @@ import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from haliax.jax_utils import maybe_rng_split
+from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
-from levanter_core.layers.attention import AttentionMask, dot_product_attention
-from levanter_core.models.lm import LmConfig
+from levanter_core.hf import HfConvertible
+from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
+from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 Probability = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -39,11 +49,16 @@ _ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
 }
 
 
-class Gpt2Config(LmConfig):
+class Gpt2Config(LmConfig, HfConvertible):
     """The ``model:`` section for ``type: gpt2``."""
 
     type: str = "gpt2"
     """The registered type name; always ``gpt2`` for this config."""
+    default_hf_checkpoint: ClassVar[str | None] = "gpt2"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+
+    hf_architecture: ClassVar[str] = "GPT2LMHeadModel"
+    hf_model_type: ClassVar[str] = "gpt2"
 
     seq_len: PositiveInt = 1024
     """Length of the training sequences, and the number of learned position embeddings."""
@@ -90,12 +105,23 @@ class Gpt2Config(LmConfig):
     """Compute the attention scores (query-key products) in float32 even when the compute
     precision is lower. The softmax always runs in float32."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each block's activations in the backward pass instead of storing them:
-    less memory for about a third more compute."""
+    attn_backend: AttentionBackend = "auto"
+    """Attention implementation: ``reference`` (plain einsums in causal query blocks), ``jax``
+    (``jax.nn.dot_product_attention``, cuDNN's fused attention on GPU) or ``auto`` (``jax`` on
+    GPU without attention dropout, ``reference`` elsewhere). Levanter's names are accepted too."""
+
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     use_bias: bool = True
-    """Whether the linear projections have biases."""
+    """Whether the linear projections have biases. Hugging Face's GPT-2 always has them, so a
+    model without cannot be exported."""
+
+    scan_layers: bool = True
+    """Run the blocks as one ``jax.lax.scan`` over stacked parameters (fast compilation) rather
+    than unrolled (``haliax.nn.BlockSeq``). Both load and export the same Hugging Face tensors."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "Gpt2Config":
@@ -149,6 +175,70 @@ class Gpt2Config(LmConfig):
         forward = 2 * (L * (4 * h * h + 2 * h * m) + h * vocab_size) + 4 * L * s * h
         return 3.0 * forward
 
+    # -- Hugging Face ------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf_config: dict) -> "Gpt2Config":
+        """Keys a ``config.json`` may leave out take ``transformers.GPT2Config``'s defaults
+        (dropout 0.1, as GPT-2 was trained), since that is what ``transformers`` would use."""
+        hf = hf_config
+        unsupported = {
+            "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
+            "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
+            "add_cross_attention": (hf.get("add_cross_attention", False), False),
+        }
+        for key, (value, supported) in unsupported.items():
+            if value != supported:
+                raise ValueError(f"{key}: {json.dumps(value)} is not supported (GPT-2 here needs {json.dumps(supported)})")
+        hidden = hf.get("n_embd", 768)
+        inner = hf.get("n_inner") or 4 * hidden
+        if inner % hidden:
+            raise ValueError(f"n_inner ({inner}) must be a multiple of n_embd ({hidden}): the MLP is hidden_dim * mlp_scale wide")
+        return cls(
+            seq_len=hf.get("n_positions", 1024),
+            hidden_dim=hidden,
+            num_layers=hf.get("n_layer", 12),
+            num_heads=hf.get("n_head", 12),
+            mlp_scale=inner // hidden,
+            initializer_range=hf.get("initializer_range", 0.02),
+            embed_pdrop=hf.get("embd_pdrop", 0.1),
+            resid_pdrop=hf.get("resid_pdrop", 0.1),
+            attn_pdrop=hf.get("attn_pdrop", 0.1),
+            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            activation_function=hf.get("activation_function", "gelu_new"),
+            scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
+            upcast_attn=hf.get("reorder_and_upcast_attn", False),
+        )
+
+    def to_hf_config(self, vocab_size: int) -> dict:
+        if not self.use_bias:
+            raise ValueError("use_bias: false has no Hugging Face GPT-2 equivalent (its projections always have biases)")
+        return {
+            "model_type": self.hf_model_type,
+            "vocab_size": vocab_size,
+            "n_positions": self.seq_len,
+            "n_embd": self.hidden_dim,
+            "n_layer": self.num_layers,
+            "n_head": self.num_heads,
+            # null, as transformers writes it, when it is the default 4 * n_embd
+            "n_inner": None if self.mlp_scale == 4 else self.hidden_dim * self.mlp_scale,
+            "activation_function": self.activation_function,
+            "initializer_range": self.initializer_range,
+            "embd_pdrop": self.embed_pdrop,
+            "resid_pdrop": self.resid_pdrop,
+            "attn_pdrop": self.attn_pdrop,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "reorder_and_upcast_attn": self.upcast_attn,
+            "tie_word_embeddings": True,
+        }
+
+    def hf_ignored_tensors(self) -> frozenset[str]:
+        # The head is the token embeddings, though some checkpoints store a copy; older ones
+        # also store each layer's causal mask as a buffer (`attn.bias`, `attn.masked_bias`).
+        masks = {f"transformer.h.{i}.attn.{name}" for i in range(self.num_layers) for name in ("bias", "masked_bias")}
+        return frozenset({"lm_head.weight", *masks})
+
 
 def _normal_linear(In, Out, *, key, std: float, use_bias: bool) -> hnn.Linear:
     """A Linear layer with N(0, std) weights and zero biases, as GPT-2 initializes them."""
@@ -162,7 +252,21 @@ def _dropout(x: NamedArray, pdrop: float, key) -> NamedArray:
     return hnn.dropout(x, pdrop, inference=key is None, key=key)
 
 
-class Gpt2Mlp(eqx.Module):
+def _conv1d_layout(linear: hnn.Linear) -> hnn.Linear:
+    """``linear`` with its weight's axes ordered ``(..., in, out)``, the layout of Hugging
+    Face's ``Conv1D``, which Haliax's export then flattens as it is."""
+    names = [a.name for a in (*hax.axis_spec_to_tuple(linear.In), *hax.axis_spec_to_tuple(linear.Out))]
+    return eqx.tree_at(lambda m: m.weight, linear, linear.weight.rearrange((..., *names)))
+
+
+def _own_layout(linear: hnn.Linear, template: hnn.Linear) -> hnn.Linear:
+    """The inverse of :func:`_conv1d_layout` after an import: ``linear`` (possibly still
+    flattened) unflattened, with its weight's axes in ``template``'s order."""
+    linear = linear.unflatten_from_export(template)
+    return eqx.tree_at(lambda m: m.weight, linear, linear.weight.rearrange(template.weight.axes))
+
+
+class Gpt2Mlp(ModuleWithStateDictSerialization):
     """The feed-forward sublayer: ``embed -> mlp -> activation -> embed``."""
 
     c_fc: hnn.Linear
@@ -182,8 +286,15 @@ class Gpt2Mlp(eqx.Module):
     def __call__(self, x: NamedArray) -> NamedArray:
         return self.c_proj(self.activation(self.c_fc(x)))
 
+    def flatten_for_export(self) -> "Gpt2Mlp":
+        return eqx.tree_at(lambda m: (m.c_fc, m.c_proj), self, (_conv1d_layout(self.c_fc), _conv1d_layout(self.c_proj)))
 
-class Gpt2Attention(eqx.Module):
+    def unflatten_from_export(self, template: "Gpt2Mlp") -> "Gpt2Mlp":
+        layers = (_own_layout(self.c_fc, template.c_fc), _own_layout(self.c_proj, template.c_proj))
+        return eqx.tree_at(lambda m: (m.c_fc, m.c_proj), self, layers)
+
+
+class Gpt2Attention(ModuleWithStateDictSerialization):
     """Causal multi-head self-attention with one fused projection for queries, keys and values."""
 
     config: Gpt2Config = eqx.field(static=True)
@@ -224,8 +335,10 @@ class Gpt2Attention(eqx.Module):
 
         scale = 1.0 / math.sqrt(config.HeadSize.size)
         if config.scale_attn_by_inverse_layer_idx:
-            # keep the query's dtype: a float32 scale would silently upcast low-precision compute
-            scale = (scale / (layer_idx + 1)).astype(q.dtype)
+            # The layer's divisor is traced (the layers are scanned), so it goes into the queries:
+            # attention takes a constant scale. Keep the query's dtype: a float32 factor would
+            # silently upcast low-precision compute.
+            q = q * (1.0 / (layer_idx + 1)).astype(q.dtype)
 
         attended = dot_product_attention(
             q,
@@ -236,11 +349,23 @@ class Gpt2Attention(eqx.Module):
             KeyPos=KeyPos,
             HeadSize=config.HeadSize,
             scale=scale,
-            backend="reference",
+            backend=config.attn_backend,
+            query_block=config.flash_attention_block_size,
             dropout=config.attn_pdrop,
             key=key,
         )
         return self.c_proj(attended)
+
+    def flatten_for_export(self) -> "Gpt2Attention":
+        # c_attn's output axes flatten in the order (qkv, heads, head_size): Hugging Face's
+        # fused projection, queries then keys then values, each split into heads
+        return eqx.tree_at(
+            lambda m: (m.c_attn, m.c_proj), self, (_conv1d_layout(self.c_attn), _conv1d_layout(self.c_proj))
+        )
+
+    def unflatten_from_export(self, template: "Gpt2Attention") -> "Gpt2Attention":
+        layers = (_own_layout(self.c_attn, template.c_attn), _own_layout(self.c_proj, template.c_proj))
+        return eqx.tree_at(lambda m: (m.c_attn, m.c_proj), self, layers)
 
 
 class Gpt2Block(eqx.Module):
@@ -272,15 +397,17 @@ class Gpt2Block(eqx.Module):
 
 
 class Gpt2Transformer(eqx.Module):
-    """The stack of blocks (scanned over ``layers``) and the final LayerNorm."""
+    """The stack of blocks (scanned over ``layers``, or unrolled without ``scan_layers``) and
+    the final LayerNorm: Hugging Face's ``transformer.h`` and ``transformer.ln_f``."""
 
     config: Gpt2Config = eqx.field(static=True)
-    blocks: hnn.Stacked[Gpt2Block]
+    blocks: hnn.Stacked[Gpt2Block]  # hnn.BlockSeq when scan_layers is false
     ln_f: hnn.LayerNorm
 
     @staticmethod
     def init(config: Gpt2Config, *, key) -> "Gpt2Transformer":
-        blocks = hnn.Stacked.init(config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing)(
+        stack = hnn.Stacked if config.scan_layers else hnn.BlockSeq
+        blocks = stack.init(config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing)(
             config, key=jax.random.split(key, config.num_layers)
         )
         return Gpt2Transformer(config, blocks, hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon))
@@ -292,6 +419,9 @@ class Gpt2Transformer(eqx.Module):
             x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers
         )
         return self.ln_f(x)
+
+    def _state_dict_key_map(self) -> dict[str, str | None]:
+        return {"blocks": "h"}
 
 
 class Gpt2Embeddings(eqx.Module):
@@ -317,6 +447,9 @@ class Gpt2Embeddings(eqx.Module):
         Pos = input_ids.resolve_axis(self.config.Pos.name)
         x = self.token_embeddings.embed(input_ids) + self.position_embeddings.embed(hax.arange(Pos))
         return _dropout(x, self.config.embed_pdrop, key)
+
+    def _state_dict_key_map(self) -> dict[str, str | None]:
+        return {"token_embeddings": "wte", "position_embeddings": "wpe"}
 
 
 class Gpt2LMHeadModel(eqx.Module):
@@ -364,3 +497,7 @@ class Gpt2LMHeadModel(eqx.Module):
         """Logits, axes ``(..., position, vocab)``."""
         hidden = self.activations(input_ids, key=key)
         return hax.dot(hidden, self.get_lm_head(), axis=self.config.Embed.name)
+
+    def _state_dict_key_map(self) -> dict[str, str | None]:
+        # Hugging Face keeps the embeddings inside `transformer` (`transformer.wte`, `transformer.wpe`)
+        return {"embeddings": "transformer"}

@@ -18,7 +18,6 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 from haliax import Axis, NamedArray
-from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf import HfConvertible
@@ -36,7 +35,7 @@ from levanter_core.layers import (
     rotary_from_hf,
 )
 from levanter_core.models.flops import lm_flops_per_token
-from levanter_core.models.lm import LmConfig
+from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 
 class LlamaConfig(LmConfig, HfConvertible):
@@ -44,6 +43,8 @@ class LlamaConfig(LmConfig, HfConvertible):
 
     type: str = "llama"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "NousResearch/Llama-2-7b-hf"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "LlamaForCausalLM"
     hf_model_type: ClassVar[str] = "llama"
@@ -79,6 +80,14 @@ class LlamaConfig(LmConfig, HfConvertible):
     layer_norm_epsilon: float = Field(1e-5, gt=0.0)
     """Epsilon of every RMSNorm (``rms_norm_eps``)."""
 
+    use_layer_norm_weight: bool = True
+    """Whether the RMSNorms have a learned scale. False: plain normalization, no parameter
+    (as in Levanter's OLMo-style ablations); such a model has no Hugging Face counterpart."""
+
+    upcast_attn: bool = False
+    """Compute the query-key products in float32 even when the compute precision is lower
+    (the softmax always runs in float32)."""
+
     tie_word_embeddings: bool = False
     """Use the token embedding matrix as the output projection."""
 
@@ -93,8 +102,10 @@ class LlamaConfig(LmConfig, HfConvertible):
     (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
     (``jax`` on GPU, ``reference`` elsewhere)."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     scan_layers: bool = True
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
@@ -137,6 +148,8 @@ class LlamaConfig(LmConfig, HfConvertible):
             qkv_bias=self.use_bias,
             out_bias=self.use_bias,
             backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
+            upcast=self.upcast_attn,
             initializer_range=self.initializer_range,
         )
 
@@ -177,7 +190,9 @@ class LlamaConfig(LmConfig, HfConvertible):
             layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             use_bias=hf.get("attention_bias", False),
-            rope=rotary_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0)),
+            rope=rotary_from_hf(
+                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0), hf_config=hf
+            ),
         )
 
     @classmethod
@@ -209,11 +224,8 @@ class LlamaConfig(LmConfig, HfConvertible):
         return frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
 
 
-class LlamaDecoderLayer(ModuleWithStateDictSerialization):
-    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
-
-    (A ``ModuleWithStateDictSerialization`` because unscanned layers, ``hnn.BlockSeq``,
-    ask each layer to serialize itself.)"""
+class LlamaDecoderLayer(eqx.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     self_attn: Attention
     mlp: GatedMlp
@@ -226,8 +238,8 @@ class LlamaDecoderLayer(ModuleWithStateDictSerialization):
         return LlamaDecoderLayer(
             Attention.init(config.attention_config(), key=k_attn),
             GatedMlp.init(config.Embed, config.Mlp, config.activation_function, key=k_mlp, std=config.initializer_range),
-            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon),
-            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon),
+            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_weight=config.use_layer_norm_weight),
+            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_weight=config.use_layer_norm_weight),
         )
 
     def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None) -> NamedArray:
@@ -255,7 +267,7 @@ class LlamaModel(eqx.Module):
             config,
             hnn.Embedding(embed, Vocab=Vocab, Embed=config.Embed),
             layers,
-            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon),
+            RmsNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_weight=config.use_layer_norm_weight),
         )
 
     def __call__(self, input_ids: NamedArray, mask: AttentionMask, sliding=None) -> NamedArray:

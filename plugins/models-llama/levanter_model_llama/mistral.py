@@ -16,6 +16,8 @@ class MistralConfig(LlamaConfig):
 
     type: str = "mistral"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "mistralai/Mistral-7B-v0.1"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
     hf_model_type: ClassVar[str] = "mistral"
@@ -46,7 +48,8 @@ class MistralConfig(LlamaConfig):
 
     @classmethod
     def hf_fields(cls, hf: dict) -> dict:
-        return {**super().hf_fields(hf), "sliding_window": hf.get("sliding_window")}
+        # a file without the key gets transformers' MistralConfig default, 4096 (null turns it off)
+        return {**super().hf_fields(hf), "sliding_window": hf.get("sliding_window", 4096)}
 
     def to_hf_config(self, vocab_size: int) -> dict:
         config = {**super().to_hf_config(vocab_size), "sliding_window": self.sliding_window}

@@ -1,12 +1,14 @@
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 import transformers
 
-from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model
 from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_logits, our_logits, random_hf_model
 from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig
 from levanter_core.testing import train_briefly
@@ -134,3 +136,55 @@ def test_nano_config_trains(config_file, tmp_path):
         losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert result.final_eval_loss < result.initial_eval_loss
+
+
+# scan_layers: false builds the layers unrolled (hnn.BlockSeq): loading, saving and exporting
+# them must give the same tensors and logits as the scanned stack
+UNROLLED = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, **MISTRAL_VARIANTS["sliding_window_8"]),
+}
+
+
+@pytest.mark.parametrize("family", UNROLLED)
+def test_unrolled_layers_match_transformers(family, tmp_path):
+    report = check_hf_parity(UNROLLED[family](), str(tmp_path), scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.export_config_differences == {}
+
+
+REFUSED = {
+    # rotating only half of each head (transformers' Llama would silently rotate all of it)
+    "partial_rotary_factor = 0.5": lambda: transformers.LlamaConfig(**COMMON, partial_rotary_factor=0.5),
+    "rope type 'longrope' is not supported": lambda: transformers.MistralConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mlp_bias: true is not supported": lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True),
+}
+
+
+@pytest.mark.parametrize("message", REFUSED)
+def test_unsupported_settings_are_refused_by_name(message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(REFUSED[message]().to_dict())
+
+
+def test_mistral_without_a_sliding_window_key_gets_transformers_default():
+    hf = transformers.MistralConfig(**COMMON).to_dict()
+    del hf["sliding_window"]
+    assert config_from_hf(hf).sliding_window == transformers.MistralConfig(**COMMON).sliding_window == 4096
+
+
+def test_scaled_rope_without_original_length_uses_the_context_length():
+    # transformers fills original_max_position_embeddings from max_position_embeddings
+    hf = transformers.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)).to_dict()
+    del hf["rope_parameters"]["original_max_position_embeddings"]
+    assert config_from_hf(hf).rope.original_max_position_embeddings == COMMON["max_position_embeddings"]

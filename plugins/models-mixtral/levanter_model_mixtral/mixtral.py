@@ -63,7 +63,7 @@ from levanter_core.layers import (
     rotary_from_hf,
 )
 from levanter_core.models.flops import lm_flops_per_token
-from levanter_core.models.lm import AuxiliaryLoss, LmConfig
+from levanter_core.models.lm import AuxiliaryLoss, GradientCheckpointing, LmConfig
 
 
 class MixtralConfig(LmConfig, HfConvertible):
@@ -71,6 +71,8 @@ class MixtralConfig(LmConfig, HfConvertible):
 
     type: str = "mixtral"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "mistralai/Mixtral-8x7B-v0.1"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "MixtralForCausalLM"
 
@@ -134,8 +136,10 @@ class MixtralConfig(LmConfig, HfConvertible):
     (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
     (``jax`` on GPU, ``reference`` elsewhere)."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     scan_layers: bool = True
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
@@ -189,6 +193,7 @@ class MixtralConfig(LmConfig, HfConvertible):
             rope=self.rope,
             sliding_window=self.sliding_window,
             backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
             initializer_range=self.initializer_range,
         )
 
@@ -235,7 +240,9 @@ class MixtralConfig(LmConfig, HfConvertible):
             initializer_range=hf.get("initializer_range", 0.02),
             layer_norm_epsilon=hf.get("rms_norm_eps", 1e-5),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            rope=rotary_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 1e6)),
+            rope=rotary_from_hf(
+                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 1e6), hf_config=hf
+            ),
             sliding_window=hf.get("sliding_window"),
         )
 
@@ -390,11 +397,8 @@ class MixtralSparseMoeBlock(eqx.Module):
         return out.unflatten_axis("token", token_axes), stats
 
 
-class MixtralDecoderLayer(ModuleWithStateDictSerialization):
-    """``x + attn(norm(x))``, then ``x + moe(norm(x))``; also returns the router's statistics.
-
-    (A state-dict module because ``hnn.BlockSeq``, used when ``scan_layers`` is false,
-    calls its blocks' ``from_state_dict`` directly.)"""
+class MixtralDecoderLayer(eqx.Module):
+    """``x + attn(norm(x))``, then ``x + moe(norm(x))``; also returns the router's statistics."""
 
     self_attn: Attention
     block_sparse_moe: MixtralSparseMoeBlock

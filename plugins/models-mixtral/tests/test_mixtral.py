@@ -5,6 +5,7 @@ the entry point."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ import torch
 import transformers
 
 from levanter_core.hf import hf_state_dict_shapes, to_hf_state_dict
-from levanter_core.hf.bridge import load_hf_model
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import config_from_hf, load_hf_model
 from levanter_core.hf.checkpoint import HfCheckpoint
 from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
 from levanter_core.testing import train_briefly
@@ -123,6 +125,28 @@ def test_jitter_noise_and_too_many_experts_are_rejected():
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(3\) cannot exceed num_local_experts \(2\)"):
         MixtralConfig(num_local_experts=2, num_experts_per_tok=3)
 
+
+
+def test_unrolled_layers_match_hugging_face_through_import_and_export(tmp_path):
+    report = check_hf_parity(HF_CONFIGS["top1-of-3-mqa-tied"](), str(tmp_path), scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.export_config_differences == {}
+
+
+@pytest.mark.parametrize(
+    "hf_config, message",
+    [
+        (lambda: transformers.MixtralConfig(**TINY, partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
+        (
+            lambda: transformers.MixtralConfig(**TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+            "rope type 'dynamic' is not supported",
+        ),
+    ],
+)
+def test_unsupported_rotary_settings_are_refused_by_name(hf_config, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(hf_config().to_dict())
 
 @pytest.fixture(scope="module")
 def nano_run(tmp_path_factory):

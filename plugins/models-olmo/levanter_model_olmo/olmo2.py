@@ -20,7 +20,6 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 from haliax import Axis, NamedArray
-from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf import HfConvertible
@@ -38,7 +37,7 @@ from levanter_core.layers import (
     rotary_from_hf,
 )
 from levanter_core.models.flops import lm_flops_per_token
-from levanter_core.models.lm import LmConfig
+from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 
 class Olmo2Config(LmConfig, HfConvertible):
@@ -46,6 +45,8 @@ class Olmo2Config(LmConfig, HfConvertible):
 
     type: str = "olmo2"
     """The registered type name."""
+    default_hf_checkpoint: ClassVar[str | None] = "allenai/OLMo-2-1124-7B"
+    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
 
     hf_architecture: ClassVar[str] = "Olmo2ForCausalLM"
 
@@ -96,8 +97,10 @@ class Olmo2Config(LmConfig, HfConvertible):
     (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
     (``jax`` on GPU, ``reference`` elsewhere)."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     scan_layers: bool = True
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
@@ -144,6 +147,7 @@ class Olmo2Config(LmConfig, HfConvertible):
             qk_norm="all_heads",
             qk_norm_eps=self.layer_norm_epsilon,
             backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
             initializer_range=self.initializer_range,
         )
 
@@ -185,7 +189,7 @@ class Olmo2Config(LmConfig, HfConvertible):
             use_bias=hf.get("attention_bias", False),
             # transformers 5 writes rope_parameters; older files have rope_theta + rope_scaling
             rope=rotary_from_hf(
-                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0)
+                hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 10000.0), hf_config=hf
             ),
         )
 
@@ -216,11 +220,8 @@ class Olmo2Config(LmConfig, HfConvertible):
         return frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
 
 
-class Olmo2DecoderLayer(ModuleWithStateDictSerialization):
-    """``x + norm(attn(x))``, then ``x + norm(mlp(x))``.
-
-    (A ``ModuleWithStateDictSerialization`` because unscanned layers, ``hnn.BlockSeq``,
-    ask each layer to serialize itself.)"""
+class Olmo2DecoderLayer(eqx.Module):
+    """``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
 
     self_attn: Attention
     mlp: GatedMlp

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 
 import equinox as eqx
 import haliax as hax
@@ -8,9 +9,11 @@ import jax
 import numpy as np
 import pytest
 import transformers
-from haliax.state_dict import from_torch_compatible_state_dict
 
+from levanter_core.errors import CheckpointError
 from levanter_core.hf import to_hf_state_dict
+from levanter_core.hf.convert import from_hf_state_dict
+from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity
 from levanter_core.testing import train_briefly
 from levanter_model_olmo.olmo2 import Olmo2Config
@@ -65,6 +68,26 @@ def test_parity_with_transformers(variant, tmp_path):
     assert report.shards > 1
 
 
+
+def test_unrolled_layers_match_transformers(tmp_path):
+    hf_config = transformers.Olmo2Config(**COMMON, **VARIANTS["gqa_llama3_bias"])
+    report = check_hf_parity(hf_config, str(tmp_path), scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.export_config_differences == {}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5e5}), "rope type 'dynamic'"),
+    ],
+)
+def test_unsupported_rotary_settings_are_refused_by_name(overrides, message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(transformers.Olmo2Config(**COMMON, num_key_value_heads=2, **overrides).to_dict())
+
 def test_nano_config_trains(tmp_path):
     result = train_briefly(os.path.join(REPO, "config", "olmo2_nano.yaml"), str(tmp_path))
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
@@ -81,7 +104,7 @@ def test_unscanned_layers_have_the_same_checkpoint_layout():
 
     unscanned_config = config.model_copy(update={"scan_layers": False})
     template = eqx.filter_eval_shape(lambda: unscanned_config.build(Vocab, key=jax.random.PRNGKey(1)))
-    unscanned = from_torch_compatible_state_dict(template, state_dict)
+    unscanned = from_hf_state_dict(template, state_dict)
 
     assert to_hf_state_dict(unscanned).keys() == state_dict.keys()
     ids = hax.random.randint(jax.random.PRNGKey(2), (hax.Axis("batch", 2), config.Pos), 0, Vocab.size)

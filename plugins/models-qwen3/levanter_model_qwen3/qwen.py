@@ -40,7 +40,7 @@ from levanter_core.layers import (
     rotary_from_hf,
 )
 from levanter_core.models.flops import lm_flops_per_token
-from levanter_core.models.lm import LmConfig
+from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 # Hugging Face's class defaults, for config.json files that leave these keys out
 _HF_SLIDING_WINDOW = 4096
@@ -112,8 +112,10 @@ class QwenConfig(LmConfig, HfConvertible):
     (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
     (``jax`` on GPU, ``reference`` elsewhere)."""
 
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
 
     scan_layers: bool = True
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
@@ -164,6 +166,7 @@ class QwenConfig(LmConfig, HfConvertible):
             out_bias=False,
             sliding_window=self.sliding_window if any(self.sliding_layers()) else None,
             backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
             initializer_range=self.initializer_range,
         )
 
@@ -191,7 +194,9 @@ class QwenConfig(LmConfig, HfConvertible):
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim")  # Qwen2 has no such key, but honours one if present
         # transformers 5 writes rope_parameters; older files have rope_theta and rope_scaling
-        rope = rotary_from_hf(hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 1e4))
+        rope = rotary_from_hf(
+            hf.get("rope_parameters") or hf.get("rope_scaling"), default_theta=hf.get("rope_theta", 1e4), hf_config=hf
+        )
         return dict(
             seq_len=hf["max_position_embeddings"],
             hidden_dim=hf["hidden_size"],

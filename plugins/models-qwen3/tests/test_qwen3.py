@@ -4,12 +4,15 @@ discovery through the entry point."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import transformers
 
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity
 from levanter_core.testing import train_briefly
 from levanter_model_qwen3.qwen import QwenConfig
@@ -77,3 +80,28 @@ def test_discovered_through_its_entry_point():
     assert ours["error"] is None
     assert ours["types"] == {"model": ["qwen", "qwen3"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# scan_layers: false builds the layers unrolled (hnn.BlockSeq); the per-layer sliding switch
+# and Qwen 3's head norms are the parts that differ from the scanned path
+@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3"])
+def test_unrolled_layers_match_hugging_face(name, tmp_path):
+    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path), scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.export_config_differences == {}
+
+
+REFUSED = {
+    # rotating only half of each head: transformers' Qwen would rotate all of it anyway
+    "partial_rotary_factor = 0.5": lambda: transformers.Qwen2Config(**TINY, partial_rotary_factor=0.5),
+    "rope type 'dynamic' is not supported": lambda: transformers.Qwen3Config(
+        **TINY, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    ),
+}
+
+
+@pytest.mark.parametrize("message", REFUSED)
+def test_unsupported_settings_are_refused_by_name(message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(REFUSED[message]().to_dict())

@@ -8,7 +8,9 @@ Events are written with tensorboardX's ``SummaryWriter`` into one directory per 
 - the resolved config -> the text ``config`` (as YAML) and the HParams dashboard
   (one hyperparameter per leaf, named by its dotted path: ``trainer.num_train_steps``);
 - the end-of-run summary -> scalars and text under ``summary/``;
-- artifacts -> text under ``artifacts/``: a text file's contents, otherwise where it is.
+- artifacts -> text under ``artifacts/``: a text file's contents, otherwise where it is;
+- how the run ended -> the HParams dashboard's Status column (success, or failure for a run
+  that failed or was interrupted).
 
 A resumed run (``RunInfo.resume_step = N``) writes into the same directory and marks
 its start at step N + 1, so TensorBoard hides what the interrupted attempt logged after
@@ -29,7 +31,7 @@ import numpy as np
 import yaml
 from pydantic import Field
 
-from levanter_core.tracker import Histogram, RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker import Histogram, RunInfo, RunStatus, Tracker, TrackerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +116,10 @@ class TensorboardTracker(Tracker):
         name = name or os.path.basename(os.path.normpath(path))
         self._writer.add_text(f"artifacts/{name}", describe_artifact(path, type), self._step)
 
-    def finish(self) -> None:
+    def finish(self, status: RunStatus = "success") -> None:
         if not self._closed:
             self._closed = True
+            self._writer.file_writer.add_summary(_session_end(status), self._step)
             self._writer.flush()
             self._writer.close()
 
@@ -202,6 +205,22 @@ def _read_text(path: str) -> str | None:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return None
+
+
+def _session_end(status: RunStatus):
+    """The HParams dashboard's end-of-session record (its Status column) for a run that ended
+    as ``status`` says. tensorboardX's ``hparams`` writes one that always says success."""
+    from tensorboardX.proto.api_pb2 import Status
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+    end = SessionEndInfo(
+        status=Status.Value("STATUS_SUCCESS" if status == "success" else "STATUS_FAILURE"),
+        end_time_secs=time.time(),
+    )
+    content = HParamsPluginData(session_end_info=end, version=0).SerializeToString()
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="hparams", content=content))
+    return Summary(value=[Summary.Value(tag="_hparams_/session_end_info", metadata=metadata)])
 
 
 def _code_block(text: str, language: str = "") -> str:

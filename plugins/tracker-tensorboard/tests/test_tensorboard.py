@@ -95,13 +95,26 @@ def test_the_config_is_text_and_hyperparameters(tmp_path):
 
     events = read_events(event_dir)
     assert yaml.safe_load(code_in(texts(events, "config")[0])) == CONFIG
-    [content] = events.PluginTagToContent("hparams").values()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = HParamsPluginData.FromString(content).session_start_info.hparams
     assert hparams["trainer.num_train_steps"].number_value == 100
     assert hparams["model.type"].string_value == "gpt2"
     assert hparams["trainer.mp"].string_value == "p=f32"
     assert json.loads(hparams["data.train_urls"].string_value) == ["a.jsonl", "b.jsonl"]
     assert "optimizer.weight_decay" not in hparams  # None has no place in the dashboard
+
+
+@pytest.mark.parametrize("status, shown", [("success", "STATUS_SUCCESS"), ("failed", "STATUS_FAILURE")])
+def test_how_the_run_ended_is_the_status_of_its_hparams_session(tmp_path, status, shown):
+    from tensorboard.plugins.hparams.api_pb2 import Status
+
+    tracker, event_dir = new_tracker(tmp_path)
+    tracker.log_hyperparameters(CONFIG)
+    tracker.log({"train/loss": 3.5}, step=1)
+    tracker.finish(status)
+
+    content = read_events(event_dir).PluginTagToContent("hparams")["_hparams_/session_end_info"]
+    assert Status.Name(HParamsPluginData.FromString(content).session_end_info.status) == shown
 
 
 def test_summary_and_artifacts_follow_the_last_step(tmp_path):
@@ -172,7 +185,7 @@ def test_a_training_run_writes_the_losses_of_metrics_jsonl(tmp_path):
         "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 3}) + "\n" for i in range(100))
     )
     config = {
-        "data": {"train_urls": [str(data_file)], "cache_dir": str(tmp_path / "cache")},
+        "data": {"train_urls": [str(data_file)], "tokenizer": "byte", "cache_dir": str(tmp_path / "cache")},
         "model": {
             "type": "gpt2",
             "hidden_dim": 32,

@@ -49,6 +49,9 @@ class OfflineRun:
     """Paths (relative to the run's ``files`` directory) the run asked to upload."""
     artifacts: list[dict[str, Any]]
     """``{"name", "type", "files"}`` for each artifact the run logged."""
+    exit_code: int | None = None
+    """The exit code the run was finished with (non-zero: W&B shows it failed); None if the
+    file has no exit record (the run never finished)."""
 
     def steps(self, key: str) -> dict[int, Any]:
         """``{step: value}`` for every history row that has ``key``."""
@@ -102,6 +105,8 @@ def read_offline_run(path: str) -> OfflineRun:
         elif kind == "artifact":
             a = record.artifact
             run.artifacts.append({"name": a.name, "type": a.type, "files": [e.path for e in a.manifest.contents]})
+        elif kind == "exit":
+            run.exit_code = record.exit.exit_code
     run.config.pop("_wandb", None)
     return run
 

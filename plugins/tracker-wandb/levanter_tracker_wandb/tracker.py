@@ -4,6 +4,8 @@ The W&B run lives in the levanter run directory (``<run_dir>/wandb/``) and takes
 levanter run id as its own id unless ``id`` is set, so a training run that resumes from a
 checkpoint resumes the same W&B run (``resume="allow"``). Offline (``mode: offline`` or
 ``WANDB_MODE=offline``) everything is written there for ``wandb sync`` to upload later.
+A run that fails is finished with a non-zero exit code (:data:`EXIT_CODES`), which W&B shows
+as "failed".
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from levanter_core.errors import ConfigError
-from levanter_core.tracker.base import Histogram, RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker.base import Histogram, RunInfo, RunStatus, Tracker, TrackerConfig
 
 logger = logging.getLogger(__name__)
+
+EXIT_CODES: dict[str, int] = {"success": 0, "failed": 1, "interrupted": 130}
+"""The exit code the W&B run is finished with, by how the training run ended; W&B shows a
+run finished with a non-zero one as failed (130: a Ctrl-C, as the shell reports it)."""
 
 # W&B refuses run ids with these characters (they separate parts of its URLs).
 _BAD_ID_CHARS = re.compile(r"[/\\#?%:]")
@@ -44,6 +50,9 @@ class WandbConfig(TrackerConfig):
     mode: Literal["online", "offline", "disabled"] | None = None
     """``online``, ``offline`` (write locally, upload later with ``wandb sync``) or ``disabled``.
     Unset: W&B's own choice (``WANDB_MODE``, ``wandb offline``, else online)."""
+    resume: bool | Literal["allow", "must", "never", "auto"] = "allow"
+    """W&B's ``resume``: ``allow`` (continue the run with this id if W&B has it, else start it),
+    ``must`` (fail unless it exists), ``never`` (fail if it exists), ``auto``, or true/false."""
     save_code: bool | str = True
     """Save the code of the git repository the run was started in: its commit, the files git
     knows about and the uncommitted diff (``diff.patch``). A path: use the git repository of
@@ -94,7 +103,7 @@ class WandbTracker(Tracker):
             group=config.group,
             mode=mode,
             dir=run.run_dir,
-            resume="allow",
+            resume=config.resume,
             settings=wandb.Settings(**{k: v for k, v in settings.items() if v is not None}),
         )
         if git is not None:
@@ -150,12 +159,13 @@ class WandbTracker(Tracker):
             artifact.add_file(path)
         self.run.log_artifact(artifact)
 
-    def finish(self) -> None:
+    def finish(self, status: RunStatus = "success") -> None:
         if self.config.save_xla_dumps:
             dump_dir = _xla_dump_dir()
             if dump_dir is not None and os.path.isdir(dump_dir):
                 self.log_artifact(dump_dir, name=f"xla_dumps-{self.run.id}", type="xla_dumps")
-        self.run.finish()
+        # W&B marks a run finished with a non-zero exit code as failed.
+        self.run.finish(exit_code=EXIT_CODES[status])
         if not self.run.disabled:
             from levanter_tracker_wandb.offline import wait_until_written
 

@@ -101,6 +101,15 @@ def test_an_explicit_id_overrides_the_run_id(tmp_path, wandb_only):
     assert only_run(tmp_path / "logs" / "levanter-run", "my-wandb-id").run_id == "my-wandb-id"
 
 
+@pytest.mark.parametrize("status, exit_code", [("success", 0), ("failed", 1), ("interrupted", 130)])
+def test_the_wandb_run_ends_with_the_exit_code_of_how_the_training_run_ended(tmp_path, wandb_only, status, exit_code):
+    """W&B shows a run finished with a non-zero exit code as failed."""
+    tracker = open_tracker(tmp_path, run_id=f"run-{status}")
+    tracker.log({"train/loss": 3.0}, step=1)
+    tracker.finish(status)
+    assert only_run(tmp_path / "logs" / f"run-{status}", f"run-{status}").exit_code == exit_code
+
+
 def test_an_id_wandb_cannot_take_is_a_config_error_naming_the_field(wandb_only):
     with pytest.raises(ValidationError) as error:
         validate_section("tracker", {"type": "wandb", "id": "team/run:1"})

@@ -243,3 +243,25 @@ def test_train_offline_with_a_tokenizer_from_the_hub_cache(tmp_path):
         ledger = json.load(f)
     assert ledger["tokenizer_name"] == "gpt2"
     assert ledger["identity"]["eos_id"] == RustTokenizer.from_file(str(tmp_path / "tokenizer.json")).token_to_id("</s>")
+
+
+def test_an_export_carries_a_hub_tokenizers_files(tmp_path, offline_hub):
+    import jax
+    from haliax import Axis
+
+    from levanter_core.config.base import validate_section
+    from levanter_core.hf.bridge import write_hf_model
+
+    files = tokenizer_files(tmp_path)
+    put_in_hub_cache(offline_hub, "gpt2", files)
+    config = validate_section("model", {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32})
+    Vocab = Axis("vocab", 300)
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    out = tmp_path / "export"
+    write_hf_model(model, config, Vocab, str(out), run_config={"data": {"tokenizer": "gpt2"}})
+    # the snapshot's own files, tokenizer_config.json (eos, bos, chat template) included
+    assert (out / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+    exported = json.loads((out / "config.json").read_text())
+    eos = RustTokenizer.from_str(files["tokenizer.json"].decode()).token_to_id("</s>")
+    assert exported["eos_token_id"] == eos and exported["vocab_size"] == 300

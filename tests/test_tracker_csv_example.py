@@ -8,6 +8,7 @@ reference, which ``test_docs`` compares with docs/config-reference.md.
 """
 
 import csv
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -40,12 +41,16 @@ def _pip(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def csv_plugin_installed():
-    """``pip install -e examples/tracker-csv``, as its README says; undone afterwards."""
-    was_installed = _installed()
-    _pip("install", "--no-deps", "--quiet", "-e", EXAMPLE)
-    yield
-    if not was_installed:
-        _pip("uninstall", "--yes", "--quiet", DISTRIBUTION)
+    """``pip install -e examples/tracker-csv``, as its README says; undone afterwards. The
+    environment is shared by every pytest worker: a lock keeps two from installing and
+    uninstalling the example at once, whatever the scheduler does."""
+    with open(os.path.join(sys.prefix, ".levanter-tracker-csv-test.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        was_installed = _installed()
+        _pip("install", "--no-deps", "--quiet", "-e", EXAMPLE)
+        yield
+        if not was_installed:
+            _pip("uninstall", "--yes", "--quiet", DISTRIBUTION)
 
 
 def with_trackers(config_path: str, trackers: str) -> None:

@@ -278,3 +278,18 @@ def test_a_checkpoint_location_out_of_the_checkpointers_reach_stops_before_anyth
     config, _ = load_train_config(_write_run(tmp_path), ["--hf_save_path", "gs://bucket/hf"])
     with pytest.raises(ConfigError, match="hf_save_path"):
         preflight(config)
+
+
+def test_the_run_id_counts_only_what_differs_from_the_defaults(tmp_path):
+    from levanter_core.trainer.run import derive_run_id
+
+    path = _write_run(tmp_path)
+
+    def run_id(*args):  # without trainer.id: the file's name and a hash of the config
+        return derive_run_id(load_train_config(path, ["--trainer.id", "null", *args])[0], path)
+
+    plain = run_id()
+    # fields written at their defaults (as a release that adds a field with a default does)
+    spelled_out = ["--z_loss_weight", "0.0", "--data.stop_strategy", "restart", "--trainer.profiler", "false"]
+    assert run_id(*spelled_out) == plain and plain.startswith("pipe-")
+    assert run_id("--z_loss_weight", "0.01") != plain

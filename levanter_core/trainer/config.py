@@ -167,8 +167,9 @@ class TrainerConfig(ConfigModel):
     log_dir: str = "logs/"
     """Run directories go under this path: ``{log_dir}/{run_id}/``."""
     id: str | None = None
-    """The run id. Unset: derived from the config file name and a hash of the resolved config,
-    so running the same command again resumes the same run."""
+    """The run id. Unset: derived from the config file name and a hash of what the config sets
+    (fields at their defaults do not count), so running the same command again resumes the same
+    run, also after an upgrade that adds fields."""
     tracker: TypedList("tracker", "json") = Field(default_factory=dict)  # type: ignore[valid-type]
     """Where metrics go: one tracker section or a list of them. Default: the built-in ``json``
     tracker, writing ``metrics.jsonl`` in the run directory (Levanter's default is W&B, which

@@ -70,12 +70,34 @@ def derive_run_id(config: TrainConfig, config_path: str | None) -> str:
 
 
 def config_digest(config: TrainConfig) -> str:
-    """A hash of the resolved config without what may differ between the processes of one
-    run or between attempts at it (``trainer.id``, ``trainer.distributed``)."""
-    data = resolved_config(config)
-    data["trainer"].pop("id", None)
-    data["trainer"].pop("distributed", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    """A hash of the config without what may differ between the processes of one run or
+    between attempts at it (``trainer.id``, ``trainer.distributed``). Only what differs from
+    the defaults counts (and every section's ``type``), so a release that adds a field with a
+    default leaves the run ids of existing configs, and so their resumption, as they were."""
+    data = _non_defaults(config)
+    data.get("trainer", {}).pop("id", None)
+    data.get("trainer", {}).pop("distributed", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _non_defaults(value: Any) -> Any:
+    """``value`` (a config, or a value inside one) as JSON-able data, leaving out every field
+    that has its default, except ``type`` (which says what the rest means)."""
+    from pydantic import BaseModel
+
+    if isinstance(value, BaseModel):
+        out = {}
+        for name, field in type(value).model_fields.items():
+            current = getattr(value, name)
+            if name != "type" and not field.is_required() and current == field.get_default(call_default_factory=True):
+                continue
+            out[name] = _non_defaults(current)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_non_defaults(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _non_defaults(v) for k, v in value.items()}
+    return value
 
 
 def agreed_run_id(config: TrainConfig, config_path: str | None) -> str:

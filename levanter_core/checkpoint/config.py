@@ -224,8 +224,10 @@ class Checkpointer(abc.ABC):
         damaged: list[tuple[str, DamagedCheckpointError]] = []
         for candidate in self.candidates(where):
             try:
-                loaded = self.load(template, candidate, allow_partial=True) if allow_partial else self.load(template, candidate)
-                state, error = loaded, None
+                if allow_partial:
+                    state, error = self.load(template, candidate, allow_partial=True), None
+                else:
+                    state, error = self.load(template, candidate), None
             except DamagedCheckpointError as e:
                 state, error = None, e
             # Each process reads its own part: all must have succeeded for the state to be whole.

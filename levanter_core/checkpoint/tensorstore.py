@@ -259,13 +259,17 @@ def _load_tree(template: Any, checkpoint: str, stored: dict[str, dict], allow_pa
         missing = sorted(expected.keys() - stored.keys())
         shapes_only = [name for name in missing if isinstance(_unwrap(leaves[names[name]]), jax.ShapeDtypeStruct)]
         if shapes_only:
-            raise CheckpointError(f"checkpoint {checkpoint} lacks {shapes_only[0]}, and there is no value to keep for it")
+            raise CheckpointError(
+                f"checkpoint {checkpoint} lacks {shapes_only[0]}, and there is no value to keep for it"
+            )
         for name in missing:
-            logger.warning("checkpoint %s has no %s: it keeps its fresh value (allow_partial_checkpoint)", checkpoint, name)
+            logger.warning(
+                "checkpoint %s has no %s: it keeps its fresh value (allow_partial_checkpoint)", checkpoint, name
+            )
         if missing:
             print(
-                f"loading {checkpoint} partially: {len(missing)} of {len(expected)} arrays are not in it and start fresh "
-                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})",
+                f"loading {checkpoint} partially: {len(missing)} of {len(expected)} arrays are not in it and "
+                f"start fresh ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})",
                 flush=True,
             )
         names = {name: i for name, i in names.items() if name in stored}

@@ -79,10 +79,12 @@ def _typed_sources(configs: Any) -> Any:
     a Hugging Face dataset), as an inline single source does."""
     if not isinstance(configs, dict):
         return configs
-    return {
-        name: {**section, "type": _inferred_type(section)} if isinstance(section, dict) and "type" not in section else section
-        for name, section in configs.items()
-    }
+    def typed(section: Any) -> Any:
+        if isinstance(section, dict) and "type" not in section:
+            return {**section, "type": _inferred_type(section)}
+        return section
+
+    return {name: typed(section) for name, section in configs.items()}
 
 
 class DataConfig(ConfigModel):
@@ -182,7 +184,9 @@ class DataConfig(ConfigModel):
         return _typed_sources(value)
 
     _no_passthrough = accepted_only_as(
-        None, "vocab_size", why="Levanter's passthrough tokenizer (pre-tokenized data) is not available; remove vocab_size"
+        None,
+        "vocab_size",
+        why="Levanter's passthrough tokenizer (pre-tokenized data) is not available; remove vocab_size",
     )
 
     @model_validator(mode="after")
@@ -191,7 +195,8 @@ class DataConfig(ConfigModel):
             homeless = [name for name, source in self.configs.items() if not source.cache_dir]
             if homeless:
                 raise ValueError(
-                    f"cache_dir is null, so every source needs its own cache_dir; {', '.join(sorted(homeless))} has none"
+                    "cache_dir is null, so every source needs its own cache_dir; "
+                    f"{', '.join(sorted(homeless))} has none"
                 )
         return self
 

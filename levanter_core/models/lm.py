@@ -30,7 +30,12 @@ from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
-from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, soft_cap, token_losses  # noqa: F401
+from levanter_core.models.cross_entropy import (  # noqa: F401
+    cross_entropy_and_z_sum,
+    cross_entropy_sum,
+    soft_cap,
+    token_losses,
+)
 
 DEFAULT_BLOCK_LOGITS = {"cpu": 2**22, "gpu": 2**28, "tpu": 2**28}
 """Logits per block of the loss when ``cross_entropy_block_size`` is not set, by JAX backend: on

@@ -388,8 +388,9 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             return model
 
     trainer.check_sharding(model_init, key)  # a mapping that does not fit the model fails here, before compiling
+    trunk = config.initialize_from_checkpoint_path
     state, resumed_from = _initial_state(
-        trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=config.initialize_from_checkpoint_path
+        trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=trunk
     )
     _check_model_takes_packed_data(state.model, config)
     start_step = int(state.step)
@@ -436,7 +437,8 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
 
 def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None):
     """Loaded from this run's newest checkpoint that loads, else from ``initialize_from``,
-    else from the whole state of ``trunk`` (``initialize_from_checkpoint_path``), else around the weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
+    else from the whole state of ``trunk`` (``initialize_from_checkpoint_path``), else around the
+    weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
 
     partial = cfg.allow_partial_checkpoint
@@ -500,7 +502,8 @@ they are still taken from the ``model`` section (``seq_len`` always, the others 
 def _with_run_settings(hf_model, model):
     """``hf_model`` (the architecture read from ``config.json``) with ``model``'s run settings."""
     given = model.model_fields_set | {"seq_len"}
-    update = {name: getattr(model, name) for name in RUN_SETTINGS if name in given and name in type(hf_model).model_fields}
+    settings = [name for name in RUN_SETTINGS if name in given and name in type(hf_model).model_fields]
+    update = {name: getattr(model, name) for name in settings}
     return hf_model.model_copy(update=update)
 
 
@@ -824,7 +827,8 @@ class _TrainLoop:
         # The first batches are read (waiting for the cache where needed) while the step compiles.
         prefetch = Prefetcher(self._read_batch, start, self.num_steps)
         try:
-            self.trainer.compile_ahead(state, self.data.train.template(self.batches.size_at(start)), self.batches.size_at(start))
+            first_size = self.batches.size_at(start)
+            self.trainer.compile_ahead(state, self.data.train.template(first_size), first_size)
             if start == 0:
                 initial = self.evaluate(self.trainer.eval_model(state))
                 if initial:

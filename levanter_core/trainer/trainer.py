@@ -201,9 +201,11 @@ class Trainer:
         self.parameter_mapping = config.parameter_axis_mapping()
         self.plan = BatchPlan.from_config(config, data_axis_size(mesh))
         # one plan per batch size of trainer.train_batch_size's schedule (the first is `plan`)
-        self.plans = {size: BatchPlan.from_config(config, data_axis_size(mesh), size) for size in config.batch_schedule.sizes}
+        data_size = data_axis_size(mesh)
+        self.plans = {size: BatchPlan.from_config(config, data_size, size) for size in config.batch_schedule.sizes}
         self.plans[self.plan.batch_size] = self.plan
-        self.quantization = config.quantization.to_haliax() if config.quantization and config.quantization.enabled else None
+        quantization = config.quantization
+        self.quantization = quantization.to_haliax() if quantization is not None and quantization.enabled else None
         self.Batch = Axis(config.batch_axis, self.plan.batch_size)
         self.EvalBatch = Axis(config.batch_axis, self.plan.eval_batch_size)
         self._flat_steps: list[tuple[Any, Callable]] = []  # (state structure, compiled step)

@@ -878,7 +878,8 @@ class _TrainLoop:
                 saving = step < self.num_steps and self.checkpointer.due(step)  # the caller forces the final save
                 viz = self.trainer.config.viz
                 drawing = viz is not None and (step % viz.interval == 0 or step == self.num_steps)
-                if evaluating or saving or drawing:
+                exporting = self.exporter is not None and step % self.config.hf_save_steps == 0
+                if evaluating or saving or drawing or exporting:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
@@ -890,7 +891,7 @@ class _TrainLoop:
                     pending["host"].update(evaluated)
                     if evaluated:
                         result.final_eval_loss = evaluated["eval/loss"]
-                if self.exporter is not None and step % self.config.hf_save_steps == 0:
+                if exporting:
                     self.exporter.export(self.trainer.eval_model(state), step)
                 if saving:
                     # The step is logged before its checkpoint can exist, so that a run resumed

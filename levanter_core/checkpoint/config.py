@@ -174,7 +174,9 @@ class Checkpointer(abc.ABC):
     def load(self, template: Any, path: str) -> Any:
         """Load the checkpoint at ``path`` into the structure of ``template``. Raise
         :class:`~levanter_core.errors.DamagedCheckpointError` if it cannot be read, and
-        :class:`~levanter_core.errors.CheckpointError` if it does not fit."""
+        :class:`~levanter_core.errors.CheckpointError` if it does not fit. An implementation
+        that supports ``trainer.allow_partial_checkpoint`` also takes the keyword
+        ``allow_partial`` (see :meth:`load_state`)."""
 
     @abc.abstractmethod
     def candidates(self, where: str) -> list[str]:
@@ -196,6 +198,12 @@ class Checkpointer(abc.ABC):
     @abc.abstractmethod
     def delete(self, checkpoint_path: str) -> None:
         """Delete the checkpoint at ``checkpoint_path``."""
+
+    def load_state(self, template: Any, path: str, *, allow_partial: bool = False) -> Any:
+        """:meth:`load`, passing ``allow_partial=True`` only when asked: a checkpointer whose
+        ``load`` was written before that option existed keeps working for whole loads. With
+        it, what the checkpoint lacks keeps ``template``'s values."""
+        return self.load(template, path, allow_partial=True) if allow_partial else self.load(template, path)
 
     def set_aside(self, checkpoint_path: str) -> str | None:
         """Move a damaged checkpoint out of the way, keeping its files; return where it went
@@ -224,10 +232,7 @@ class Checkpointer(abc.ABC):
         damaged: list[tuple[str, DamagedCheckpointError]] = []
         for candidate in self.candidates(where):
             try:
-                if allow_partial:
-                    state, error = self.load(template, candidate, allow_partial=True), None
-                else:
-                    state, error = self.load(template, candidate), None
+                state, error = self.load_state(template, candidate, allow_partial=allow_partial), None
             except DamagedCheckpointError as e:
                 state, error = None, e
             # Each process reads its own part: all must have succeeded for the state to be whole.

@@ -438,8 +438,9 @@ def _tokenizer_directory(spec: str | None) -> str | None:
         fs, path = find_tokenizer_json(spec)
     except DataError:
         return None
-    directory = os.path.dirname(path)
-    return directory if "file" in fs.protocol and os.path.isdir(directory) and not os.path.isfile(spec) else None
+    if os.path.isfile(spec) or "file" not in fs.protocol:  # a lone tokenizer.json, or a remote one
+        return None
+    return os.path.dirname(path)
 
 
 def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: str, tokenizer=None) -> None:
@@ -450,7 +451,7 @@ def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: 
     for directory in (*tokenizer_dirs, _tokenizer_directory(spec)):
         if directory and os.path.isdir(directory) and "tokenizer.json" in _copy_tokenizer_files(directory, output):
             return
-    if not (run_config.get("data") or {}).get("tokenizer"):
+    if not spec:
         logger.warning("the checkpoint names no tokenizer; the export has none")
         return
     tokenizer = tokenizer or _run_tokenizer(run_config)
@@ -462,19 +463,10 @@ def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: 
 
 
 def parse_size(text: str) -> int:
-    """``"2GB"``, ``"500MB"``, ``"1024"`` -> bytes."""
-    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
-    t = text.strip().upper()
-    for suffix, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(suffix):
-            number = t[: -len(suffix)].strip()
-            break
-    else:
-        number, scale = t, 1
+    """``"2GB"``, ``"500MB"``, ``"1024"`` -> bytes (``--max-shard-size``)."""
+    from levanter_core.config.types import parse_size as parse
+
     try:
-        value = float(number) * scale
-    except ValueError:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GB, 500MB)") from None
-    if value <= 0:
-        raise ConfigError(f"size must be positive, got {text!r}")
-    return int(value)
+        return parse(text)
+    except ValueError as e:
+        raise ConfigError(f"--max-shard-size: {e}") from None

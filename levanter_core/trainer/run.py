@@ -468,20 +468,15 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None,
 
             model = load_checkpoint(eqx.filter_eval_shape(model_init, key), found, subtree="model")
             return trainer.state_from_model(model, key), None
-        return _load(checkpointer, template(), found, partial), found
+        return checkpointer.load_state(template(), found, allow_partial=partial), found
     if trunk:
         found = discover_latest(trunk) or trunk
-        state = _load(checkpointer, template(), found, partial)
+        state = checkpointer.load_state(template(), found, allow_partial=partial)
         print(f"initialized from the training state of {found} (step {int(state.step)})", flush=True)
         return state, None
     if load_hf is not None:
         return trainer.state_from_model(load_hf(), key), None
     return trainer.init_state(model_init, key), None
-
-
-def _load(checkpointer, template, path: str, partial: bool):
-    # a checkpointer written before allow_partial_checkpoint existed is only asked for whole loads
-    return checkpointer.load(template, path, allow_partial=True) if partial else checkpointer.load(template, path)
 
 
 RUN_SETTINGS = (

@@ -12,16 +12,26 @@ pytest.importorskip("torch")
 TINY = dict(hidden_size=128, num_attention_heads=2, max_position_embeddings=256)
 
 
-def _transformers_frequencies(hf_config: dict):
-    """transformers' inverse frequencies and attention factor for a Llama ``config.json``."""
+def _transformers_frequencies(hf_config: dict, seq_len: int | None = None):
+    """transformers' inverse frequencies and attention factor for a Llama ``config.json`` (64
+    dimensions per head), for a sequence of ``seq_len`` positions."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = transformers.LlamaConfig(**hf_config)
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
-        return 1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, 64, 2) / 64)), 1.0
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        dim = int(64 * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        return 1.0 / (config.rope_parameters["rope_theta"] ** (np.arange(0, dim, 2) / dim)), 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
     return inv_freq.numpy(), scale
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + i / 32 for i in range(32)],
+    "long_factor": [2.0 + i / 8 for i in range(32)],
+    "original_max_position_embeddings": 64,
+}
 
 
 @pytest.mark.parametrize(
@@ -51,12 +61,35 @@ def test_whole_config_gives_transformers_frequencies(extra):
 
 
 @pytest.mark.parametrize(
+    "extra, seq_len",
+    [
+        # rotating part of each head: in the dictionary, or at the top level
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, None),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "partial_rotary_factor": 0.25}, None),
+        # dynamic NTK: plain within max_position_embeddings, a larger base past it
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 100),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 1000),
+        # LongRoPE: the short factors up to the original length, the long ones past it
+        ({"rope_parameters": LONGROPE}, 64),
+        ({"rope_parameters": LONGROPE}, 65),
+        ({"rope_parameters": {**LONGROPE, "attention_factor": 1.5}, "partial_rotary_factor": 1.0}, 300),
+    ],
+)
+def test_partial_and_length_dependent_rotations_match_transformers(extra, seq_len):
+    hf_config = {**TINY, **extra}
+    expected, scale = _transformers_frequencies(hf_config, seq_len)
+    ours = rotary_from_hf(dict(hf_config["rope_parameters"]), hf_config=hf_config)
+    dim = ours.rotary_dim(64)
+    assert dim == len(expected) * 2
+    np.testing.assert_allclose(ours.inverse_frequencies(dim, seq_len=seq_len), expected, rtol=1e-6)
+    assert ours.table_scale(seq_len) == pytest.approx(scale)
+
+
+@pytest.mark.parametrize(
     "params, hf_config, message",
     [
-        ({"rope_type": "default", "partial_rotary_factor": 0.5}, {}, "rope_parameters.partial_rotary_factor = 0.5"),
-        ({"rope_type": "linear", "factor": 2.0}, {"partial_rotary_factor": 0.25}, "partial_rotary_factor = 0.25"),
-        ({"rope_type": "dynamic", "factor": 2.0}, {}, "rope type 'dynamic' is not supported"),
-        ({"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, {}, "rope type 'longrope' is not supported"),
+        ({"rope_type": "proportional"}, {}, "rope type 'proportional' is not supported"),
+        ({"type": "axial"}, {}, "rope type 'axial' is not supported"),
         ({"rope_type": "yarn", "factor": None}, {}, "rope_parameters.factor is null for yarn"),
     ],
 )

@@ -16,6 +16,7 @@ from levanter_core.layers import (
     AttentionConfig,
     AttentionMask,
     DefaultRotaryConfig,
+    DynamicRotaryConfig,
     LinearRotaryConfig,
     Llama3RotaryConfig,
     RmsNorm,
@@ -193,8 +194,9 @@ def test_rotary_config_types():
     assert isinstance(rotary_from_hf({"type": "linear", "factor": 2.0}), LinearRotaryConfig)  # legacy key
     assert isinstance(rotary_from_hf({"rope_type": "llama3", "factor": 8.0}), Llama3RotaryConfig)
     assert isinstance(rotary_from_hf({"rope_type": "yarn", "factor": 2.0}), YarnRotaryConfig)
-    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
-        rotary_from_hf({"rope_type": "dynamic", "factor": 2.0})
+    assert isinstance(rotary_from_hf({"rope_type": "dynamic", "factor": 2.0}), DynamicRotaryConfig)
+    with pytest.raises(ValueError, match="rope type 'proportional' is not supported"):
+        rotary_from_hf({"rope_type": "proportional"})
 
 
 # -- the loss -----------------------------------------------------------------------------------

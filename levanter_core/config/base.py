@@ -35,6 +35,20 @@ class ConfigModel(BaseModel):
         validate_default=True,
     )
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs):
+        super().__pydantic_init_subclass__(**kwargs)
+        # A field redeclared only to change its default (a model family's own defaults) keeps
+        # the docstring its parent gave it, so --help and the reference still explain it.
+        for name, field in cls.__pydantic_fields__.items():
+            if field.description:
+                continue
+            for base in cls.__mro__[1:]:
+                parent = getattr(base, "__pydantic_fields__", {}).get(name)
+                if parent is not None and parent.description:
+                    field.description = parent.description
+                    break
+
 
 class TypedConfig(ConfigModel):
     """A section whose ``type`` selects an implementation from a plugin registry."""

@@ -33,6 +33,9 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from pydantic import BeforeValidator
 
+from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
+
+from levanter_core.hf.layouts import fuse, unfuse
 from levanter_core.layers.mlp import init_linear
 from levanter_core.layers.norm import RmsNorm
 from levanter_core.layers.rotary import apply_rotary, rotary_tables
@@ -117,15 +120,16 @@ def _scalar(x) -> jax.Array:
 
 
 def resolve_backend(
-    backend: AttentionBackend, *, soft_cap: float | None, dropout: bool = False
+    backend: AttentionBackend, *, soft_cap: float | None, dropout: bool = False, sinks: bool = False
 ) -> Literal["reference", "jax"]:
-    """The implementation to run: ``jax`` can neither soft-cap the logits nor drop out weights."""
-    if backend == "jax" and soft_cap is not None:
-        raise ValueError("attn_backend 'jax' cannot soft-cap attention logits; use 'reference' or 'auto'")
-    if backend == "jax" and dropout:
-        raise ValueError("attn_backend 'jax' cannot drop out attention weights; use 'reference' or 'auto'")
+    """The implementation to run: ``jax`` can neither soft-cap the logits, nor drop out
+    weights, nor add attention sinks."""
+    for unsupported, what in ((soft_cap is not None, "soft-cap attention logits"), (dropout, "drop out attention weights"), (sinks, "add attention sinks")):
+        if backend == "jax" and unsupported:
+            raise ValueError(f"attn_backend 'jax' cannot {what}; use 'reference' or 'auto'")
     if backend == "auto":
-        return "jax" if jax.default_backend() == "gpu" and soft_cap is None and not dropout else "reference"
+        plain = soft_cap is None and not dropout and not sinks
+        return "jax" if jax.default_backend() == "gpu" and plain else "reference"
     return backend
 
 
@@ -147,6 +151,7 @@ def dot_product_attention(
     key=None,
     query_block: int | None = None,
     upcast: bool = False,
+    sinks: NamedArray | None = None,
 ) -> NamedArray:
     """Attention of ``q`` over ``k``/``v`` (axes as in the module docstring).
 
@@ -156,10 +161,12 @@ def dot_product_attention(
     each attention weight, in training only (when a ``key`` is given). ``query_block``: queries
     per block of causal attention (default ``QUERY_BLOCK``; the models' ``flash_attention_block_size``).
     ``upcast``: compute the query-key products in float32 too, not only the softmax (Levanter's
-    ``upcast_attn``)."""
+    ``upcast_attn``). ``sinks``: one learned logit per query head (axes ``(kv_heads,
+    q_heads_per_group)``) that joins every softmax as an extra key with no value, so a head
+    can attend to nothing (GPT-OSS's attention sinks)."""
     dropout = dropout if key is not None else 0.0
     block_size = query_block or QUERY_BLOCK
-    if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0) == "jax":
+    if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0, sinks=sinks is not None) == "jax":
         return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
@@ -187,20 +194,30 @@ def dot_product_attention(
                 soft_cap=soft_cap,
                 dropout=dropout,
                 key=block_key,
+                sinks=sinks,
             )
         )
     out = blocks[0] if len(blocks) == 1 else hax.concatenate(Pos.name, blocks)
     return out.rearrange(axes).astype(v.dtype)
 
 
-def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key):
+def _attend(
+    q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key, sinks=None
+):
     """Softmax attention of the (already scaled) queries ``q`` over ``k``/``v``, where ``allowed``,
-    dropping each weight with probability ``dropout`` (with ``key``; None: none dropped)."""
+    dropping each weight with probability ``dropout`` (with ``key``; None: none dropped), with
+    ``sinks`` (per query head) as one more logit in each softmax."""
     scores = hax.dot(q, k, axis=HeadSize)
     if soft_cap is not None:
         scores = hax.tanh(scores / soft_cap) * soft_cap
     scores = hax.where(allowed, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    weights = hnn.softmax(scores, axis=KeyPos).astype(v.dtype)
+    if sinks is None:
+        weights = hnn.softmax(scores, axis=KeyPos).astype(v.dtype)
+    else:
+        sink = sinks.astype(jnp.float32)
+        top = hax.maximum(hax.max(scores, axis=KeyPos), sink)
+        exp = hax.exp(scores - top)
+        weights = (exp / (hax.sum(exp, axis=KeyPos) + hax.exp(sink - top))).astype(v.dtype)
     if dropout > 0:
         weights = hnn.dropout(weights, dropout, inference=False, key=key)
     return hax.dot(weights, v, axis=KeyPos)
@@ -246,7 +263,8 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     rope: object | None = None
-    """A rotary config from :mod:`levanter_core.layers.rotary`, or None for no rotary embedding."""
+    """A rotary config from :mod:`levanter_core.layers.rotary`, or None for no rotary embedding.
+    Its ``partial_rotary_factor`` rotates only the first part of each head."""
     local_rope: object | None = None
     """Rotary config for sliding-window layers when it differs from ``rope`` (Gemma 3)."""
     qkv_bias: bool = False
@@ -260,6 +278,8 @@ class AttentionConfig:
     """Multiplier of the query-key products; default ``head_dim ** -0.5``."""
     logits_soft_cap: float | None = None
     sliding_window: int | None = None
+    sinks: bool = False
+    """A learned logit per query head that joins every softmax (GPT-OSS), stored as ``sinks``."""
     backend: AttentionBackend = "auto"
     query_block: int | None = None
     """Queries per block of causal attention (``flash_attention_block_size``); None: ``QUERY_BLOCK``."""
@@ -268,12 +288,20 @@ class AttentionConfig:
     initializer_range: float = 0.02
     out_std: float | None = None
     """Standard deviation of ``o_proj``'s initialization; default ``initializer_range``."""
+    hf_fused_qkv: str | None = None
+    """The name under which Hugging Face checkpoints store the query, key and value projections
+    as one tensor (Phi-3's ``qkv_proj``); None: three tensors, ``q_proj``, ``k_proj``, ``v_proj``."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def Heads(self) -> Axis:
+        """All query heads, flattened (the layout of per-head parameters such as ``sinks``)."""
+        return Axis("heads", self.num_heads)
 
     @property
     def KvHeads(self) -> Axis:
@@ -288,9 +316,14 @@ class AttentionConfig:
         return Axis("head_size", self.head_dim)
 
 
-class Attention(eqx.Module):
+class Attention(ModuleWithStateDictSerialization):
     """Multi-head, grouped-query or multi-query self-attention with Hugging Face's parameter
-    names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``)."""
+    names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``).
+
+    Three steps, each a method, so that a key/value cache can sit between them:
+    :meth:`project` (queries, keys and values, normalized and rotated at their positions),
+    :meth:`attend` (queries over whatever keys and values are given, on ``key_position``),
+    and ``o_proj``. ``__call__`` runs the three over one sequence."""
 
     config: AttentionConfig = eqx.field(static=True)
     q_proj: hnn.Linear
@@ -299,10 +332,11 @@ class Attention(eqx.Module):
     o_proj: hnn.Linear
     q_norm: RmsNorm | None = None
     k_norm: RmsNorm | None = None
+    sinks: NamedArray | None = None
 
     @staticmethod
     def init(config: AttentionConfig, *, key) -> "Attention":
-        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        k_q, k_k, k_v, k_o, k_s = jax.random.split(key, 5)
         c = config
         QOut = (c.KvHeads, c.QHeadsPerGroup, c.HeadSize)
         KvOut = (c.KvHeads, c.HeadSize)
@@ -316,38 +350,51 @@ class Attention(eqx.Module):
             q_axes, k_axes = (c.HeadSize, c.HeadSize) if c.qk_norm == "head" else (QOut, KvOut)
             q_norm = RmsNorm.init(q_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
             k_norm = RmsNorm.init(k_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
-        return Attention(config, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)
+        sinks = hax.random.normal(k_s, c.Heads) * std if c.sinks else None
+        return Attention(config, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks)
 
-    def __call__(
-        self, x: NamedArray, mask: AttentionMask, *, sliding=None, positions: NamedArray | None = None, key=None
-    ) -> NamedArray:
-        """``x`` has axes ``(..., position, embed)``. ``sliding`` (a boolean scalar, possibly
-        traced) says whether this layer uses the sliding window; None means it does when
-        the config has one. ``positions`` (default ``0..position-1``) feed the rotation."""
+    def project(
+        self, x: NamedArray, *, positions: NamedArray | None = None, sliding=None, seq_len: int | None = None
+    ) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """Queries ``(..., position, kv_heads, q_heads_per_group, head_size)`` and keys and
+        values ``(..., position, kv_heads, head_size)`` of ``x`` ``(..., position, embed)``,
+        normalized and rotated. ``positions`` (default ``0..position-1``) are where the tokens
+        sit in their sequence; ``seq_len`` (default the ``position`` axis' size) is that
+        sequence's length, for rotary scalings that depend on it."""
         c = self.config
         Pos = x.resolve_axis("position")
-        KeyPos = Pos.alias("key_position")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope is not None:
             positions = hax.arange(Pos) if positions is None else positions
-            cos, sin = rotary_tables(c.rope, c.head_dim, positions, c.HeadSize)
+            seq_len = Pos.size if seq_len is None else seq_len
+            cos, sin = rotary_tables(c.rope, c.head_dim, positions, c.HeadSize, seq_len=seq_len)
             if c.local_rope is not None and sliding is not None:
-                local_cos, local_sin = rotary_tables(c.local_rope, c.head_dim, positions, c.HeadSize)
+                local_cos, local_sin = rotary_tables(c.local_rope, c.head_dim, positions, c.HeadSize, seq_len=seq_len)
                 on = _scalar(sliding)
                 cos, sin = hax.where(on, local_cos, cos), hax.where(on, local_sin, sin)
             q = apply_rotary(q, cos, sin, c.HeadSize)
             k = apply_rotary(k, cos, sin, c.HeadSize)
-        k = k.rename({Pos.name: KeyPos.name})
-        v = v.rename({Pos.name: KeyPos.name})
-        attended = dot_product_attention(
+        return q, k, v
+
+    def attend(
+        self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding=None
+    ) -> NamedArray:
+        """Attention of ``q`` (on ``position``) over ``k``/``v`` (on ``key_position``), before
+        the output projection. ``sliding`` (a boolean scalar, possibly traced) says whether
+        this layer uses the sliding window; None means it does when the config has one."""
+        c = self.config
+        sinks = None
+        if self.sinks is not None:
+            sinks = hax.named(self.sinks.array.reshape(c.num_kv_heads, -1), (c.KvHeads, c.QHeadsPerGroup))
+        return dot_product_attention(
             q,
             k,
             v,
             mask,
-            Pos=Pos,
-            KeyPos=KeyPos,
+            Pos=q.resolve_axis("position"),
+            KeyPos=k.resolve_axis("key_position"),
             HeadSize=c.HeadSize,
             scale=c.scale if c.scale is not None else c.head_dim**-0.5,
             soft_cap=c.logits_soft_cap,
@@ -356,5 +403,30 @@ class Attention(eqx.Module):
             backend=c.backend,
             query_block=c.query_block,
             upcast=c.upcast,
+            sinks=sinks,
         )
+
+    def __call__(
+        self, x: NamedArray, mask: AttentionMask, *, sliding=None, positions: NamedArray | None = None, key=None
+    ) -> NamedArray:
+        """``x`` has axes ``(..., position, embed)``. ``sliding`` (a boolean scalar, possibly
+        traced) says whether this layer uses the sliding window; None means it does when
+        the config has one. ``positions`` (default ``0..position-1``) feed the rotation."""
+        q, k, v = self.project(x, positions=positions, sliding=sliding)
+        renamed = {"position": "key_position"}
+        attended = self.attend(q, k.rename(renamed), v.rename(renamed), mask, sliding=sliding)
         return self.o_proj(attended)
+
+    # -- Hugging Face layout: the projections fused into one tensor when the family does -------
+    def to_state_dict(self, prefix: str | None = None) -> StateDict:
+        state = super().to_state_dict(prefix)
+        fused = self.config.hf_fused_qkv
+        return state if fused is None else fuse(state, prefix, ("q_proj", "k_proj", "v_proj"), fused)
+
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "Attention":
+        c = self.config
+        if c.hf_fused_qkv is not None:
+            q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
+            state_dict = unfuse(state_dict, prefix, parts, c.hf_fused_qkv)
+        return super().from_state_dict(state_dict, prefix)

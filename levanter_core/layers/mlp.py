@@ -1,4 +1,5 @@
-"""Feed-forward layers: the gated MLP of Llama-family models, and the activations they use."""
+"""Feed-forward layers: the gated MLP of Llama-family models, the plain two-layer MLP, and
+the activations they use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 from haliax import Axis, NamedArray
+from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
 
 ActivationName = Literal["silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "quick_gelu"]
 """Activation names as Hugging Face configs spell them (``hidden_act``)."""
@@ -30,14 +32,17 @@ def init_linear(In, Out, *, key, std: float, use_bias: bool = False) -> hnn.Line
     return hnn.Linear(weight=weight, bias=bias, In=In, Out=Out)
 
 
-class GatedMlp(eqx.Module):
+class GatedMlp(ModuleWithStateDictSerialization):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU and GeGLU feed-forward layers,
-    with Hugging Face's parameter names."""
+    with Hugging Face's parameter names. ``fused`` names the tensor in which a family's
+    checkpoints keep the gate and up projections together (Phi-3's ``gate_up_proj``, gate
+    first); None: two tensors."""
 
     gate_proj: hnn.Linear
     up_proj: hnn.Linear
     down_proj: hnn.Linear
     activation: str = eqx.field(static=True)
+    fused: str | None = eqx.field(static=True, default=None)
 
     @staticmethod
     def init(
@@ -49,6 +54,7 @@ class GatedMlp(eqx.Module):
         std: float = 0.02,
         down_std: float | None = None,
         use_bias: bool = False,
+        fused: str | None = None,
     ) -> "GatedMlp":
         """``down_std`` (default ``std``) lets a model scale down the projection into the residual stream."""
         if activation not in ACTIVATIONS:
@@ -59,7 +65,53 @@ class GatedMlp(eqx.Module):
             init_linear(Embed, Mlp, key=k_up, std=std, use_bias=use_bias),
             init_linear(Mlp, Embed, key=k_down, std=std if down_std is None else down_std, use_bias=use_bias),
             activation,
+            fused,
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
         return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+
+    def to_state_dict(self, prefix: str | None = None) -> StateDict:
+        from levanter_core.hf.layouts import fuse
+
+        state = super().to_state_dict(prefix)
+        return state if self.fused is None else fuse(state, prefix, ("gate_proj", "up_proj"), self.fused)
+
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "GatedMlp":
+        from levanter_core.hf.layouts import unfuse
+
+        if self.fused is not None:
+            rows = self.gate_proj.Out.size
+            state_dict = unfuse(state_dict, prefix, (("gate_proj", rows), ("up_proj", rows)), self.fused)
+        return super().from_state_dict(state_dict, prefix)
+
+
+class Mlp(eqx.Module):
+    """``down_proj(act(up_proj(x)))``: the plain two-layer feed-forward layer (no gate)."""
+
+    up_proj: hnn.Linear
+    down_proj: hnn.Linear
+    activation: str = eqx.field(static=True)
+
+    @staticmethod
+    def init(
+        Embed: Axis,
+        Hidden: Axis,
+        activation: str,
+        *,
+        key,
+        std: float = 0.02,
+        down_std: float | None = None,
+        use_bias: bool = False,
+    ) -> "Mlp":
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
+        k_up, k_down = jax.random.split(key, 2)
+        return Mlp(
+            init_linear(Embed, Hidden, key=k_up, std=std, use_bias=use_bias),
+            init_linear(Hidden, Embed, key=k_down, std=std if down_std is None else down_std, use_bias=use_bias),
+            activation,
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))

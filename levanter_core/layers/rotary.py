@@ -8,11 +8,25 @@ The ``rope:`` field of a model config picks one by ``type``::
            original_max_position_embeddings: 8192}
     rope: {type: yarn, theta: 10000, factor: 4, original_max_position_embeddings: 4096}
 
-Each computes the inverse frequencies of the ``head_size / 2`` rotation planes and a
+    rope: {type: longrope, short_factor: [...], long_factor: [...], original_max_position_embeddings: 4096}
+    rope: {type: dynamic, factor: 2, max_position_embeddings: 4096}
+
+Each computes the inverse frequencies of the ``rotary_dim / 2`` rotation planes and a
 factor applied to the cosines and sines, with the same arithmetic (in float32) as
 Hugging Face's ``modeling_rope_utils``, so imported models give the same logits.
-The rotation pairs dimension ``i`` with ``i + head_size / 2`` ("rotate half"), the
+The rotation pairs dimension ``i`` with ``i + rotary_dim / 2`` ("rotate half"), the
 layout of Hugging Face checkpoints, so no weights need permuting on import.
+
+Two things the kit's families rely on:
+
+* **Partial rotation**: ``partial_rotary_factor`` (any scaling) rotates only the first
+  ``int(head_size * partial_rotary_factor)`` dimensions of each head and passes the rest
+  through (Phi-3 mini 128k's successors, GPT-NeoX, StableLM);
+* **Scalings that depend on the sequence length**: ``inverse_frequencies`` and
+  ``table_scale`` receive the length of the sequence being processed (``seq_len``), as
+  Hugging Face's dynamic NTK and LongRoPE need (LongRoPE switches from its short to its
+  long factors past ``original_max_position_embeddings``). Attention passes the number of
+  positions it sees; a key/value-cached decoder passes the cache's length.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ import haliax as hax
 import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from levanter_core.config.base import ConfigModel
 
@@ -33,19 +47,38 @@ class _RotaryBase(ConfigModel):
     theta: PositiveFloat = 10000.0
     """Base wavelength of the rotations (Hugging Face's ``rope_theta``)."""
 
-    def inverse_frequencies(self, head_size: int) -> np.ndarray:
-        """The ``head_size / 2`` angular frequencies, float32."""
+    partial_rotary_factor: float = Field(1.0, gt=0.0, le=1.0)
+    """Fraction of each head that rotates: the first ``int(head_size * partial_rotary_factor)``
+    dimensions; the others pass through unchanged. 1: the whole head."""
+
+    def rotary_dim(self, head_size: int) -> int:
+        """How many dimensions of a head of ``head_size`` rotate (even)."""
+        dim = int(head_size * self.partial_rotary_factor)
+        if dim < 2 or dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_size {head_size} rotates {dim} "
+                "dimensions; it must be an even number of at least 2"
+            )
+        return dim
+
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
+        """The ``head_size / 2`` angular frequencies (float32) of a rotation over ``head_size``
+        dimensions (the rotated part of a head), for a sequence of ``seq_len`` positions
+        (None: the context the model was configured for; only some scalings depend on it)."""
         return (1.0 / (self.theta ** (np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size))).astype(
             np.float32
         )
 
-    def table_scale(self) -> float:
-        """Multiplies the cosines and sines (YaRN's attention temperature); 1 for the others."""
+    def table_scale(self, seq_len: int | None = None) -> float:
+        """Multiplies the cosines and sines (YaRN's and LongRoPE's attention temperature); 1 for the others."""
         return 1.0
 
     def to_hf(self) -> dict:
         """The Hugging Face ``rope_parameters`` dictionary of this scaling."""
-        return {"rope_type": self.type, "rope_theta": self.theta}
+        out = {"rope_type": self.type, "rope_theta": self.theta}
+        if self.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+        return out
 
 
 class DefaultRotaryConfig(_RotaryBase):
@@ -58,14 +91,14 @@ class DefaultRotaryConfig(_RotaryBase):
     """Levanter's ``default`` rotary also takes a ``factor`` (1: no scaling); another value divides
     every frequency by it, as ``linear`` does."""
 
-    def inverse_frequencies(self, head_size: int) -> np.ndarray:
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         freqs = super().inverse_frequencies(head_size)
         return freqs if self.factor == 1.0 else (freqs / np.float32(self.factor)).astype(np.float32)
 
     def to_hf(self) -> dict:
         if self.factor == 1.0:
             return super().to_hf()
-        return {"rope_type": "linear", "rope_theta": self.theta, "factor": self.factor}
+        return {**super().to_hf(), "rope_type": "linear", "factor": self.factor}
 
 
 class LinearRotaryConfig(_RotaryBase):
@@ -77,7 +110,7 @@ class LinearRotaryConfig(_RotaryBase):
     factor: PositiveFloat = 1.0
     """How many times longer the contexts are than in pretraining."""
 
-    def inverse_frequencies(self, head_size: int) -> np.ndarray:
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         return (super().inverse_frequencies(head_size) / np.float32(self.factor)).astype(np.float32)
 
     def to_hf(self) -> dict:
@@ -106,7 +139,7 @@ class Llama3RotaryConfig(_RotaryBase):
     original_max_position_embeddings: PositiveInt = 8192
     """The context length the model was pretrained with."""
 
-    def inverse_frequencies(self, head_size: int) -> np.ndarray:
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         inv_freq = super().inverse_frequencies(head_size)
         old_len = self.original_max_position_embeddings
         low_freq_wavelen = old_len / self.low_freq_factor
@@ -158,7 +191,7 @@ class YarnRotaryConfig(_RotaryBase):
     truncate: bool = True
     """Round the correction range outwards to whole dimensions."""
 
-    def table_scale(self) -> float:
+    def table_scale(self, seq_len: int | None = None) -> float:
         if self.attention_factor is not None:
             return self.attention_factor
 
@@ -169,7 +202,7 @@ class YarnRotaryConfig(_RotaryBase):
             return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
         return get_mscale(self.factor)
 
-    def inverse_frequencies(self, head_size: int) -> np.ndarray:
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         dim, base = head_size, self.theta
 
         def correction_dim(rotations: float) -> float:
@@ -204,8 +237,119 @@ class YarnRotaryConfig(_RotaryBase):
         return out
 
 
+class LongRopeConfig(_RotaryBase):
+    """LongRoPE (Ding et al., 2024; Phi-3): a rescaling factor per rotation plane, one set for
+    sequences up to ``original_max_position_embeddings`` and another beyond it, plus an
+    attention temperature. Which set applies depends on the sequence length."""
+
+    type: Literal["longrope"] = "longrope"
+    """``longrope``: per-plane factors chosen by the sequence length."""
+
+    short_factor: tuple[float, ...]
+    """Divisors of the ``rotary_dim / 2`` frequencies for sequences of at most
+    ``original_max_position_embeddings`` positions."""
+
+    long_factor: tuple[float, ...]
+    """Divisors of the frequencies for longer sequences."""
+
+    original_max_position_embeddings: PositiveInt = 4096
+    """The context length the model was pretrained with: the switch from short to long factors."""
+
+    max_position_embeddings: PositiveInt | None = None
+    """The extended context length; with ``original_max_position_embeddings`` it gives the
+    default ``factor`` (Hugging Face's top-level ``max_position_embeddings``; not exported here)."""
+
+    factor: PositiveFloat | None = None
+    """Context extension ratio, for the default ``attention_factor``; None: ``max_position_embeddings
+    / original_max_position_embeddings``."""
+
+    attention_factor: float | None = None
+    """Multiplier of the cosines and sines; None: ``sqrt(1 + ln(factor) / ln(original))`` (1 when
+    ``factor <= 1``)."""
+
+    @model_validator(mode="after")
+    def _same_lengths(self):
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError(
+                f"short_factor has {len(self.short_factor)} entries and long_factor {len(self.long_factor)}; "
+                "give one per rotation plane (rotary_dim / 2) in each"
+            )
+        return self
+
+    def _factor(self) -> float:
+        if self.factor is not None:
+            return self.factor
+        if self.max_position_embeddings is None:
+            return 1.0
+        return self.max_position_embeddings / self.original_max_position_embeddings
+
+    def is_long(self, seq_len: int | None) -> bool:
+        """Whether a sequence of ``seq_len`` positions uses the long factors."""
+        return bool(seq_len) and seq_len > self.original_max_position_embeddings
+
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
+        factors = self.long_factor if self.is_long(seq_len) else self.short_factor
+        if len(factors) != head_size // 2:
+            raise ValueError(
+                f"longrope has {len(factors)} factors but the rotation has {head_size // 2} planes "
+                f"(rotary dimension {head_size}); give one factor per plane"
+            )
+        shape = np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size
+        return (1.0 / (np.asarray(factors, dtype=np.float32) * np.float32(self.theta) ** shape)).astype(np.float32)
+
+    def table_scale(self, seq_len: int | None = None) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        factor = self._factor()
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+
+    def to_hf(self) -> dict:
+        out = {
+            **super().to_hf(),
+            "short_factor": list(self.short_factor),
+            "long_factor": list(self.long_factor),
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+        out.update({n: getattr(self, n) for n in ("factor", "attention_factor") if getattr(self, n) is not None})
+        return out
+
+
+class DynamicRotaryConfig(_RotaryBase):
+    """Dynamic NTK scaling: past ``max_position_embeddings`` positions, the base wavelength grows
+    with the sequence length; within it, plain RoPE."""
+
+    type: Literal["dynamic"] = "dynamic"
+    """``dynamic``: NTK-aware scaling that depends on the sequence length."""
+
+    factor: PositiveFloat = 1.0
+    """How strongly the base grows with the length."""
+
+    max_position_embeddings: PositiveInt = 2048
+    """The length up to which the rotation is plain RoPE (Hugging Face's top-level
+    ``max_position_embeddings``; not exported here)."""
+
+    def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
+        length = max(seq_len or self.max_position_embeddings, self.max_position_embeddings)
+        ratio = self.factor * length / self.max_position_embeddings - (self.factor - 1)
+        base = self.theta * ratio ** (head_size / (head_size - 2))
+        shape = np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size
+        return (1.0 / (np.float32(base) ** shape)).astype(np.float32)
+
+    def to_hf(self) -> dict:
+        return {**super().to_hf(), "factor": self.factor}
+
+
 RotaryConfig = Annotated[
-    Union[DefaultRotaryConfig, LinearRotaryConfig, Llama3RotaryConfig, YarnRotaryConfig],
+    Union[
+        DefaultRotaryConfig,
+        LinearRotaryConfig,
+        Llama3RotaryConfig,
+        YarnRotaryConfig,
+        LongRopeConfig,
+        DynamicRotaryConfig,
+    ],
     Field(discriminator="type"),
 ]
 """The ``rope:`` section of a model config: one of the scalings above, chosen by ``type``."""
@@ -232,12 +376,14 @@ _HF_ROPE_KEYS = {
             "truncate",
         }
     ),
+    "longrope": frozenset(
+        {"short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"}
+    ),
+    "dynamic": frozenset({"factor"}),
 }
 
 # rope types of transformers that we do not implement, and what they do, for the error message
 _HF_UNSUPPORTED_ROPE = {
-    "dynamic": "dynamic NTK scaling, which changes the frequencies with the sequence length",
-    "longrope": "LongRoPE (Phi-3), per-frequency short and long factors",
     "proportional": "proportional partial rotation",
     "axial": "axial (2-D) rotation",
 }
@@ -253,13 +399,12 @@ def rotary_from_hf(
     dictionary: a top-level ``partial_rotary_factor``, a top-level
     ``original_max_position_embeddings`` (which takes precedence), and
     ``max_position_embeddings``, the default of ``original_max_position_embeddings`` for
-    ``llama3`` and ``yarn`` and of a null YaRN ``factor`` (``max / original``). Pass it
-    whenever the dictionary comes from a config file.
+    ``llama3``, ``yarn`` and ``longrope``, of a null YaRN ``factor`` (``max / original``), and
+    the length past which ``dynamic`` scaling starts. Pass it whenever the dictionary comes
+    from a config file.
 
-    Raises ``ValueError`` naming the setting, for anything that would change the rotation
-    and that we do not implement: a rope type other than ``default``, ``linear``, ``llama3``
-    and ``yarn``, or a ``partial_rotary_factor`` other than 1 (rotating only part of each
-    head), so that an import fails rather than giving wrong logits."""
+    Raises ``ValueError`` naming the setting, for a rope type we do not implement, so that an
+    import fails rather than giving wrong logits."""
     hf_config = hf_config or {}
     params = dict(params or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -270,17 +415,14 @@ def rotary_from_hf(
             f"rope type {rope_type!r} is not supported ({what}); supported: {sorted(_HF_ROPE_KEYS)} "
             "(rope_parameters.rope_type, or rope_scaling.type in older files)"
         )
-    for where, partial in (
-        ("rope_parameters.partial_rotary_factor", params.pop("partial_rotary_factor", None)),
-        ("partial_rotary_factor", hf_config.get("partial_rotary_factor")),
-    ):
-        if partial is not None and float(partial) != 1.0:
-            raise ValueError(
-                f"{where} = {partial} is not supported: only rotating every dimension of each head "
-                "(partial_rotary_factor 1.0) is implemented"
-            )
+    # the dictionary's own value first, as transformers 5 reads it; then the top-level key
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = hf_config.get("partial_rotary_factor")
     theta = params.pop("rope_theta", None) or default_theta
     kwargs = {k: v for k, v in params.items() if k in _HF_ROPE_KEYS[rope_type] and v is not None}
+    if partial is not None:
+        kwargs["partial_rotary_factor"] = float(partial)
     if "original_max_position_embeddings" in _HF_ROPE_KEYS[rope_type]:
         # transformers' precedence: the top-level key, the dictionary's, then the context length
         candidates = (
@@ -291,6 +433,8 @@ def rotary_from_hf(
         original = next((c for c in candidates if c is not None), None)
         if original is not None:
             kwargs["original_max_position_embeddings"] = original
+    if rope_type in ("longrope", "dynamic") and hf_config.get("max_position_embeddings") is not None:
+        kwargs["max_position_embeddings"] = hf_config["max_position_embeddings"]
     if rope_type == "yarn" and "factor" in params and params["factor"] is None:
         # a null factor means the ratio of the context lengths (DeepSeek-V3's convention)
         if hf_config.get("max_position_embeddings") is None or "original_max_position_embeddings" not in kwargs:
@@ -302,23 +446,34 @@ def rotary_from_hf(
     return _BY_TYPE[rope_type](theta=theta, **kwargs)
 
 
-def rotary_tables(rope: _RotaryBase, head_size: int, positions: NamedArray, HeadSize: Axis):
-    """``(cos, sin)`` for ``positions`` (any axes, integer), each with ``HeadSize`` appended.
+def rotary_tables(
+    rope: _RotaryBase, head_size: int, positions: NamedArray, HeadSize: Axis, *, seq_len: int | None = None
+):
+    """``(cos, sin)`` for ``positions`` (any axes, integer), each with the rotated part of
+    ``HeadSize`` appended (all of it unless ``rope.partial_rotary_factor`` < 1).
 
-    Follows Hugging Face: angles are computed in float32 and the two halves of the head
-    share the same frequencies."""
-    inv_freq = jnp.asarray(rope.inverse_frequencies(head_size))
+    ``seq_len``: the length of the sequence being processed, for scalings that depend on it
+    (None: the model's configured context). Follows Hugging Face: angles are computed in
+    float32 and the two halves of the rotated part share the same frequencies."""
+    dim = rope.rotary_dim(head_size)
+    inv_freq = jnp.asarray(rope.inverse_frequencies(dim, seq_len=seq_len))
     angles = positions.array.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
-    axes = (*positions.axes, HeadSize)
-    factor = rope.table_scale()
+    axes = (*positions.axes, HeadSize.resize(dim))
+    factor = rope.table_scale(seq_len)
     return hax.named(jnp.cos(angles) * factor, axes), hax.named(jnp.sin(angles) * factor, axes)
 
 
 def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray, HeadSize: Axis) -> NamedArray:
     """Rotate ``x`` (axes including ``HeadSize`` and the positions of ``cos``/``sin``).
 
-    The result keeps ``x``'s dtype; the tables are cast to it first, as Hugging Face does."""
+    When the tables are narrower than the head (partial rotation), the first
+    ``cos``-width dimensions rotate and the rest pass through. The result keeps ``x``'s
+    dtype; the tables are cast to it first, as Hugging Face does."""
+    dim = cos.resolve_axis(HeadSize.name).size
+    if dim < HeadSize.size:
+        rotated = apply_rotary(x[HeadSize.name, :dim], cos, sin, HeadSize.resize(dim))
+        return hax.concatenate(HeadSize.name, [rotated, x[HeadSize.name, dim:]])
     half = HeadSize.size // 2
     first, second = x[HeadSize, :half], x[HeadSize, half:]
     rotated = hax.concatenate(HeadSize.name, [-second, first])

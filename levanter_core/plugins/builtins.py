@@ -3,33 +3,23 @@ as everybody else's, so nothing about them is special."""
 
 from levanter_core.plugins.hookspecs import hookimpl
 
-
 @hookimpl
 def register_optimizers(register):
-    from levanter_core.optim.adam import AdamConfig
-
-    register("adam", AdamConfig)
+    register("adam", "levanter_core.optim.adam:AdamConfig")
 
 
 @hookimpl
 def register_trackers(register):
-    from levanter_core.tracker.json_tracker import JsonTrackerConfig
-    from levanter_core.tracker.base import NoopTrackerConfig
-
-    register("json", JsonTrackerConfig)
-    register("noop", NoopTrackerConfig)
+    register("json", "levanter_core.tracker.json_tracker:JsonTrackerConfig")
+    register("noop", "levanter_core.tracker.base:NoopTrackerConfig")
 
 
 @hookimpl
 def register_checkpointers(register):
-    from levanter_core.checkpoint.config import TensorStoreCheckpointerConfig
-
-    register("tensorstore", TensorStoreCheckpointerConfig)
+    register("tensorstore", "levanter_core.checkpoint.config:TensorStoreCheckpointerConfig")
 
 
 @hookimpl
 def register_data_sources(register):
-    from levanter_core.data.source import PythonStdlibSourceConfig, UrlSourceConfig
-
-    register("url", UrlSourceConfig)
-    register("python_stdlib", PythonStdlibSourceConfig)
+    register("url", "levanter_core.data.source:UrlSourceConfig")
+    register("python_stdlib", "levanter_core.data.source:PythonStdlibSourceConfig")

@@ -15,9 +15,17 @@ callback and call it once per type name they provide::
 
 ``register(name, config_cls)`` takes the type name users write as ``type:`` in
 their YAML and a pydantic config class (a subclass of the kind's base class,
-e.g. :class:`levanter_core.tracker.TrackerConfig`). The config class both
-validates the section and builds the object (``build``/``init``/``create``, see
-each base class).
+e.g. :class:`levanter_core.tracker.TrackerConfig`), or the class's import path as a
+string, ``"package.module:Class"``. The config class both validates the section and
+builds the object (``build``/``init``/``create``, see each base class).
+
+Prefer the string: it is imported only when a config names the type, so that
+``levanter plugins`` and ``levanter --help`` stay fast however many plugins are
+installed (a class object makes every command import its module, and JAX with it)::
+
+    @hookimpl
+    def register_models(register):
+        register("qwen3", "levanter_model_qwen3.qwen3:Qwen3Config")
 """
 
 from __future__ import annotations

@@ -125,7 +125,9 @@ class PluginManager:
             for impl in hook.get_hookimpls():  # in registration order
                 info = self.plugins[impl.plugin_name]
 
-                def register(name: str, config_cls: type, *, _info: PluginInfo = info, _kind: str = kind) -> None:
+                def register(
+                    name: str, config_cls: type | str, *, _info: PluginInfo = info, _kind: str = kind
+                ) -> None:
                     registries[_kind].add(
                         Entry(_kind, name, config_cls, _info.name, _info.distribution, _info.version)
                     )

@@ -1,8 +1,16 @@
-"""Registries: for each kind of plugin-provided thing, ``type name -> Entry``."""
+"""Registries: for each kind of plugin-provided thing, ``type name -> Entry``.
+
+A plugin registers a type with its config class, or with the class's import path as a
+string (``"levanter_model_llama.llama:LlamaConfig"``). The string form keeps discovery
+cheap: ``levanter plugins`` and ``levanter --help`` list every type without importing any
+implementation (nor JAX), and a type's module is imported the first time something needs
+its class, usually because a config names it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 from typing import Iterator
@@ -43,16 +51,44 @@ KINDS: dict[str, Kind] = {
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
+_TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A registered type: its name, config class, and who provided it."""
+    """A registered type: its name, its config class (or the class's ``"module:Class"`` path,
+    imported on first use), and who provided it."""
 
     kind: str
     name: str
-    config_cls: type
+    target: type | str
     plugin: str
     distribution: str | None
     version: str | None
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the config class is imported already."""
+        return not isinstance(self.target, str) or "config_cls" in self.__dict__
+
+    @functools.cached_property
+    def config_cls(self) -> type:
+        """The config class; a string target is imported now, and checked against the kind's
+        base class (a :class:`PluginError` naming the plugin if it cannot be)."""
+        if not isinstance(self.target, str):
+            return self.target
+        module, _, attr = self.target.partition(":")
+        try:
+            found = importlib.import_module(module)
+            for part in attr.split("."):
+                found = getattr(found, part)
+        except Exception as e:
+            raise PluginError(
+                f"{self.kind} type {self.name!r} of plugin {self.plugin!r} ({self.provider}) cannot be loaded: "
+                f"importing {self.target!r} failed: {type(e).__name__}: {e}"
+            ) from e
+        _check_subclass(self, found)
+        return found
 
     @property
     def provider(self) -> str:
@@ -75,12 +111,14 @@ class Registry:
                 f"plugin {entry.plugin!r} registered an invalid {self.kind.name} type name {entry.name!r}: "
                 "use letters, digits, '_', '-' or '.'"
             )
-        base = self.kind.base_class()
-        if not (isinstance(entry.config_cls, type) and issubclass(entry.config_cls, base)):
-            raise PluginError(
-                f"plugin {entry.plugin!r} registered {self.kind.name} type {entry.name!r} with "
-                f"{entry.config_cls!r}, which is not a subclass of {base.__module__}.{base.__qualname__}"
-            )
+        if isinstance(entry.target, str):
+            if not _TARGET_RE.match(entry.target):
+                raise PluginError(
+                    f"plugin {entry.plugin!r} registered {self.kind.name} type {entry.name!r} with "
+                    f"{entry.target!r}; a class or its import path as 'package.module:Class' is expected"
+                )
+        else:
+            _check_subclass(entry, entry.target)
         previous = self._entries.get(entry.name)
         if previous is not None:
             raise PluginError(
@@ -118,10 +156,21 @@ class Registry:
         return f"unknown {self.kind.name} type {name!r}; installed: {self.describe_choices()}"
 
     def entry_for_class(self, cls: type) -> Entry | None:
+        """The entry whose config class is ``cls`` (imports only the entries that could be it)."""
+        path = f"{cls.__module__}:{cls.__qualname__}"
         for entry in self._entries.values():
-            if entry.config_cls is cls:
+            if entry.target is cls or entry.target == path or (entry.loaded and entry.config_cls is cls):
                 return entry
         return None
+
+
+def _check_subclass(entry: Entry, cls) -> None:
+    base = KINDS[entry.kind].base_class()
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise PluginError(
+            f"plugin {entry.plugin!r} registered {entry.kind} type {entry.name!r} with "
+            f"{cls!r}, which is not a subclass of {base.__module__}.{base.__qualname__}"
+        )
 
 
 def _who(entry: Entry) -> str:

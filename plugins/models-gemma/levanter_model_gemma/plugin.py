@@ -9,13 +9,9 @@ _HF_TYPES = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "gem
 
 @hookimpl
 def register_models(register):
-    from levanter_model_gemma.gemma import GemmaConfig
-    from levanter_model_gemma.gemma2 import Gemma2Config
-    from levanter_model_gemma.gemma3 import Gemma3Config
-
-    register("gemma", GemmaConfig)
-    register("gemma2", Gemma2Config)
-    register("gemma3", Gemma3Config)
+    register("gemma", "levanter_model_gemma.gemma:GemmaConfig")
+    register("gemma2", "levanter_model_gemma.gemma2:Gemma2Config")
+    register("gemma3", "levanter_model_gemma.gemma3:Gemma3Config")
 
 
 @hookimpl

@@ -2,12 +2,9 @@
 
 from levanter_core.plugins import hookimpl
 
-
 @hookimpl
 def register_models(register):
-    from levanter_model_gpt2.gpt2 import Gpt2Config
-
-    register("gpt2", Gpt2Config)
+    register("gpt2", "levanter_model_gpt2.gpt2:Gpt2Config")
 
 
 @hookimpl

@@ -7,8 +7,11 @@ from typing import ClassVar
 
 from pydantic import PositiveInt, model_validator
 
-from levanter_core.layers import AttentionConfig
+from levanter_core.hf.mapping import HfKey
 from levanter_model_llama.llama import LlamaConfig
+
+# Hugging Face's MistralConfig default, for a config.json without the key (null turns it off)
+_HF_SLIDING_WINDOW = 4096
 
 
 class MistralConfig(LlamaConfig):
@@ -21,17 +24,16 @@ class MistralConfig(LlamaConfig):
 
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
     hf_model_type: ClassVar[str] = "mistral"
+    hf_keys: ClassVar[dict[str, HfKey]] = {
+        **{k: v for k, v in LlamaConfig.hf_keys.items() if k != "use_bias"},
+        "sliding_window": HfKey("sliding_window", _HF_SLIDING_WINDOW),
+    }
 
     seq_len: PositiveInt = 4096
-    """Length of the training sequences (Hugging Face's ``max_position_embeddings``)."""
-
     intermediate_dim: PositiveInt = 14336
-    """Width of the MLP's hidden layer (``intermediate_size``)."""
-
     num_kv_heads: PositiveInt = 8
-    """Number of key/value heads (grouped-query attention)."""
 
-    sliding_window: PositiveInt | None = 4096
+    sliding_window: PositiveInt | None = _HF_SLIDING_WINDOW
     """Each token attends to itself and the ``sliding_window - 1`` tokens before it;
     ``None`` attends to the whole sequence."""
 
@@ -41,18 +43,11 @@ class MistralConfig(LlamaConfig):
             raise ValueError("use_bias: Mistral's attention has no biases (Hugging Face's MistralConfig cannot hold them)")
         return self
 
-    def attention_config(self) -> AttentionConfig:
-        import dataclasses
-
-        return dataclasses.replace(super().attention_config(), sliding_window=self.sliding_window)
-
-    @classmethod
-    def hf_fields(cls, hf: dict) -> dict:
-        # a file without the key gets transformers' MistralConfig default, 4096 (null turns it off)
-        return {**super().hf_fields(hf), "sliding_window": hf.get("sliding_window", 4096)}
+    def layer_types(self):
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return (kind,) * self.num_layers
 
     def to_hf_config(self, vocab_size: int) -> dict:
-        config = {**super().to_hf_config(vocab_size), "sliding_window": self.sliding_window}
-        for llama_only in ("attention_bias", "mlp_bias"):
-            del config[llama_only]
+        config = super().to_hf_config(vocab_size)
+        del config["mlp_bias"]
         return config

@@ -7,11 +7,8 @@ _HF_TYPES = {"llama": "llama", "mistral": "mistral"}
 
 @hookimpl
 def register_models(register):
-    from levanter_model_llama.llama import LlamaConfig
-    from levanter_model_llama.mistral import MistralConfig
-
-    register("llama", LlamaConfig)
-    register("mistral", MistralConfig)
+    register("llama", "levanter_model_llama.llama:LlamaConfig")
+    register("mistral", "levanter_model_llama.mistral:MistralConfig")
 
 
 @hookimpl

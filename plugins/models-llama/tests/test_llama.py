@@ -52,6 +52,19 @@ LLAMA_VARIANTS = {
     "rope_linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     "attention_bias": dict(attention_bias=True),
     "head_dim_32": dict(head_dim=32),
+    # LongRoPE: the 24 compared positions exceed the original 16, so the long factors apply,
+    # and the attention temperature follows from 256 / 16
+    "rope_longrope": dict(
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            "original_max_position_embeddings": 16,
+        }
+    ),
+    # dynamic NTK: 24 positions past max_position_embeddings 16 grow the base wavelength
+    "rope_dynamic": dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
 }
 
 MISTRAL_VARIANTS = {
@@ -154,27 +167,22 @@ def test_unrolled_layers_match_transformers(family, tmp_path):
     assert report.export_config_differences == {}
 
 
+def _proportional_rope() -> dict:
+    hf = transformers.MistralConfig(**COMMON).to_dict()
+    hf["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 1e4}
+    return hf
+
+
 REFUSED = {
-    # rotating only half of each head (transformers' Llama would silently rotate all of it)
-    "partial_rotary_factor = 0.5": lambda: transformers.LlamaConfig(**COMMON, partial_rotary_factor=0.5),
-    "rope type 'longrope' is not supported": lambda: transformers.MistralConfig(
-        **COMMON,
-        rope_parameters={
-            "rope_type": "longrope",
-            "rope_theta": 1e4,
-            "short_factor": [1.0] * 8,
-            "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "mlp_bias: true is not supported": lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True),
+    "rope type 'proportional' is not supported": _proportional_rope,
+    "mlp_bias: true is not supported": lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True).to_dict(),
 }
 
 
 @pytest.mark.parametrize("message", REFUSED)
 def test_unsupported_settings_are_refused_by_name(message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[message]().to_dict())
+        config_from_hf(REFUSED[message]())
 
 
 def test_mistral_without_a_sliding_window_key_gets_transformers_default():

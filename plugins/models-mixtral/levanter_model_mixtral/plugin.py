@@ -2,12 +2,9 @@
 
 from levanter_core.plugins import hookimpl
 
-
 @hookimpl
 def register_models(register):
-    from levanter_model_mixtral.mixtral import MixtralConfig
-
-    register("mixtral", MixtralConfig)
+    register("mixtral", "levanter_model_mixtral.mixtral:MixtralConfig")
 
 
 @hookimpl

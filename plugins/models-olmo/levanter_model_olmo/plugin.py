@@ -2,12 +2,9 @@
 
 from levanter_core.plugins import hookimpl
 
-
 @hookimpl
 def register_models(register):
-    from levanter_model_olmo.olmo2 import Olmo2Config
-
-    register("olmo2", Olmo2Config)
+    register("olmo2", "levanter_model_olmo.olmo2:Olmo2Config")
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """Entry point of the Qwen plugin (see ``pyproject.toml``): registers ``type: qwen`` and
 ``type: qwen3``, and claims Hugging Face checkpoints of the matching architectures.
 
-The model modules are imported inside the hooks, not here, so that loading the plugin
-(which every ``levanter`` command does) stays cheap.
+Types are registered by import path, so that loading the plugin (which every ``levanter``
+command does) imports no model code; a model's module is imported when a config names it.
 """
 
 from levanter_core.plugins import hookimpl
@@ -13,11 +13,8 @@ _HF_MODEL_TYPES = {"qwen2": "qwen", "qwen3": "qwen3"}
 
 @hookimpl
 def register_models(register):
-    from levanter_model_qwen3.qwen import QwenConfig
-    from levanter_model_qwen3.qwen3 import Qwen3Config
-
-    register("qwen", QwenConfig)
-    register("qwen3", Qwen3Config)
+    register("qwen", "levanter_model_qwen3.qwen:QwenConfig")
+    register("qwen3", "levanter_model_qwen3.qwen3:Qwen3Config")
 
 
 @hookimpl

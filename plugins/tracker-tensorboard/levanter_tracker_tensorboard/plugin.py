@@ -6,9 +6,6 @@ the plugin (which every ``levanter`` command does) stays cheap.
 
 from levanter_core.plugins import hookimpl
 
-
 @hookimpl
 def register_trackers(register):
-    from levanter_tracker_tensorboard.tracker import TensorboardConfig
-
-    register("tensorboard", TensorboardConfig)
+    register("tensorboard", "levanter_tracker_tensorboard.tracker:TensorboardConfig")

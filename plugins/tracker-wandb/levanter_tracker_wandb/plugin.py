@@ -6,9 +6,6 @@ every ``levanter`` command does) stays cheap.
 
 from levanter_core.plugins import hookimpl
 
-
 @hookimpl
 def register_trackers(register):
-    from levanter_tracker_wandb.tracker import WandbConfig
-
-    register("wandb", WandbConfig)
+    register("wandb", "levanter_tracker_wandb.tracker:WandbConfig")

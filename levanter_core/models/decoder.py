@@ -1,0 +1,451 @@
+"""The decoder kit: one decoder-only transformer that every family configures.
+
+A family is a subclass of :class:`DecoderConfig` that states what differs from the
+common decoder (Llama's): its defaults, its extra fields, and a few choices, each a class
+attribute or a method to override:
+
+==============================  ===========================================================
+``norm_placement``              ``pre`` (Llama), ``post`` (OLMo 2), ``sandwich`` (Gemma 2)
+``norm_offset``                 1.0 for Gemma's ``(1 + weight)`` RMSNorms
+``attention_config()``          biases, QK norm, scale, soft cap, sinks, fused ``qkv_proj``
+``attention_module(key=)``      another attention with the same interface (DeepSeek's MLA)
+``layer_types()``               per layer ``full_attention`` or ``sliding_attention``
+``mlp_module(key=, kind=)``     the feed-forward block of a ``dense`` layer
+``moe_config()``                a :class:`~levanter_core.layers.moe.MoeConfig` for the
+                                ``moe`` layers (None: a dense model)
+``layer_kinds()``               per layer ``dense`` or ``moe`` (DeepSeek's first dense layers)
+``embedding_multiplier(dtype)`` Gemma's ``sqrt(hidden_dim)``
+``final_logit_soft_cap``        Gemma 2's soft cap of the output logits
+``hf_keys`` / ``hf_fields``     the ``config.json`` translation (:mod:`levanter_core.hf.mapping`)
+==============================  ===========================================================
+
+The modules keep Hugging Face's names (``model.embed_tokens``, ``model.layers.N.self_attn``,
+``mlp``, ``input_layernorm``, ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+``post_feedforward_layernorm``, ``model.norm``, ``lm_head``), so import and export are
+name-for-name copies and a family adds no serialization code of its own.
+
+Every layer takes the same arguments (``x``, the attention mask, and this layer's
+``sliding`` switch); a mixture-of-experts layer also returns its router statistics, which
+:class:`DecoderLM` turns into the load-balancing and z-losses. Attention runs in the
+three steps of :class:`~levanter_core.layers.attention.Attention` (``project``,
+``attend``, ``o_proj``), where decoding with a key/value cache slots in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+from pydantic import Field, PositiveInt, model_validator
+
+from levanter_core.hf.mapping import DECODER_HF_KEYS, HfKey, HfMapped
+from levanter_core.layers.attention import Attention, AttentionBackend, AttentionConfig, AttentionMask
+from levanter_core.layers.mlp import ActivationName, GatedMlp, init_linear
+from levanter_core.layers.moe import MoeBlock, MoeConfig, RouterStats, router_losses
+from levanter_core.layers.norm import RmsNorm
+from levanter_core.layers.rotary import DefaultRotaryConfig, RotaryConfig
+from levanter_core.layers.stack import LayerGroups, runs, stack_layers
+from levanter_core.models.flops import lm_flops_per_token
+from levanter_core.models.lm import AuxiliaryLoss, GradientCheckpointing, LmConfig, soft_cap
+
+NormPlacement = Literal["pre", "post", "sandwich"]
+LayerType = Literal["full_attention", "sliding_attention"]
+"""How one layer attends, in Hugging Face's words: to the whole sequence, or through the sliding window."""
+LayerKind = Literal["dense", "moe"]
+
+
+class DecoderConfig(LmConfig, HfMapped):
+    """The fields every decoder-only family shares, with Llama 2 7B's defaults; a family
+    subclasses it (see the module docstring)."""
+
+    hf_keys: ClassVar[dict[str, HfKey]] = {
+        **DECODER_HF_KEYS,
+        "head_dim": HfKey(
+            "head_dim", None, read=DECODER_HF_KEYS["head_dim"].read, write=lambda v, c: c.actual_head_dim
+        ),
+    }
+
+    norm_placement: ClassVar[NormPlacement] = "pre"
+    """Where each layer's norms sit: ``pre`` (before attention and MLP), ``post`` (after
+    each, on the residual branch), ``sandwich`` (both)."""
+
+    norm_offset: ClassVar[float] = 0.0
+    """RMSNorms scale by ``norm_offset + weight`` (Gemma: 1)."""
+
+    seq_len: PositiveInt = 2048
+    """Length of the training sequences (Hugging Face's ``max_position_embeddings``)."""
+
+    hidden_dim: PositiveInt = 4096
+    """Width of the residual stream (``hidden_size``)."""
+
+    intermediate_dim: PositiveInt = 11008
+    """Width of the MLP's hidden layer (``intermediate_size``)."""
+
+    num_layers: PositiveInt = 32
+    """Number of decoder layers (``num_hidden_layers``)."""
+
+    num_heads: PositiveInt = 32
+    """Number of query heads (``num_attention_heads``)."""
+
+    num_kv_heads: PositiveInt = 32
+    """Number of key/value heads (``num_key_value_heads``): ``num_heads`` for multi-head
+    attention, 1 for multi-query, anything dividing ``num_heads`` for grouped-query attention."""
+
+    head_dim: PositiveInt | None = None
+    """Size of each head; ``None`` means ``hidden_dim // num_heads``."""
+
+    activation_function: ActivationName = "silu"
+    """Nonlinearity of the gated MLP (``hidden_act``)."""
+
+    initializer_range: float = Field(0.02, gt=0.0)
+    """Standard deviation of the normal initialization of every weight matrix and embedding."""
+
+    layer_norm_epsilon: float = Field(1e-5, gt=0.0)
+    """Epsilon of every RMSNorm (``rms_norm_eps``)."""
+
+    tie_word_embeddings: bool = False
+    """Use the token embedding matrix as the output projection."""
+
+    rope: RotaryConfig = DefaultRotaryConfig()
+    """Rotary embedding and its scaling: ``{type: default|linear|llama3|yarn|longrope|dynamic,
+    theta: ...}``, with ``partial_rotary_factor`` to rotate only part of each head."""
+
+    upcast_attn: bool = False
+    """Compute the query-key products in float32 even when the compute precision is lower
+    (the softmax always runs in float32)."""
+
+    attn_backend: AttentionBackend = "auto"
+    """Attention implementation: ``reference`` (plain einsums), ``jax``
+    (``jax.nn.dot_product_attention``, cuDNN flash attention on GPU), or ``auto``
+    (``jax`` on GPU, ``reference`` elsewhere)."""
+
+    gradient_checkpointing: GradientCheckpointing = True
+    """Recompute each layer's activations in the backward pass instead of storing them (``true``),
+    store them all (``false``), or one of Levanter's policies: ``offload``, ``recompute``,
+    ``save_all``, ``nested`` (see ``levanter_core.models.lm.GradientCheckpointing``)."""
+
+    scan_layers: bool = True
+    """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
+
+    @model_validator(mode="after")
+    def _check_heads(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim is None and self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads}) unless head_dim is set"
+            )
+        return self
+
+    # -- axes ---------------------------------------------------------------------------------
+    @property
+    def actual_head_dim(self) -> int:
+        """``head_dim``, or ``hidden_dim // num_heads`` when it is unset."""
+        return self.head_dim or self.hidden_dim // self.num_heads
+
+    @property
+    def Embed(self) -> Axis:
+        return Axis("embed", self.hidden_dim)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis("mlp", self.intermediate_dim)
+
+    @property
+    def Layers(self) -> Axis:
+        return Axis("layers", self.num_layers)
+
+    # -- what a family may change ---------------------------------------------------------------
+    def layer_types(self) -> tuple[LayerType, ...]:
+        """Each layer's attention: ``full_attention`` or ``sliding_attention`` (which needs a
+        ``sliding_window`` field). Default: every layer full."""
+        return ("full_attention",) * self.num_layers
+
+    def attention_config(self) -> AttentionConfig:
+        """The attention layer's settings, from the common fields; a family replaces a few
+        (``dataclasses.replace(super().attention_config(), qkv_bias=True)``)."""
+        window = getattr(self, "sliding_window", None)
+        return AttentionConfig(
+            Embed=self.Embed,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.actual_head_dim,
+            rope=self.rope,
+            sliding_window=window if "sliding_attention" in self.layer_types() else None,
+            backend=self.attn_backend,
+            query_block=self.flash_attention_block_size,
+            upcast=self.upcast_attn,
+            initializer_range=self.initializer_range,
+        )
+
+    def attention_module(self, *, key) -> eqx.Module:
+        """One layer's attention (``self_attn``): :class:`Attention` of :meth:`attention_config`.
+        Another module must offer the same ``__call__(x, mask, *, sliding=None)``."""
+        return Attention.init(self.attention_config(), key=key)
+
+    def mlp_module(self, *, key) -> eqx.Module:
+        """The feed-forward block of a dense layer (``mlp``): the gated MLP."""
+        return GatedMlp.init(self.Embed, self.Mlp, self.activation_function, key=key, std=self.initializer_range)
+
+    def moe_config(self) -> MoeConfig | None:
+        """The mixture-of-experts block of the ``moe`` layers; None for a dense model."""
+        return None
+
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's feed-forward block: ``dense`` or ``moe`` (every layer ``moe`` when
+        :meth:`moe_config` is set)."""
+        kind: LayerKind = "moe" if self.moe_config() is not None else "dense"
+        return (kind,) * self.num_layers
+
+    def router_loss_weights(self) -> tuple[float, float]:
+        """Weights of the load-balancing loss and the router z-loss (mixture-of-experts families)."""
+        return 0.0, 0.0
+
+    def norm(self, axis=None) -> RmsNorm:
+        """An RMSNorm over ``axis`` (default ``embed``) with this family's epsilon and offset."""
+        return RmsNorm.init(axis or self.Embed, eps=self.layer_norm_epsilon, weight_offset=self.norm_offset)
+
+    def embedding_multiplier(self, dtype) -> jax.Array | None:
+        """A factor applied to the input embeddings (Gemma's ``sqrt(hidden_dim)``); None: none."""
+        return None
+
+    @property
+    def final_logit_soft_cap(self) -> float | None:
+        """Soft cap of the output logits (Gemma 2); the core's loss applies it too."""
+        return None
+
+    # -- the core's interface -------------------------------------------------------------------
+    def build(self, Vocab: Axis, *, key) -> "DecoderLM":
+        return DecoderLM.init(Vocab, self, key=key)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Counts full attention in every layer, as if no window were set (an upper bound); a
+        mixture-of-experts layer counts its chosen and shared experts and the router."""
+        moe = self.moe_config()
+        kinds = self.layer_kinds()
+        common = dict(
+            hidden_dim=self.hidden_dim,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.actual_head_dim,
+            seq_len=self.seq_len,
+            vocab_size=vocab_size,
+        )
+        dense_layers = kinds.count("dense")
+        total = 0.0
+        if dense_layers:
+            total += lm_flops_per_token(intermediate_dim=self.intermediate_dim, num_layers=dense_layers, **common)
+        if moe is not None and dense_layers < len(kinds):
+            moe_flops = lm_flops_per_token(
+                intermediate_dim=moe.intermediate_dim,
+                num_layers=len(kinds) - dense_layers,
+                experts_per_token=moe.top_k,
+                num_experts=moe.num_experts,
+                **common,
+            )
+            shared = 3.0 * 2 * 3 * self.hidden_dim * moe.shared_intermediate_dim * (len(kinds) - dense_layers)
+            total += moe_flops + shared
+            if dense_layers:  # the head was counted twice
+                total -= 3.0 * 2 * self.hidden_dim * vocab_size
+        return total
+
+
+# -- the modules ----------------------------------------------------------------------------------
+def _apply(norm, x):
+    return x if norm is None else norm(x)
+
+
+class DecoderLayer(eqx.Module):
+    """Attention and a feed-forward block (dense or mixture of experts), each on the residual
+    stream, with norms where the family's ``norm_placement`` puts them:
+
+    * ``pre``: ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``;
+    * ``post``: ``x + post_attention_layernorm(attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``;
+    * ``sandwich``: ``x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+      ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``.
+
+    (Hugging Face calls the pre-MLP norm of ``pre`` models ``post_attention_layernorm``.)"""
+
+    self_attn: eqx.Module
+    mlp: eqx.Module
+    input_layernorm: RmsNorm | None = None
+    post_attention_layernorm: RmsNorm | None = None
+    pre_feedforward_layernorm: RmsNorm | None = None
+    post_feedforward_layernorm: RmsNorm | None = None
+    placement: NormPlacement = eqx.field(static=True, default="pre")
+
+    @staticmethod
+    def init(config: DecoderConfig, kind: LayerKind = "dense", *, key) -> "DecoderLayer":
+        k_attn, k_mlp = jax.random.split(key, 2)
+        placement = config.norm_placement
+        if kind == "moe":
+            mlp = MoeBlock.init(config.moe_config(), key=k_mlp)
+        else:
+            mlp = config.mlp_module(key=k_mlp)
+        norms = {
+            "pre": ("input_layernorm", "post_attention_layernorm"),
+            "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+            "sandwich": (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ),
+        }[placement]
+        return DecoderLayer(
+            config.attention_module(key=k_attn), mlp, **{n: config.norm() for n in norms}, placement=placement
+        )
+
+    def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None):
+        """``x`` ``(..., position, embed)``; ``sliding`` is this layer's sliding-window switch (None:
+        the attention config decides). Returns the new ``x``, and for a mixture-of-experts layer
+        also its :class:`RouterStats`."""
+        pre = self.placement == "pre"
+        attn_in = self.input_layernorm
+        attn_out = None if pre else self.post_attention_layernorm
+        mlp_in = self.post_attention_layernorm if pre else self.pre_feedforward_layernorm
+        x = x + _apply(attn_out, self.self_attn(_apply(attn_in, x), mask, sliding=sliding))
+        out = self.mlp(_apply(mlp_in, x))
+        stats = None
+        if isinstance(self.mlp, MoeBlock):
+            out, stats = out
+        x = x + _apply(self.post_feedforward_layernorm, out)
+        return x if stats is None else (x, stats)
+
+
+class Decoder(eqx.Module):
+    """Token embeddings, the decoder layers and the final norm (Hugging Face's ``model.``).
+
+    ``layers`` is one stack (``hnn.Stacked``, or ``hnn.BlockSeq`` without ``scan_layers``)
+    when all layers are of one kind, and a :class:`LayerGroups` of stacks otherwise."""
+
+    config: DecoderConfig = eqx.field(static=True)
+    embed_tokens: hnn.Embedding
+    layers: Any
+    norm: RmsNorm
+
+    @staticmethod
+    def init(Vocab: Axis, config: DecoderConfig, *, key) -> "Decoder":
+        k_embed, k_layers = jax.random.split(key, 2)
+        embed = hax.random.normal(k_embed, (Vocab, config.Embed)) * config.initializer_range
+        groups = runs(config.layer_kinds())
+        keys = jax.random.split(k_layers, len(groups))
+        stacks = [
+            stack_layers(
+                Axis("layers", length),
+                DecoderLayer,
+                config,
+                kind,
+                key=k,
+                scan=config.scan_layers,
+                gradient_checkpointing=config.gradient_checkpointing,
+            )
+            for (_, length, kind), k in zip(groups, keys)
+        ]
+        if len(stacks) == 1:
+            layers = stacks[0]
+        else:
+            layers = LayerGroups(tuple(stacks), tuple(s for s, _, _ in groups), tuple(k for _, _, k in groups))
+        return Decoder(config, hnn.Embedding(embed, Vocab=Vocab, Embed=config.Embed), layers, config.norm())
+
+    def sliding_flags(self) -> NamedArray | None:
+        """Each layer's sliding-window switch along ``layers``; None when all layers are alike (the
+        window, if any, is then fixed, which lets the ``jax`` backend use cuDNN's windowed kernel)."""
+        flags = [t == "sliding_attention" for t in self.config.layer_types()]
+        if len(set(flags)) == 1:
+            return None
+        return hax.named(jnp.array(flags), self.config.Layers)
+
+    def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> tuple[NamedArray, RouterStats | None]:
+        """Final hidden states, and the router statistics of the mixture-of-experts layers stacked
+        along ``layers`` (None for a dense model)."""
+        c = self.config
+        x = self.embed_tokens.embed(input_ids)
+        multiplier = c.embedding_multiplier(x.dtype)
+        if multiplier is not None:
+            x = x * multiplier
+        flags = self.sliding_flags()
+        if isinstance(self.layers, LayerGroups):
+            groups = zip(self.layers.groups, self.layers.starts, self.layers.kinds)
+        else:
+            groups = [(self.layers, 0, c.layer_kinds()[0])]
+        stats = []
+        for stack, start, kind in groups:
+            size = stack.Block.size
+            group_flags = None if flags is None else flags["layers", start : start + size]
+            if kind == "moe":
+                x, group_stats = stack.scan(x, mask, group_flags, unroll=c.unroll_layers)
+                stats.append(group_stats)
+            else:
+                x = stack.fold(x, mask, group_flags, unroll=c.unroll_layers)
+        if not stats:
+            all_stats = None
+        elif len(stats) == 1:
+            all_stats = stats[0]
+        else:
+            all_stats = jax.tree.map(lambda *s: hax.concatenate("layers", s), *stats)
+        return self.norm(x), all_stats
+
+
+class DecoderLM(eqx.Module):
+    """A :class:`Decoder` with its output projection (``lm_head``, absent when tied to the
+    embeddings). Follows :class:`levanter_core.models.lm.LmHeadModel`, with
+    ``activations_with_aux`` for the router's training terms."""
+
+    model: Decoder
+    lm_head: hnn.Linear | None
+
+    @staticmethod
+    def init(Vocab: Axis, config: DecoderConfig, *, key) -> "DecoderLM":
+        k_model, k_head = jax.random.split(key, 2)
+        head = None
+        if not config.tie_word_embeddings:
+            head = init_linear(config.Embed, Vocab, key=k_head, std=config.initializer_range)
+        return DecoderLM(Decoder.init(Vocab, config, key=k_model), head)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    @property
+    def Vocab(self) -> Axis:
+        return self.model.embed_tokens.Vocab
+
+    def activations(self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None) -> NamedArray:
+        """Final hidden states. ``attn_mask`` (default causal) can add document segments."""
+        return self.model(input_ids, attn_mask if attn_mask is not None else AttentionMask.causal_mask())[0]
+
+    def activations_with_aux(
+        self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None
+    ) -> tuple[NamedArray, AuxiliaryLoss | None]:
+        """Final hidden states and, for a mixture of experts, the router's training terms."""
+        hidden, stats = self.model(input_ids, attn_mask if attn_mask is not None else AttentionMask.causal_mask())
+        if stats is None:
+            return hidden, None
+        balance, z = self.config.router_loss_weights()
+        return hidden, router_losses(stats, self.config.moe_config().num_experts, balance_weight=balance, z_weight=z)
+
+    def get_lm_head(self) -> NamedArray:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return weight.rearrange((self.config.Embed.name, self.Vocab.name))
+
+    def __call__(self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None) -> NamedArray:
+        hidden = self.activations(input_ids, key=key, attn_mask=attn_mask)
+        logits = hax.dot(hidden, self.get_lm_head(), axis=self.config.Embed.name)
+        return soft_cap(logits, self.config.final_logit_soft_cap)
+
+
+__all__ = [
+    "Decoder",
+    "DecoderConfig",
+    "DecoderLM",
+    "DecoderLayer",
+    "LayerKind",
+    "LayerType",
+    "NormPlacement",
+]

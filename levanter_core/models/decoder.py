@@ -77,6 +77,10 @@ class DecoderConfig(LmConfig, HfMapped):
     norm_offset: ClassVar[float] = 0.0
     """RMSNorms scale by ``norm_offset + weight`` (Gemma: 1)."""
 
+    hf_layer_names: ClassVar[dict[str, str]] = {}
+    """Hugging Face's names for a layer's fields where they differ from the kit's (Mixtral:
+    ``{"mlp": "block_sparse_moe"}``); used in checkpoints exchanged with Hugging Face only."""
+
     seq_len: PositiveInt = 2048
     """Length of the training sequences (Hugging Face's ``max_position_embeddings``)."""
 
@@ -278,6 +282,7 @@ class DecoderLayer(eqx.Module):
     pre_feedforward_layernorm: RmsNorm | None = None
     post_feedforward_layernorm: RmsNorm | None = None
     placement: NormPlacement = eqx.field(static=True, default="pre")
+    hf_names: tuple[tuple[str, str], ...] = eqx.field(static=True, default=())
 
     @staticmethod
     def init(config: DecoderConfig, kind: LayerKind = "dense", *, key) -> "DecoderLayer":
@@ -298,8 +303,15 @@ class DecoderLayer(eqx.Module):
             ),
         }[placement]
         return DecoderLayer(
-            config.attention_module(key=k_attn), mlp, **{n: config.norm() for n in norms}, placement=placement
+            config.attention_module(key=k_attn),
+            mlp,
+            **{n: config.norm() for n in norms},
+            placement=placement,
+            hf_names=tuple(sorted(config.hf_layer_names.items())),
         )
+
+    def _state_dict_key_map(self) -> dict[str, str | None]:
+        return dict(self.hf_names)
 
     def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None):
         """``x`` ``(..., position, embed)``; ``sliding`` is this layer's sliding-window switch (None:

@@ -13,7 +13,8 @@ from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_log
 from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig
 from levanter_core.testing import train_briefly
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the nano configs ship inside the package, beside these tests
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 COMMON = dict(
     vocab_size=128,
@@ -144,7 +145,7 @@ def _comparable(hf_config: dict) -> dict:
 
 @pytest.mark.parametrize("config_file", ["llama_nano.yaml", "mistral_nano.yaml"])
 def test_nano_config_trains(config_file, tmp_path):
-    result = train_briefly(os.path.join(REPO, "config", config_file), str(tmp_path))
+    result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)

@@ -124,7 +124,12 @@ def resolve_backend(
 ) -> Literal["reference", "jax"]:
     """The implementation to run: ``jax`` can neither soft-cap the logits, nor drop out
     weights, nor add attention sinks."""
-    for unsupported, what in ((soft_cap is not None, "soft-cap attention logits"), (dropout, "drop out attention weights"), (sinks, "add attention sinks")):
+    unsupported_features = (
+        (soft_cap is not None, "soft-cap attention logits"),
+        (dropout, "drop out attention weights"),
+        (sinks, "add attention sinks"),
+    )
+    for unsupported, what in unsupported_features:
         if backend == "jax" and unsupported:
             raise ValueError(f"attn_backend 'jax' cannot {what}; use 'reference' or 'auto'")
     if backend == "auto":
@@ -278,8 +283,6 @@ class AttentionConfig:
     """Multiplier of the query-key products; default ``head_dim ** -0.5``."""
     logits_soft_cap: float | None = None
     sliding_window: int | None = None
-    sinks: bool = False
-    """A learned logit per query head that joins every softmax (GPT-OSS), stored as ``sinks``."""
     backend: AttentionBackend = "auto"
     query_block: int | None = None
     """Queries per block of causal attention (``flash_attention_block_size``); None: ``QUERY_BLOCK``."""
@@ -288,6 +291,8 @@ class AttentionConfig:
     initializer_range: float = 0.02
     out_std: float | None = None
     """Standard deviation of ``o_proj``'s initialization; default ``initializer_range``."""
+    sinks: bool = False
+    """A learned logit per query head that joins every softmax (GPT-OSS), stored as ``sinks``."""
     hf_fused_qkv: str | None = None
     """The name under which Hugging Face checkpoints store the query, key and value projections
     as one tensor (Phi-3's ``qkv_proj``); None: three tensors, ``q_proj``, ``k_proj``, ``v_proj``."""

@@ -105,6 +105,11 @@ class HfMapped(HfConvertible):
     hf_rope_theta: ClassVar[float] = 10000.0
     """``rope_theta`` when a file has none."""
 
+    hf_partial_rotary: ClassVar[bool] = False
+    """Whether the Hugging Face architecture rotates part of each head when
+    ``partial_rotary_factor`` < 1 (Phi-3 does; Llama's and most others' code would rotate the
+    whole head or fail). When not, such a file is refused on import and such a config on export."""
+
     @classmethod
     def refuse_unsupported(cls, hf: dict) -> None:
         for key, accepted in cls.hf_refused.items():
@@ -116,7 +121,13 @@ class HfMapped(HfConvertible):
     def rope_from_hf(cls, hf: dict):
         """The ``rope`` field from ``rope_parameters`` (or a legacy ``rope_scaling``)."""
         params = hf.get("rope_parameters") or hf.get("rope_scaling")
-        return rotary_from_hf(params, default_theta=hf.get("rope_theta", cls.hf_rope_theta), hf_config=hf)
+        rope = rotary_from_hf(params, default_theta=hf.get("rope_theta", cls.hf_rope_theta), hf_config=hf)
+        if rope.partial_rotary_factor != 1.0 and not cls.hf_partial_rotary:
+            raise ValueError(
+                f"partial_rotary_factor = {rope.partial_rotary_factor} is not supported: Hugging Face's "
+                f"{getattr(cls, 'hf_architecture', cls.__name__)} rotates whole heads"
+            )
+        return rope
 
     @classmethod
     def hf_fields(cls, hf: dict) -> dict:
@@ -140,6 +151,11 @@ class HfMapped(HfConvertible):
             value = getattr(self, field)
             out[key.name] = key.write(value, self) if key.write is not None else value
         if "rope" in type(self).model_fields:
+            if self.rope.partial_rotary_factor != 1.0 and not self.hf_partial_rotary:
+                raise ValueError(
+                    f"rope.partial_rotary_factor {self.rope.partial_rotary_factor} has no Hugging Face "
+                    f"{getattr(self, 'hf_architecture', type(self).__name__)} equivalent: it rotates whole heads"
+                )
             out["rope_parameters"] = self.rope.to_hf()
         return out
 

@@ -341,7 +341,7 @@ class Attention(ModuleWithStateDictSerialization):
 
     @staticmethod
     def init(config: AttentionConfig, *, key) -> "Attention":
-        k_q, k_k, k_v, k_o, k_s = jax.random.split(key, 5)
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c = config
         QOut = (c.KvHeads, c.QHeadsPerGroup, c.HeadSize)
         KvOut = (c.KvHeads, c.HeadSize)
@@ -355,7 +355,8 @@ class Attention(ModuleWithStateDictSerialization):
             q_axes, k_axes = (c.HeadSize, c.HeadSize) if c.qk_norm == "head" else (QOut, KvOut)
             q_norm = RmsNorm.init(q_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
             k_norm = RmsNorm.init(k_axes, eps=c.qk_norm_eps, weight_offset=c.qk_norm_offset)
-        sinks = hax.random.normal(k_s, c.Heads) * std if c.sinks else None
+        # its own key, so that adding sinks leaves the projections' initialization as it was
+        sinks = hax.random.normal(jax.random.fold_in(key, 4), c.Heads) * std if c.sinks else None
         return Attention(config, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks)
 
     def project(

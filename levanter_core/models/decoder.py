@@ -346,7 +346,9 @@ class Decoder(eqx.Module):
         k_embed, k_layers = jax.random.split(key, 2)
         embed = hax.random.normal(k_embed, (Vocab, config.Embed)) * config.initializer_range
         groups = runs(config.layer_kinds())
-        keys = jax.random.split(k_layers, len(groups))
+        # one group (most models) takes the layers' key as it is: the same initialization as
+        # the families had before the kit
+        keys = [k_layers] if len(groups) == 1 else jax.random.split(k_layers, len(groups))
         stacks = [
             stack_layers(
                 Axis("layers", length),

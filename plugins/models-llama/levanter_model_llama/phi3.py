@@ -41,6 +41,7 @@ class Phi3Config(DecoderConfig):
         ),  # not a Phi3Config key; written by to_hf_config only when it is not implied
         "sliding_window": HfKey("sliding_window", None),
     }
+    hf_partial_rotary: ClassVar[bool] = True
     # dropout only acts in training, and we train without it: refuse rather than ignore it
     hf_refused: ClassVar[dict[str, tuple]] = {key: (0, 0.0) for key in _DROPOUTS}
 

@@ -213,6 +213,10 @@ def _proportional_rope() -> dict:
 
 REFUSED = {
     "rope type 'proportional' is not supported": _proportional_rope,
+    # transformers' Llama cannot rotate part of a head
+    "partial_rotary_factor = 0.5 is not supported": lambda: transformers.LlamaConfig(
+        **COMMON, partial_rotary_factor=0.5
+    ).to_dict(),
     "mlp_bias: true is not supported": lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True).to_dict(),
 }
 

@@ -271,7 +271,9 @@ class AttentionConfig:
     """A rotary config from :mod:`levanter_core.layers.rotary`, or None for no rotary embedding.
     Its ``partial_rotary_factor`` rotates only the first part of each head."""
     local_rope: object | None = None
-    """Rotary config for sliding-window layers when it differs from ``rope`` (Gemma 3)."""
+    """Rotary config for sliding-window layers when it differs from ``rope`` (Gemma 3, OLMo 3):
+    used where the layer's ``sliding`` switch is on, or everywhere when there is no switch and
+    ``sliding_window`` is set."""
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: Literal["none", "head", "all_heads"] = "none"
@@ -380,6 +382,9 @@ class Attention(ModuleWithStateDictSerialization):
                 local_cos, local_sin = rotary_tables(c.local_rope, c.head_dim, positions, c.HeadSize, seq_len=seq_len)
                 on = _scalar(sliding)
                 cos, sin = hax.where(on, local_cos, cos), hax.where(on, local_sin, sin)
+            elif c.local_rope is not None and c.sliding_window is not None:
+                # every layer slides (no per-layer switch): all of them rotate as sliding layers
+                cos, sin = rotary_tables(c.local_rope, c.head_dim, positions, c.HeadSize, seq_len=seq_len)
             q = apply_rotary(q, cos, sin, c.HeadSize)
             k = apply_rotary(k, cos, sin, c.HeadSize)
         return q, k, v

@@ -9,7 +9,7 @@ attribute or a method to override:
 ``norm_offset``                 1.0 for Gemma's ``(1 + weight)`` RMSNorms
 ``attention_config()``          biases, QK norm, scale, soft cap, sinks, fused ``qkv_proj``
 ``attention_module(key=)``      another attention with the same interface (DeepSeek's MLA)
-``layer_types()``               per layer ``full_attention`` or ``sliding_attention``
+``attention_types()``               per layer ``full_attention`` or ``sliding_attention``
 ``mlp_module(key=, kind=)``     the feed-forward block of a ``dense`` layer
 ``moe_config()``                a :class:`~levanter_core.layers.moe.MoeConfig` for the
                                 ``moe`` layers (None: a dense model)
@@ -165,7 +165,7 @@ class DecoderConfig(LmConfig, HfMapped):
         return Axis("layers", self.num_layers)
 
     # -- what a family may change ---------------------------------------------------------------
-    def layer_types(self) -> tuple[LayerType, ...]:
+    def attention_types(self) -> tuple[LayerType, ...]:
         """Each layer's attention: ``full_attention`` or ``sliding_attention`` (which needs a
         ``sliding_window`` field). Default: every layer full."""
         return ("full_attention",) * self.num_layers
@@ -180,7 +180,7 @@ class DecoderConfig(LmConfig, HfMapped):
             num_kv_heads=self.num_kv_heads,
             head_dim=self.actual_head_dim,
             rope=self.rope,
-            sliding_window=window if "sliding_attention" in self.layer_types() else None,
+            sliding_window=window if "sliding_attention" in self.attention_types() else None,
             backend=self.attn_backend,
             query_block=self.flash_attention_block_size,
             upcast=self.upcast_attn,
@@ -370,7 +370,7 @@ class Decoder(eqx.Module):
     def sliding_flags(self) -> NamedArray | None:
         """Each layer's sliding-window switch along ``layers``; None when all layers are alike (the
         window, if any, is then fixed, which lets the ``jax`` backend use cuDNN's windowed kernel)."""
-        flags = [t == "sliding_attention" for t in self.config.layer_types()]
+        flags = [t == "sliding_attention" for t in self.config.attention_types()]
         if len(set(flags)) == 1:
             return None
         return hax.named(jnp.array(flags), self.config.Layers)

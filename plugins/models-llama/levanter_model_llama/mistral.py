@@ -43,7 +43,7 @@ class MistralConfig(LlamaConfig):
             raise ValueError("use_bias: Mistral's attention has no biases (Hugging Face's MistralConfig cannot hold them)")
         return self
 
-    def layer_types(self):
+    def attention_types(self):
         kind = "full_attention" if self.sliding_window is None else "sliding_attention"
         return (kind,) * self.num_layers
 

@@ -53,7 +53,7 @@ class Phi3Config(DecoderConfig):
     """If set, every layer attends only to the ``sliding_window`` most recent tokens (itself
     included); ``None`` attends to the whole sequence."""
 
-    def layer_types(self):
+    def attention_types(self):
         kind = "full_attention" if self.sliding_window is None else "sliding_attention"
         return (kind,) * self.num_layers
 

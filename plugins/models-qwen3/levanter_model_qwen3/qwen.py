@@ -68,13 +68,13 @@ class QwenConfig(DecoderConfig):
             raise ValueError("use_sliding_window is true but sliding_window is null; give the window's size")
         return self
 
-    def layer_types(self) -> tuple[LayerType, ...]:
+    def attention_types(self) -> tuple[LayerType, ...]:
         slides = [self.use_sliding_window and i >= self.max_window_layers for i in range(self.num_layers)]
         return tuple("sliding_attention" if s else "full_attention" for s in slides)
 
     def sliding_layers(self) -> tuple[bool, ...]:
         """For each layer, whether it attends over the sliding window."""
-        return tuple(t == "sliding_attention" for t in self.layer_types())
+        return tuple(t == "sliding_attention" for t in self.attention_types())
 
     def attention_config(self) -> AttentionConfig:
         return dataclasses.replace(super().attention_config(), qkv_bias=True)
@@ -85,17 +85,17 @@ class QwenConfig(DecoderConfig):
         # Hugging Face lets layer_types name any pattern; we support the one that
         # use_sliding_window and max_window_layers describe, which is what Qwen ships.
         layer_types = hf_config.get("layer_types")
-        if layer_types is not None and tuple(layer_types) != config.layer_types():
+        if layer_types is not None and tuple(layer_types) != config.attention_types():
             raise ValueError(
                 f"layer_types {layer_types} is not supported: a {cls.hf_model_type} model slides the layers from "
                 f"max_window_layers ({config.max_window_layers}) on when use_sliding_window is true "
-                f"({config.use_sliding_window} here), which gives {list(config.layer_types())}"
+                f"({config.use_sliding_window} here), which gives {list(config.attention_types())}"
             )
         return config
 
     def hf_layer_types(self) -> list[str]:
         """Hugging Face's ``layer_types``: each layer's attention, full or sliding."""
-        return list(self.layer_types())
+        return list(self.attention_types())
 
     def to_hf_config(self, vocab_size: int) -> dict:
         hf = {**super().to_hf_config(vocab_size), "layer_types": self.hf_layer_types()}

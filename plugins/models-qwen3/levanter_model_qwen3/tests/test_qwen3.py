@@ -69,7 +69,7 @@ def test_unsupported_layer_pattern_is_rejected_by_name():
         QwenConfig.from_hf_config(hf)
 
 
-@pytest.mark.parametrize("config_file", ["qwen_nano.yaml", "qwen3_nano.yaml"])
+@pytest.mark.parametrize("config_file", ["qwen_nano.yaml", "qwen3_nano.yaml", "qwen3_moe_nano.yaml"])
 def test_nano_config_trains(config_file, tmp_path):
     result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))
     assert result.final_step == 4
@@ -83,7 +83,7 @@ def test_discovered_through_its_entry_point():
     listed = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
     ours = listed["levanter-model-qwen3"]
     assert ours["error"] is None
-    assert ours["types"] == {"model": ["qwen", "qwen3"]}
+    assert ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
 
 
@@ -109,3 +109,57 @@ REFUSED = {
 def test_unsupported_settings_are_refused_by_name(message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_hf(REFUSED[message]().to_dict())
+
+
+# -- Qwen3-MoE ------------------------------------------------------------------------------------
+
+MOE = dict(TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+MOE_CONFIGS = {
+    "moe-normalized": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=True),
+    # layers 1 and 3 are sparse by the step, 3 is dense by mlp_only_layers: dense, moe, dense, dense
+    "moe-sparse-step": lambda: transformers.Qwen3MoeConfig(
+        **{**MOE, "num_hidden_layers": 4}, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
+    ),
+    "moe-sliding-tied": lambda: transformers.Qwen3MoeConfig(
+        **MOE, use_sliding_window=True, sliding_window=8, tie_word_embeddings=True, norm_topk_prob=True
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_qwen3_moe_matches_hugging_face(name, tmp_path):
+    report = check_hf_parity(MOE_CONFIGS[name](), str(tmp_path))
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+    assert report.config_differences == {}
+    assert report.export_config_differences == {}
+
+
+def test_qwen3_moe_unrolled_layers_match_hugging_face(tmp_path):
+    report = check_hf_parity(MOE_CONFIGS["moe-sparse-step"](), str(tmp_path), scan_layers=False)
+    assert report.import_max_abs_diff <= 1e-4
+    assert report.export_max_abs_diff <= 1e-4
+
+
+def test_qwen3_moe_load_balancing_loss_is_hugging_faces(tmp_path):
+    import equinox as eqx
+    import haliax as hax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from levanter_core.hf.bridge import load_hf_model
+    from levanter_core.hf.parity import random_hf_model
+
+    theirs = random_hf_model(MOE_CONFIGS["moe-normalized"]())
+    theirs.save_pretrained(str(tmp_path))
+    tokens = np.random.default_rng(0).integers(0, 128, size=(2, 24))
+    with torch.no_grad():
+        out = theirs(torch.as_tensor(tokens), output_router_logits=True)
+    ours = load_hf_model(str(tmp_path)).model
+    named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), ("batch", "position"))
+    _, aux = eqx.filter_jit(lambda m, x: m.activations_with_aux(x))(ours, named)
+    balance = float(aux.metrics["moe/load_balancing_loss"])
+    assert abs(balance - float(out.aux_loss)) <= 1e-5 and abs(balance - 2.0) > 1e-3
+    assert float(aux.loss) == pytest.approx(theirs.config.router_aux_loss_coef * balance, rel=1e-6)

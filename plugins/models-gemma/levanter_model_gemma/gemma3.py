@@ -3,8 +3,8 @@
 
 Gemma 2's layer (a ``1 + weight`` RMSNorm on each side of both sublayers), with:
 
-* RMSNorm of every query and key head over ``head_dim`` (also ``1 + weight``), after
-  the projections and before the rotation;
+* RMSNorm of every query and key head over ``head_dim`` (also ``1 + weight``), after the
+  projections and before the rotation;
 * five local layers to one global (``sliding_window_pattern: 6``), or any arrangement
   through ``layer_types``;
 * two rotary embeddings: local layers use plain RoPE with base ``rope_local_base_freq``,
@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from haliax import Axis
 from pydantic import PositiveFloat, PositiveInt
 
+from levanter_core.hf.mapping import HfKey
 from levanter_core.layers import AttentionConfig, DefaultRotaryConfig, RotaryConfig, rotary_from_hf
-from levanter_model_gemma.gemma import GEMMA_NORM_OFFSET, GemmaLMHeadModel
-from levanter_model_gemma.gemma2 import Gemma2Config, Gemma2DecoderLayer
+from levanter_model_gemma.gemma import GEMMA_NORM_OFFSET
+from levanter_model_gemma.gemma2 import Gemma2Config
 
 _GLOBAL_THETA = 1_000_000.0
 _LOCAL_THETA = 10_000.0
@@ -43,29 +43,19 @@ class Gemma3Config(Gemma2Config):
 
     hf_architecture: ClassVar[str] = "Gemma3ForCausalLM"
     hf_model_type: ClassVar[str] = "gemma3_text"
+    hf_keys: ClassVar[dict[str, HfKey]] = {
+        # transformers reads Gemma 3's attention soft cap but never applies it
+        **{k: v for k, v in Gemma2Config.hf_keys.items() if k != "attn_logit_softcapping"},
+        "final_logit_softcapping": HfKey("final_logit_softcapping", None),
+    }
 
     seq_len: PositiveInt = 32768
-    """Length of the training sequences (Hugging Face's ``max_position_embeddings``)."""
-
     hidden_dim: PositiveInt = 1152
-    """Width of the residual stream (``hidden_size``)."""
-
     intermediate_dim: PositiveInt = 6912
-    """Width of the MLP's hidden layer (``intermediate_size``)."""
-
     num_heads: PositiveInt = 4
-    """Number of query heads."""
-
     num_kv_heads: PositiveInt = 1
-    """Number of key/value heads; must divide ``num_heads``."""
-
     sliding_window: PositiveInt | None = 512
-    """Local layers let each token attend to itself and the ``sliding_window - 1`` tokens
-    before it; ``None`` makes every layer global."""
-
     sliding_window_pattern: PositiveInt = 6
-    """Every ``sliding_window_pattern``-th layer (counting from 1) is global, the others
-    local; ignored when ``layer_types`` is set."""
 
     rope: RotaryConfig = DefaultRotaryConfig(theta=_GLOBAL_THETA)
     """Rotary embedding of the global layers and its scaling (``{type: linear, factor: 8}``
@@ -89,10 +79,11 @@ class Gemma3Config(Gemma2Config):
             local_rope=DefaultRotaryConfig(theta=self.rope_local_base_freq),
         )
 
-    def build(self, Vocab: Axis, *, key) -> GemmaLMHeadModel:
-        return GemmaLMHeadModel.init(Vocab, self, key=key, layer_cls=Gemma2DecoderLayer)
-
     # -- Hugging Face -------------------------------------------------------------------------
+    @classmethod
+    def rope_from_hf(cls, hf: dict):
+        return _ropes_from_hf(hf)["rope"]
+
     @classmethod
     def hf_fields(cls, hf: dict) -> dict:
         if hf.get("model_type") == "gemma3":
@@ -102,19 +93,12 @@ class Gemma3Config(Gemma2Config):
                 "Convert its language model to a Gemma3ForCausalLM checkpoint first."
             )
         fields = super().hf_fields(hf)
-        # transformers reads Gemma 3's attention soft cap but never applies it
-        del fields["attn_logit_softcapping"]
         if hf.get("layer_types") is None:  # configs written before layer_types existed
             fields["sliding_window_pattern"] = hf.get("sliding_window_pattern", 6)
-        return {
-            **fields,
-            "final_logit_softcapping": hf.get("final_logit_softcapping"),
-            **_ropes_from_hf(hf),
-        }
+        return {**fields, "rope_local_base_freq": _ropes_from_hf(hf)["rope_local_base_freq"]}
 
     def to_hf_config(self, vocab_size: int) -> dict:
         config = super().to_hf_config(vocab_size)
-        del config["attn_logit_softcapping"]
         config["rope_parameters"] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_base_freq},
             "full_attention": self.rope.to_hf(),
@@ -138,9 +122,14 @@ def _ropes_from_hf(hf: dict) -> dict:
         raise ValueError(
             f"rope_parameters.sliding_attention: rope type {local_type!r} is not supported, only 'default'"
         )
+    ropes = {}
     # both through rotary_from_hf, which refuses what either may hold that we do not implement
-    local = rotary_from_hf(local_params, default_theta=_LOCAL_THETA, hf_config=hf)
-    return {
-        "rope": rotary_from_hf(global_params, default_theta=_GLOBAL_THETA, hf_config=hf),
-        "rope_local_base_freq": local.theta,
-    }
+    for name, part, theta in (("rope", global_params, _GLOBAL_THETA), ("local", local_params, _LOCAL_THETA)):
+        rope = rotary_from_hf(part, default_theta=theta, hf_config=hf)
+        if rope.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor = {rope.partial_rotary_factor} is not supported: "
+                "Hugging Face's Gemma3ForCausalLM rotates whole heads"
+            )
+        ropes[name] = rope
+    return {"rope": ropes["rope"], "rope_local_base_freq": ropes["local"].theta}

@@ -20,7 +20,8 @@ from levanter_core.testing import train_briefly
 from levanter_model_gemma.gemma import embedding_scale
 from levanter_model_gemma.gemma2 import Gemma2Config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# the nano configs ship inside the package, beside these tests
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=256)
 
@@ -111,23 +112,31 @@ def test_unrolled_layers_match_transformers(variant, tmp_path):
     assert report.export_config_differences == {}
 
 
+def _with_rope_type(hf_config, rope_type: str) -> dict:
+    hf = hf_config.to_dict()
+    hf["rope_parameters"]["rope_type"] = rope_type  # one transformers may know and we do not
+    return hf
+
+
 REFUSED = {
     "gemma: partial_rotary_factor = 0.5": lambda: transformers.GemmaConfig(
         **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
-    ),
-    "gemma2: rope type 'dynamic' is not supported": lambda: transformers.Gemma2Config(
-        **COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    ).to_dict(),
+    "gemma2: rope type 'proportional' is not supported": lambda: _with_rope_type(
+        transformers.Gemma2Config(**COMMON, num_hidden_layers=2), "proportional"
     ),
     "gemma3: partial_rotary_factor = 0.5": lambda: transformers.Gemma3TextConfig(
         **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
-    ),
-    "gemma3: rope type 'dynamic' is not supported": lambda: transformers.Gemma3TextConfig(
-        **COMMON,
-        num_hidden_layers=2,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
-        },
+    ).to_dict(),
+    "gemma3: rope_parameters.sliding_attention: rope type 'dynamic' is not supported": lambda: (
+        transformers.Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=2,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        ).to_dict()
     ),
 }
 
@@ -136,7 +145,8 @@ REFUSED = {
 def test_unsupported_rotary_settings_are_refused_by_name(case):
     message = case.split(": ", 1)[1]
     with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[case]().to_dict())
+        config_from_hf(REFUSED[case]())
+
 
 @pytest.mark.parametrize("hidden", [1152, 2048, 2304, 3072, 3584, 4608])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -190,7 +200,7 @@ def test_multimodal_gemma3_is_refused_with_an_explanation():
 def test_nano_config_trains(name, tmp_path):
     # batches of 4 sequences rather than 16: the loss still falls, in a third less time
     overrides = ["--trainer.train_batch_size", "4"]
-    result = train_briefly(os.path.join(REPO, "config", f"{name}_nano.yaml"), str(tmp_path), overrides=overrides)
+    result = train_briefly(os.path.join(CONFIGS, f"{name}_nano.yaml"), str(tmp_path), overrides=overrides)
     with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
         losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)

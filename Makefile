@@ -3,7 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
-           plugins/models-mixtral plugins/models-olmo plugins/data-hf \
+           plugins/models-mixtral plugins/models-olmo plugins/models-gpt-oss \
+           plugins/models-deepseek plugins/data-hf \
            plugins/tracker-wandb plugins/tracker-tensorboard
 
 .PHONY: setup setup-test train test test-fast clean

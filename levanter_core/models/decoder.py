@@ -33,6 +33,7 @@ three steps of :class:`~levanter_core.layers.attention.Attention` (``project``,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Literal
 
 import equinox as eqx
@@ -189,8 +190,13 @@ class DecoderConfig(LmConfig, HfMapped):
 
     def attention_module(self, *, key) -> eqx.Module:
         """One layer's attention (``self_attn``): :class:`Attention` of :meth:`attention_config`.
-        Another module must offer the same ``__call__(x, mask, *, sliding=None)``."""
-        return Attention.init(self.attention_config(), key=key)
+        Another module must offer the same ``__call__(x, mask, *, sliding=None)``. When no layer
+        slides, the window is dropped, whatever ``attention_config`` says: the layers get no
+        per-layer switch then, and a window in the config would apply to all of them."""
+        config = self.attention_config()
+        if "sliding_attention" not in self.attention_types():
+            config = dataclasses.replace(config, sliding_window=None)
+        return Attention.init(config, key=key)
 
     def mlp_module(self, *, key) -> eqx.Module:
         """The feed-forward block of a dense layer (``mlp``): the gated MLP."""

@@ -88,6 +88,20 @@ VARIANTS = {
         layer_types=LOCAL_GLOBAL[:2],
         final_logit_softcapping=1.0,
     ),
+    # every layer global, with a window configured that none of them uses
+    "gemma2_all_global": lambda: transformers.Gemma2Config(
+        **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, layer_types=["full_attention", "full_attention"],
+    ),  # fmt: skip
+    # every layer local: one fixed window, and every layer rotates with the local base
+    "gemma3_all_local": lambda: transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),  # fmt: skip
 }
 
 

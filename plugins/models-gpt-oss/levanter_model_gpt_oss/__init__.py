@@ -1,0 +1,1 @@
+"""gpt-oss for levanter-core: ``type: gpt_oss``."""

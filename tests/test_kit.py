@@ -231,3 +231,13 @@ def test_a_field_redeclared_for_its_default_keeps_its_docstring():
 
     assert Wider().hidden_dim == 8192
     assert Wider.model_fields["hidden_dim"].description == DecoderConfig.model_fields["hidden_dim"].description
+
+
+def test_the_default_weight_decay_mask_decays_expert_and_router_matrices_only():
+    from levanter_core.optim.adam import AdamConfig
+
+    c = MoeConfig(Embed=Embed, num_experts=4, top_k=2, intermediate_dim=6, correction_bias=True, expert_bias=True)
+    block = MoeBlock.init(c, key=jax.random.PRNGKey(0))
+    mask = AdamConfig().build_weight_decay_mask()(block)
+    assert mask.experts.gate_proj and mask.experts.up_proj and mask.experts.down_proj and mask.router.weight
+    assert not mask.router.e_score_correction_bias and not mask.experts.gate_bias and not mask.experts.down_bias

@@ -157,6 +157,7 @@ def dot_product_attention(
     query_block: int | None = None,
     upcast: bool = False,
     sinks: NamedArray | None = None,
+    VHeadSize: Axis | None = None,
 ) -> NamedArray:
     """Attention of ``q`` over ``k``/``v`` (axes as in the module docstring).
 
@@ -168,18 +169,25 @@ def dot_product_attention(
     ``upcast``: compute the query-key products in float32 too, not only the softmax (Levanter's
     ``upcast_attn``). ``sinks``: one learned logit per query head (axes ``(kv_heads,
     q_heads_per_group)``) that joins every softmax as an extra key with no value, so a head
-    can attend to nothing (GPT-OSS's attention sinks)."""
+    can attend to nothing (GPT-OSS's attention sinks). ``VHeadSize``: the values' head axis when
+    it differs from the queries' and keys' (multi-head latent attention); the result has it in
+    place of ``HeadSize`` (``reference`` backend only)."""
     dropout = dropout if key is not None else 0.0
     block_size = query_block or QUERY_BLOCK
+    if VHeadSize is not None and VHeadSize != HeadSize:
+        backend = "reference" if backend == "auto" else backend
+        if backend != "reference":
+            raise ValueError("values with a head size of their own need attn_backend 'reference' or 'auto'")
+    VHead = VHeadSize or HeadSize
     if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0, sinks=sinks is not None) == "jax":
         return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
     if upcast:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
-    axes = q.axes
+    axes = tuple(VHead if ax.name == HeadSize.name else ax for ax in q.axes)
     # Heads before positions: the einsums below then need no transposes between them.
     q = q.rearrange((..., Pos, HeadSize))
-    k, v = k.rearrange((..., KeyPos, HeadSize)), v.rearrange((..., KeyPos, HeadSize))
+    k, v = k.rearrange((..., KeyPos, HeadSize)), v.rearrange((..., KeyPos, VHead))
     scale = jnp.asarray(scale, q.dtype)
     causal_self = mask.causal and Pos.size == KeyPos.size
     starts = range(0, Pos.size, block_size) if causal_self else [0]

@@ -37,7 +37,7 @@ DeepSeek), or stacked tensors with gate and up projections fused and interleaved
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import haliax as hax
@@ -142,6 +142,9 @@ class Experts(ModuleWithStateDictSerialization):
     """The routed experts of one layer, ``down(act(gate x) * up x)`` each, with weights
     stacked along ``experts``. Serialized in the config's :class:`ExpertLayout` (a scanned
     model's leading ``layers`` axis passes through and is split by ``hnn.Stacked``)."""
+
+    weight_decay_fields: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj", "down_proj")
+    """The matrices the optimizer's default weight-decay mask decays (as it does hnn.Linear's)."""
 
     config: MoeConfig = eqx.field(static=True)
     gate_proj: NamedArray  # (experts, embed, mlp)
@@ -286,6 +289,8 @@ def _named_like(array: jax.Array, template: NamedArray, core: tuple[str, ...], *
 
 class Router(eqx.Module):
     """The router's linear scores, and DeepSeek's correction bias."""
+
+    weight_decay_fields: ClassVar[tuple[str, ...]] = ("weight",)
 
     weight: NamedArray  # (experts, embed)
     bias: NamedArray | None = None

@@ -29,8 +29,17 @@ from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
 PyTree = Any
 
 # Layers whose `weight` is a matrix multiplied into the activations: the parameters
-# weight decay is meant for. Biases, norms and embeddings are left alone.
+# weight decay is meant for. Biases, norms and embeddings are left alone. A module that keeps
+# such matrices as plain arrays (the core's mixture-of-experts experts and router) names them
+# in a class attribute `weight_decay_fields`.
 _LINEAR_LAYERS = (hnn.Linear, hnn.MoELinear)
+
+
+def _decayed_fields(node) -> tuple[str, ...] | None:
+    """The fields of ``node`` that the default mask decays, or None if it is not such a layer."""
+    if isinstance(node, _LINEAR_LAYERS):
+        return ("weight",)
+    return getattr(type(node), "weight_decay_fields", None)
 
 
 def _check_fraction_or_steps(value: int | float, info: ValidationInfo) -> int | float:
@@ -225,12 +234,12 @@ class OptimizerConfig(TypedConfig, abc.ABC):
             linear_weights = set()
             if use_default:
                 layers, _ = jax.tree_util.tree_flatten_with_path(
-                    params, is_leaf=lambda x: isinstance(x, _LINEAR_LAYERS) or hax.is_named_array(x)
+                    params, is_leaf=lambda x: _decayed_fields(x) is not None or hax.is_named_array(x)
                 )
                 linear_weights = {
-                    path + (jax.tree_util.GetAttrKey("weight"),)
+                    path + (jax.tree_util.GetAttrKey(field),)
                     for path, node in layers
-                    if isinstance(node, _LINEAR_LAYERS)
+                    for field in _decayed_fields(node) or ()
                 }
 
             def decays(path, _leaf) -> bool:

@@ -1,0 +1,1 @@
+"""DeepSeek-V3 for levanter-core: ``type: deepseek_v3``."""

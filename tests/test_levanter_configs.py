@@ -20,7 +20,6 @@ REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "levanter-configs"
 # What needs a later issue's plugin: each config, and what its error must name.
 LATER = {
     "config/backpack_nano.yaml": "unknown model type 'backpack'",  # Levanter itself no longer has it
-    "config/gpt2_hyena_nano.yaml": "unknown model type 'gpt2_hyena'",  # the architecture-kit issue
     "config/gpt2_nano_harness.yaml": "levanter-eval-harness",
     "config/gpt2_small_fast_eval.yaml": "levanter-eval-harness",
     "config/gpt2_small_fast_muon.yaml": "unknown optimizer type 'muon'",

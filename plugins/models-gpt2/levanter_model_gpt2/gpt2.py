@@ -18,7 +18,6 @@ caller puts in front.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Callable, ClassVar, Literal
 
@@ -32,25 +31,31 @@ from haliax.jax_utils import maybe_rng_split
 from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
-from levanter_core.hf import HfConvertible
+from levanter_core.hf.mapping import HfKey, HfMapped
+from levanter_core.layers import ACTIVATIONS, init_linear
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 Probability = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 ActivationName = Literal["gelu_new", "gelu", "relu", "silu", "quick_gelu"]
-
-_ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
-    "gelu_new": lambda x: hnn.gelu(x, approximate=True),  # GPT-2's tanh approximation
-    "gelu": lambda x: hnn.gelu(x, approximate=False),
-    "relu": hnn.relu,
-    "silu": hnn.silu,
-    "quick_gelu": hnn.quick_gelu,
-}
+"""GPT-2's activations (``gelu_new`` is its tanh approximation of GELU), computed by the core's
+:data:`~levanter_core.layers.ACTIVATIONS`."""
 
 
-class Gpt2Config(LmConfig, HfConvertible):
-    """The ``model:`` section for ``type: gpt2``."""
+def _mlp_scale_in(inner, hf: dict) -> int:
+    hidden = hf.get("n_embd", 768)
+    inner = inner or 4 * hidden
+    if inner % hidden:
+        raise ValueError(f"n_inner ({inner}) must be a multiple of n_embd ({hidden}): the MLP is hidden_dim * mlp_scale wide")
+    return inner // hidden
+
+
+class Gpt2Config(LmConfig, HfMapped):
+    """The ``model:`` section for ``type: gpt2``.
+
+    Hugging Face's keys: a ``config.json`` that leaves one out gets ``transformers.GPT2Config``'s
+    default (dropout 0.1, as GPT-2 was trained), since that is what ``transformers`` would use."""
 
     type: str = "gpt2"
     """The registered type name; always ``gpt2`` for this config."""
@@ -59,6 +64,27 @@ class Gpt2Config(LmConfig, HfConvertible):
 
     hf_architecture: ClassVar[str] = "GPT2LMHeadModel"
     hf_model_type: ClassVar[str] = "gpt2"
+    hf_keys: ClassVar[dict[str, HfKey]] = {
+        "seq_len": HfKey("n_positions", 1024),
+        "hidden_dim": HfKey("n_embd", 768),
+        "num_layers": HfKey("n_layer", 12),
+        "num_heads": HfKey("n_head", 12),
+        # null, as transformers writes it, when it is the default 4 * n_embd
+        "mlp_scale": HfKey("n_inner", None, read=_mlp_scale_in, write=lambda v, c: None if v == 4 else c.hidden_dim * v),
+        "initializer_range": HfKey("initializer_range", 0.02),
+        "embed_pdrop": HfKey("embd_pdrop", 0.1),
+        "resid_pdrop": HfKey("resid_pdrop", 0.1),
+        "attn_pdrop": HfKey("attn_pdrop", 0.1),
+        "layer_norm_epsilon": HfKey("layer_norm_epsilon", 1e-5),
+        "activation_function": HfKey("activation_function", "gelu_new"),
+        "scale_attn_by_inverse_layer_idx": HfKey("scale_attn_by_inverse_layer_idx", False),
+        "upcast_attn": HfKey("reorder_and_upcast_attn", False),
+    }
+    hf_refused: ClassVar[dict[str, tuple]] = {
+        "scale_attn_weights": (True,),
+        "tie_word_embeddings": (True,),
+        "add_cross_attention": (False,),
+    }
 
     seq_len: PositiveInt = 1024
     """Length of the training sequences, and the number of learned position embeddings."""
@@ -176,75 +202,17 @@ class Gpt2Config(LmConfig, HfConvertible):
         return 3.0 * forward
 
     # -- Hugging Face ------------------------------------------------------------------------
-    @classmethod
-    def from_hf_config(cls, hf_config: dict) -> "Gpt2Config":
-        """Keys a ``config.json`` may leave out take ``transformers.GPT2Config``'s defaults
-        (dropout 0.1, as GPT-2 was trained), since that is what ``transformers`` would use."""
-        hf = hf_config
-        unsupported = {
-            "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
-            "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
-            "add_cross_attention": (hf.get("add_cross_attention", False), False),
-        }
-        for key, (value, supported) in unsupported.items():
-            if value != supported:
-                raise ValueError(f"{key}: {json.dumps(value)} is not supported (GPT-2 here needs {json.dumps(supported)})")
-        hidden = hf.get("n_embd", 768)
-        inner = hf.get("n_inner") or 4 * hidden
-        if inner % hidden:
-            raise ValueError(f"n_inner ({inner}) must be a multiple of n_embd ({hidden}): the MLP is hidden_dim * mlp_scale wide")
-        return cls(
-            seq_len=hf.get("n_positions", 1024),
-            hidden_dim=hidden,
-            num_layers=hf.get("n_layer", 12),
-            num_heads=hf.get("n_head", 12),
-            mlp_scale=inner // hidden,
-            initializer_range=hf.get("initializer_range", 0.02),
-            embed_pdrop=hf.get("embd_pdrop", 0.1),
-            resid_pdrop=hf.get("resid_pdrop", 0.1),
-            attn_pdrop=hf.get("attn_pdrop", 0.1),
-            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-            activation_function=hf.get("activation_function", "gelu_new"),
-            scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
-            upcast_attn=hf.get("reorder_and_upcast_attn", False),
-        )
-
     def to_hf_config(self, vocab_size: int) -> dict:
         if not self.use_bias:
             raise ValueError("use_bias: false has no Hugging Face GPT-2 equivalent (its projections always have biases)")
-        return {
-            "model_type": self.hf_model_type,
-            "vocab_size": vocab_size,
-            "n_positions": self.seq_len,
-            "n_embd": self.hidden_dim,
-            "n_layer": self.num_layers,
-            "n_head": self.num_heads,
-            # null, as transformers writes it, when it is the default 4 * n_embd
-            "n_inner": None if self.mlp_scale == 4 else self.hidden_dim * self.mlp_scale,
-            "activation_function": self.activation_function,
-            "initializer_range": self.initializer_range,
-            "embd_pdrop": self.embed_pdrop,
-            "resid_pdrop": self.resid_pdrop,
-            "attn_pdrop": self.attn_pdrop,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
-            "reorder_and_upcast_attn": self.upcast_attn,
-            "tie_word_embeddings": True,
-        }
+        # constants of Hugging Face's GPT-2 that ours always has (hf_refused reads them back)
+        return {**super().to_hf_config(vocab_size), "scale_attn_weights": True, "tie_word_embeddings": True}
 
     def hf_ignored_tensors(self) -> frozenset[str]:
         # The head is the token embeddings, though some checkpoints store a copy; older ones
         # also store each layer's causal mask as a buffer (`attn.bias`, `attn.masked_bias`).
         masks = {f"transformer.h.{i}.attn.{name}" for i in range(self.num_layers) for name in ("bias", "masked_bias")}
         return frozenset({"lm_head.weight", *masks})
-
-
-def _normal_linear(In, Out, *, key, std: float, use_bias: bool) -> hnn.Linear:
-    """A Linear layer with N(0, std) weights and zero biases, as GPT-2 initializes them."""
-    weight = hax.random.normal(key, hax.concat_axis_specs(Out, In)) * std
-    bias = hax.zeros(Out) if use_bias else None
-    return hnn.Linear(weight=weight, bias=bias, In=In, Out=Out)
 
 
 def _dropout(x: NamedArray, pdrop: float, key) -> NamedArray:
@@ -277,11 +245,11 @@ class Gpt2Mlp(ModuleWithStateDictSerialization):
     def init(config: Gpt2Config, *, key) -> "Gpt2Mlp":
         k_fc, k_proj = jax.random.split(key, 2)
         residual_std = config.initializer_range / math.sqrt(2 * config.num_layers)
-        c_fc = _normal_linear(
+        c_fc = init_linear(
             config.Embed, config.Mlp, key=k_fc, std=config.initializer_range, use_bias=config.use_bias
         )
-        c_proj = _normal_linear(config.Mlp, config.Embed, key=k_proj, std=residual_std, use_bias=config.use_bias)
-        return Gpt2Mlp(c_fc, c_proj, _ACTIVATIONS[config.activation_function])
+        c_proj = init_linear(config.Mlp, config.Embed, key=k_proj, std=residual_std, use_bias=config.use_bias)
+        return Gpt2Mlp(c_fc, c_proj, ACTIVATIONS[config.activation_function])
 
     def __call__(self, x: NamedArray) -> NamedArray:
         return self.c_proj(self.activation(self.c_fc(x)))
@@ -306,14 +274,14 @@ class Gpt2Attention(ModuleWithStateDictSerialization):
         k_attn, k_proj = jax.random.split(key, 2)
         Qkv = Axis("qkv", 3)
         residual_std = config.initializer_range / math.sqrt(2 * config.num_layers)
-        c_attn = _normal_linear(
+        c_attn = init_linear(
             config.Embed,
             (Qkv, config.Heads, config.HeadSize),
             key=k_attn,
             std=config.initializer_range,
             use_bias=config.use_bias,
         )
-        c_proj = _normal_linear(
+        c_proj = init_linear(
             (config.Heads, config.HeadSize), config.Embed, key=k_proj, std=residual_std, use_bias=config.use_bias
         )
         return Gpt2Attention(config, c_attn, c_proj)

@@ -1,0 +1,94 @@
+"""The Hyena operator against a direct computation (its FFT convolution against an explicit
+causal convolution, the whole operator with that convolution in place of the FFT), its
+causality, Levanter's config, and training from the nano config."""
+
+import os
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from haliax import Axis
+
+from levanter_core.config.base import validate_section
+from levanter_core.testing import train_briefly
+from levanter_model_gpt2 import hyena
+from levanter_model_gpt2.hyena import Gpt2HyenaConfig, HyenaConfig, HyenaOperator, causal_fft_convolution
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+LEVANTER_CONFIG = os.path.join(
+    os.path.dirname(__file__), *[".."] * 4, "..", "shared", "levanter-configs", "config", "gpt2_hyena_nano.yaml"
+)
+
+Pos = Axis("position", 48)
+
+
+def direct_causal_convolution(u, h, Pos):
+    """``y[t] = sum_{s <= t} h[t - s] u[s]``, one output at a time, as a Toeplitz matrix product."""
+    n = Pos.size
+    lag = np.arange(n)[:, None] - np.arange(n)[None, :]  # t - s
+    h = h.broadcast_to(u.axes).rearrange((..., Pos.name)).array
+    u_arr = u.rearrange((..., Pos.name)).array
+    taps = jnp.where(lag >= 0, jnp.take(h, np.clip(lag, 0, n - 1), axis=-1), 0.0)  # [..., t, s]
+    y = jnp.einsum("...ts,...s->...t", taps, u_arr)
+    return hax.named(y, u.rearrange((..., Pos.name)).axes).rearrange(u.axes)
+
+
+def test_fft_convolution_is_the_causal_convolution():
+    u = hax.random.normal(jax.random.PRNGKey(0), (Axis("batch", 2), Pos, Axis("head_size", 5)))
+    h = hax.random.normal(jax.random.PRNGKey(1), (Pos, Axis("head_size", 5)))
+    np.testing.assert_allclose(causal_fft_convolution(u, h, Pos).array, direct_causal_convolution(u, h, Pos).array, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(), dict(order=3, num_heads=2), dict(num_blocks=2, short_filter_order=4), dict(outer_mixing=True)]
+)
+def test_operator_equals_the_direct_long_convolution(settings, monkeypatch):
+    config = HyenaConfig(seq_len=Pos.size, hidden_dim=16, filter_order=8, **settings)
+    op = HyenaOperator.init(config, key=jax.random.PRNGKey(2), std=0.3)
+    u = hax.random.normal(jax.random.PRNGKey(3), (Axis("batch", 2), Pos, config.Embed))
+    ours = op(u).array
+    monkeypatch.setattr(hyena, "causal_fft_convolution", direct_causal_convolution)
+    direct = op(u).array
+    np.testing.assert_allclose(ours, direct, atol=1e-5)
+    assert np.abs(ours).max() > 1e-3
+
+
+def test_outputs_do_not_depend_on_later_inputs():
+    config = Gpt2HyenaConfig(num_layers=2, hyena=HyenaConfig(seq_len=Pos.size, hidden_dim=16, filter_order=8))
+    model = config.build(Axis("vocab", 30), key=jax.random.PRNGKey(4))
+    ids = jax.random.randint(jax.random.PRNGKey(5), (2, Pos.size), 0, 30)
+    changed = ids.at[:, 20:].set((ids[:, 20:] + 7) % 30)
+    named = lambda x: hax.named(x, ("batch", "position"))  # noqa: E731
+    before, after = model(named(ids)).array, model(named(changed)).array
+    np.testing.assert_allclose(before[:, :20], after[:, :20], atol=1e-5)
+    assert np.abs(before[:, 20:] - after[:, 20:]).max() > 1e-4
+
+
+@pytest.mark.skipif(not os.path.exists(LEVANTER_CONFIG), reason="Levanter's configs are not beside the repository")
+def test_levanters_config_loads_with_its_meaning():
+    with open(LEVANTER_CONFIG) as f:
+        section = yaml.safe_load(f)["model"]
+    config = validate_section("model", section)
+    assert isinstance(config, Gpt2HyenaConfig)
+    assert (config.num_layers, config.hyena.hidden_dim, config.hyena.filter_order) == (2, 32, 16)
+    assert config.seq_len == config.hyena.seq_len == 1024  # Levanter's default length
+
+
+def test_packed_examples_are_refused():
+    from levanter_core.layers import AttentionMask
+
+    config = Gpt2HyenaConfig(num_layers=1, hyena=HyenaConfig(seq_len=16, hidden_dim=8, filter_order=4))
+    model = config.build(Axis("vocab", 30), key=jax.random.PRNGKey(0))
+    ids = hax.named(jnp.zeros((1, 16), jnp.int32), ("batch", "position"))
+    mask = AttentionMask.causal_mask().with_segments(hax.named(jnp.zeros((1, 16), jnp.int32), ("batch", "position")))
+    with pytest.raises(ValueError, match="cannot train on packed examples"):
+        model.activations(ids, attn_mask=mask)
+
+
+@pytest.mark.slow
+def test_nano_config_trains(tmp_path):
+    result = train_briefly(os.path.join(CONFIGS, "gpt2_hyena_nano.yaml"), str(tmp_path))
+    assert result.final_eval_loss < result.initial_eval_loss

@@ -47,7 +47,13 @@ class _TrainCommand(typer.core.TyperCommand):
 )
 def train(
     ctx: typer.Context,
-    config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],
+    config: Annotated[
+        str,
+        typer.Argument(
+            help="Path of the run's YAML config, or the name of a config a plugin ships (see `levanter configs`).",
+            metavar="CONFIG",
+        ),
+    ],
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
     dry_run: Annotated[
         bool,
@@ -74,8 +80,10 @@ def train(
         keep_freed_memory()  # before any other thread allocates; undone by trainer.keep_host_memory: false
 
     from levanter_core.config.train import load_train_config
+    from levanter_core.plugins.configs import resolve_config_path
     from levanter_core.trainer.run import preflight, resolved_config, run_training
 
+    config = resolve_config_path(config)
     train_config, _ = load_train_config(config, list(ctx.args))
     # What the environment cannot provide (a hub tokenizer offline and not cached, a checkpoint
     # location out of the checkpointer's reach) stops the run here, before JAX starts and
@@ -123,6 +131,24 @@ def cache(
         note = f", {skipped:,} bad records skipped" if skipped else ""
         label = split if name == "main" else f"{name}/{split}"
         print(f"{label}: {cache.num_documents:,} documents, {cache.num_tokens:,} tokens in {cache.path}{note}")
+
+
+@app.command()
+def configs(
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+) -> None:
+    """List the configs installed plugins ship; `levanter train NAME` runs one by name
+    (DISTRIBUTION:NAME when two plugins ship the same name)."""
+    from levanter_core.plugins.configs import packaged_configs
+
+    found = packaged_configs()
+    if as_json:
+        print(json.dumps([{"name": c.name, "distribution": c.distribution, "path": c.path} for c in found], indent=1))
+        return
+    if not found:
+        print("no installed plugin ships configs")
+    for c in found:
+        print(f"{c.name:<24} {c.distribution:<28} {c.path}")
 
 
 @app.command()

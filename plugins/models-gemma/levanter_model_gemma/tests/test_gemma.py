@@ -210,6 +210,7 @@ def test_multimodal_gemma3_is_refused_with_an_explanation():
         config_from_hf({"model_type": "gemma3", "text_config": {}, "vision_config": {}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
 def test_nano_config_trains(name, tmp_path):
     # batches of 4 sequences rather than 16: the loss still falls, in a third less time

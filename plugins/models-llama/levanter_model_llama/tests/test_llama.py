@@ -179,6 +179,7 @@ def _comparable(hf_config: dict) -> dict:
     return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config_file", ["llama_nano.yaml", "mistral_nano.yaml"])
 def test_nano_config_trains(config_file, tmp_path):
     result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))

@@ -157,12 +157,14 @@ def nano_run(tmp_path_factory):
     return train_briefly(os.path.join(CONFIGS, "mixtral_nano.yaml"), str(tmp_path_factory.mktemp("nano")))
 
 
+@pytest.mark.slow
 def test_nano_config_trains(nano_run):
     assert nano_run.final_step == 4
     assert math.isfinite(nano_run.first_loss) and math.isfinite(nano_run.last_loss)
     assert nano_run.final_eval_loss < nano_run.initial_eval_loss
 
 
+@pytest.mark.slow
 def test_training_logs_the_router_losses(nano_run):
     with open(os.path.join(nano_run.run_dir, "metrics.jsonl")) as f:
         train_steps = [r for r in map(json.loads, f) if "train/loss" in r]

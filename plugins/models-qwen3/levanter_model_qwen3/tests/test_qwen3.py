@@ -69,6 +69,7 @@ def test_unsupported_layer_pattern_is_rejected_by_name():
         QwenConfig.from_hf_config(hf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config_file", ["qwen_nano.yaml", "qwen3_nano.yaml", "qwen3_moe_nano.yaml"])
 def test_nano_config_trains(config_file, tmp_path):
     result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))

@@ -153,3 +153,30 @@ def test_trace_prints_hook_calls(capsys, monkeypatch):
     monkeypatch.setenv(plugins.TRACE_ENV, "1")
     PluginManager(autoload=False).hook().model_type_for_hf_config(hf_config={"model_type": "x"})
     assert "model_type_for_hf_config" in capsys.readouterr().err
+
+
+# `levanter plugins`, `levanter configs` and `levanter --help` must stay cheap however many
+# plugins are installed: types are registered by import path, so listing them imports no model
+# code, no JAX and no Haliax (bench/startup.py times them).
+_IMPORTS_AFTER = """
+import sys
+from levanter_core.cli import main
+sys.argv = ["levanter", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "haliax", "equinox", "torch", "transformers")
+               or m.startswith("levanter_model_") and not m.endswith(".plugin") and m.count(".") > 0)
+print("HEAVY:" + ",".join(heavy), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["plugins", "--json"], ["configs"], ["--help"]])
+def test_listing_plugins_imports_no_model_code_nor_jax(args):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *args], capture_output=True, text=True, timeout=120)
+    heavy = [line for line in out.stderr.splitlines() if line.startswith("HEAVY:")]
+    assert heavy == ["HEAVY:"], out.stderr[-2000:]

@@ -43,7 +43,7 @@ def test_plugins_command_lists_distributions_versions_and_types():
     gpt2 = by_name["gpt2"]
     assert gpt2["distribution"] == "levanter-model-gpt2"
     assert gpt2["version"] == importlib.metadata.version("levanter-model-gpt2")
-    assert gpt2["types"] == {"model": ["gpt2"]}
+    assert gpt2["types"] == {"model": ["gpt2", "gpt2_hyena"]}
     core = by_name["levanter-core"]
     assert core["error"] is None
     assert "adam" in core["types"]["optimizer"]
@@ -139,7 +139,7 @@ def test_a_plugin_that_fails_to_import_is_reported_and_others_still_work(tmp_pat
     broken = by_name["broken"]
     assert broken["distribution"] == "levanter-broken" and broken["version"] == "0.3"
     assert "does_not_exist_anywhere" in broken["error"]
-    assert by_name["gpt2"]["types"] == {"model": ["gpt2"]}
+    assert by_name["gpt2"]["types"] == {"model": ["gpt2", "gpt2_hyena"]}
 
 
 def test_autoload_can_be_switched_off_by_environment(monkeypatch):

@@ -15,7 +15,6 @@ every layer.
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
@@ -29,13 +28,11 @@ class DeepseekV3Config(DecoderConfig):
     """The ``model:`` section for ``type: deepseek_v3``. Defaults are DeepSeek-V3's (671B)."""
 
     type: str = "deepseek_v3"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "deepseek-ai/DeepSeek-V3"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint``."""
+    default_hf_checkpoint = "deepseek-ai/DeepSeek-V3"
 
-    hf_architecture: ClassVar[str] = "DeepseekV3ForCausalLM"
-    hf_model_type: ClassVar[str] = "deepseek_v3"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "DeepseekV3ForCausalLM"
+    hf_model_type = "deepseek_v3"
+    hf_keys = {
         # head_dim is transformers' own name for qk_rope_head_dim here: not ours to write
         **{k: v for k, v in DECODER_HF_KEYS.items() if k != "head_dim"},
         "use_bias": HfKey("attention_bias", False),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,21 +43,19 @@ class GemmaConfig(DecoderConfig):
     """The ``model:`` section for ``type: gemma``. Defaults are Gemma 2B's."""
 
     type: str = "gemma"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-2b"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "google/gemma-2b"
 
-    hf_architecture: ClassVar[str] = "GemmaForCausalLM"
-    hf_model_type: ClassVar[str] = "gemma"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "GemmaForCausalLM"
+    hf_model_type = "gemma"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         "head_dim": HfKey("head_dim", 256, read=lambda v, hf: v or 256),
         "activation_function": HfKey("hidden_act", None, read=_tanh_gelu),
         "tie_word_embeddings": HfKey("tie_word_embeddings", True),
         "use_bias": HfKey("attention_bias", False),
     }
-    hf_refused: ClassVar[dict[str, tuple]] = {"use_bidirectional_attention": (False, None)}
-    norm_offset: ClassVar[float] = GEMMA_NORM_OFFSET
+    hf_refused = {"use_bidirectional_attention": (False, None)}
+    norm_offset = GEMMA_NORM_OFFSET
 
     seq_len: PositiveInt = 8192
     hidden_dim: PositiveInt = 2048

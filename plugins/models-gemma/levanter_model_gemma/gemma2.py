@@ -16,7 +16,6 @@ Relative to Gemma 1:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import PositiveFloat, PositiveInt, model_validator
 
@@ -34,13 +33,11 @@ class Gemma2Config(GemmaConfig):
     """The ``model:`` section for ``type: gemma2``. Defaults are Gemma 2 2B's."""
 
     type: str = "gemma2"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-2-2b"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "google/gemma-2-2b"
 
-    hf_architecture: ClassVar[str] = "Gemma2ForCausalLM"
-    hf_model_type: ClassVar[str] = "gemma2"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Gemma2ForCausalLM"
+    hf_model_type = "gemma2"
+    hf_keys = {
         **{k: v for k, v in GemmaConfig.hf_keys.items() if k != "activation_function"},
         # Gemma 2 and 3 read `hidden_activation`; a leftover `hidden_act` is ignored, as in transformers
         "activation_function": HfKey("hidden_activation", None, read=lambda v, hf: v or "gelu_pytorch_tanh"),
@@ -50,7 +47,7 @@ class Gemma2Config(GemmaConfig):
         "attn_logit_softcapping": HfKey("attn_logit_softcapping", 50.0),
         "final_logit_softcapping": HfKey("final_logit_softcapping", 30.0),
     }
-    norm_placement: ClassVar[str] = "sandwich"
+    norm_placement = "sandwich"
 
     hidden_dim: PositiveInt = 2304
     intermediate_dim: PositiveInt = 9216

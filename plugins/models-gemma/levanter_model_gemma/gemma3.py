@@ -20,7 +20,6 @@ read here.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import PositiveFloat, PositiveInt
 
@@ -37,13 +36,11 @@ class Gemma3Config(Gemma2Config):
     """The ``model:`` section for ``type: gemma3``. Defaults are Gemma 3 1B's."""
 
     type: str = "gemma3"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "google/gemma-3-1b-pt"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "google/gemma-3-1b-pt"
 
-    hf_architecture: ClassVar[str] = "Gemma3ForCausalLM"
-    hf_model_type: ClassVar[str] = "gemma3_text"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Gemma3ForCausalLM"
+    hf_model_type = "gemma3_text"
+    hf_keys = {
         # transformers reads Gemma 3's attention soft cap but never applies it
         **{k: v for k, v in Gemma2Config.hf_keys.items() if k != "attn_logit_softcapping"},
         "final_logit_softcapping": HfKey("final_logit_softcapping", None),

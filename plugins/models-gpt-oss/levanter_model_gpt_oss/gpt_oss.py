@@ -18,7 +18,6 @@ core's :mod:`levanter_core.layers.moe`.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -39,13 +38,11 @@ class GptOssConfig(DecoderConfig):
     """The ``model:`` section for ``type: gpt_oss``. Defaults are gpt-oss-20b's."""
 
     type: str = "gpt_oss"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "openai/gpt-oss-20b"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint``."""
+    default_hf_checkpoint = "openai/gpt-oss-20b"
 
-    hf_architecture: ClassVar[str] = "GptOssForCausalLM"
-    hf_model_type: ClassVar[str] = "gpt_oss"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "GptOssForCausalLM"
+    hf_model_type = "gpt_oss"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         "head_dim": HfKey("head_dim", None),
         "layer_norm_epsilon": HfKey("rms_norm_eps", 1e-5),
@@ -58,7 +55,7 @@ class GptOssConfig(DecoderConfig):
         "sliding_window": HfKey("sliding_window", 128),
         "layer_types": HfKey("layer_types", None, read=_layer_types_in, write=lambda v, c: list(c.attention_types())),
     }
-    hf_rope_theta: ClassVar[float] = 150000.0
+    hf_rope_theta = 150000.0
 
     seq_len: PositiveInt = 131072
     hidden_dim: PositiveInt = 2880

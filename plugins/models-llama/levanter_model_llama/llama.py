@@ -11,7 +11,6 @@ defaults of Llama 2 7B.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import Field
 
@@ -24,17 +23,15 @@ class LlamaConfig(DecoderConfig):
     """The ``model:`` section for ``type: llama``. Defaults are Llama 2 7B's."""
 
     type: str = "llama"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "NousResearch/Llama-2-7b-hf"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "NousResearch/Llama-2-7b-hf"
 
-    hf_architecture: ClassVar[str] = "LlamaForCausalLM"
-    hf_model_type: ClassVar[str] = "llama"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "LlamaForCausalLM"
+    hf_model_type = "llama"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         "use_bias": HfKey("attention_bias", False),
     }
-    hf_refused: ClassVar[dict[str, tuple]] = {"mlp_bias": (False, None)}
+    hf_refused = {"mlp_bias": (False, None)}
 
     layer_norm_epsilon: float = Field(1e-5, gt=0.0)
     """Epsilon of every RMSNorm (``rms_norm_eps``)."""

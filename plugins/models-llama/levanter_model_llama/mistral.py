@@ -3,7 +3,6 @@ window of ``sliding_window`` tokens in every layer."""
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 from pydantic import PositiveInt, model_validator
 
@@ -18,13 +17,11 @@ class MistralConfig(LlamaConfig):
     """The ``model:`` section for ``type: mistral``. Defaults are Mistral 7B v0.1's."""
 
     type: str = "mistral"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "mistralai/Mistral-7B-v0.1"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "mistralai/Mistral-7B-v0.1"
 
-    hf_architecture: ClassVar[str] = "MistralForCausalLM"
-    hf_model_type: ClassVar[str] = "mistral"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "MistralForCausalLM"
+    hf_model_type = "mistral"
+    hf_keys = {
         **{k: v for k, v in LlamaConfig.hf_keys.items() if k != "use_bias"},
         "sliding_window": HfKey("sliding_window", _HF_SLIDING_WINDOW),
     }

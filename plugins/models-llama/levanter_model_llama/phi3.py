@@ -15,7 +15,6 @@ What differs from the kit's common decoder:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import PositiveInt
 
@@ -30,20 +29,19 @@ class Phi3Config(DecoderConfig):
     """The ``model:`` section for ``type: phi3``. Defaults are Phi-3-mini-4k-instruct's."""
 
     type: str = "phi3"
-    """The registered type name."""
 
-    hf_architecture: ClassVar[str] = "Phi3ForCausalLM"
-    hf_model_type: ClassVar[str] = "phi3"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Phi3ForCausalLM"
+    hf_model_type = "phi3"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         "head_dim": HfKey(
             "head_dim", None, read=DecoderConfig.hf_keys["head_dim"].read, written=False
         ),  # not a Phi3Config key; written by to_hf_config only when it is not implied
         "sliding_window": HfKey("sliding_window", None),
     }
-    hf_partial_rotary: ClassVar[bool] = True
+    hf_partial_rotary = True
     # dropout only acts in training, and we train without it: refuse rather than ignore it
-    hf_refused: ClassVar[dict[str, tuple]] = {key: (0, 0.0) for key in _DROPOUTS}
+    hf_refused = {key: (0, 0.0) for key in _DROPOUTS}
 
     seq_len: PositiveInt = 4096
     hidden_dim: PositiveInt = 3072

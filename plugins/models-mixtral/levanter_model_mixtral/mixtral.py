@@ -19,7 +19,6 @@ every family of the kit (checkpoints written before the kit named it ``block_spa
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -32,14 +31,12 @@ class MixtralConfig(DecoderConfig):
     """The ``model:`` section for ``type: mixtral``. Defaults are Mixtral 8x7B's."""
 
     type: str = "mixtral"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "mistralai/Mixtral-8x7B-v0.1"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "mistralai/Mixtral-8x7B-v0.1"
 
-    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
-    hf_model_type: ClassVar[str] = "mixtral"
-    hf_layer_names: ClassVar[dict[str, str]] = {"mlp": "block_sparse_moe"}
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "MixtralForCausalLM"
+    hf_model_type = "mixtral"
+    hf_layer_names = {"mlp": "block_sparse_moe"}
+    hf_keys = {
         **DecoderConfig.hf_keys,
         # kept as written: null and an explicit hidden_size // heads mean the same, and
         # exporting what was imported keeps config.json unchanged
@@ -50,8 +47,8 @@ class MixtralConfig(DecoderConfig):
         "router_aux_loss_coef": HfKey("router_aux_loss_coef", 0.001),
         "sliding_window": HfKey("sliding_window", None),
     }
-    hf_refused: ClassVar[dict[str, tuple]] = {"router_jitter_noise": (0, 0.0, None)}
-    hf_rope_theta: ClassVar[float] = 1e6
+    hf_refused = {"router_jitter_noise": (0, 0.0, None)}
+    hf_rope_theta = 1e6
 
     seq_len: PositiveInt = 32768
     intermediate_dim: PositiveInt = 14336

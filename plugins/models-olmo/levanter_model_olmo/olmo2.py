@@ -11,7 +11,6 @@ embedding.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import Field, PositiveInt
 
@@ -24,20 +23,18 @@ class Olmo2Config(DecoderConfig):
     """The ``model:`` section for ``type: olmo2``. Defaults are OLMo 2 7B's (``OLMo-2-1124-7B``)."""
 
     type: str = "olmo2"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "allenai/OLMo-2-1124-7B"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint`` (Levanter's default)."""
+    default_hf_checkpoint = "allenai/OLMo-2-1124-7B"
 
-    hf_architecture: ClassVar[str] = "Olmo2ForCausalLM"
-    hf_model_type: ClassVar[str] = "olmo2"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Olmo2ForCausalLM"
+    hf_model_type = "olmo2"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         # not a field of Hugging Face's Olmo2Config: written by to_hf_config only when not implied
         "head_dim": dataclasses.replace(DecoderConfig.hf_keys["head_dim"], written=False),
         "layer_norm_epsilon": HfKey("rms_norm_eps", 1e-5),
         "use_bias": HfKey("attention_bias", False),
     }
-    norm_placement: ClassVar[str] = "post"
+    norm_placement = "post"
 
     seq_len: PositiveInt = 4096
     layer_norm_epsilon: float = Field(1e-6, gt=0.0)

@@ -14,7 +14,6 @@ What differs from OLMo 2:
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import PositiveInt, model_validator
 
@@ -30,13 +29,11 @@ class Olmo3Config(Olmo2Config):
     """The ``model:`` section for ``type: olmo3``. Defaults are Olmo-3-1025-7B's."""
 
     type: str = "olmo3"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "allenai/Olmo-3-1025-7B"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint``."""
+    default_hf_checkpoint = "allenai/Olmo-3-1025-7B"
 
-    hf_architecture: ClassVar[str] = "Olmo3ForCausalLM"
-    hf_model_type: ClassVar[str] = "olmo3"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Olmo3ForCausalLM"
+    hf_model_type = "olmo3"
+    hf_keys = {
         **Olmo2Config.hf_keys,
         "sliding_window": HfKey("sliding_window", 4096),
         "layer_types": HfKey("layer_types", None, read=lambda v, hf: tuple(v) if v is not None else None,

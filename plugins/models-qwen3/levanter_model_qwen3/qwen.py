@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
@@ -26,11 +25,10 @@ class QwenConfig(DecoderConfig):
     """The ``model:`` section for ``type: qwen``. Defaults are Qwen2.5-7B's."""
 
     type: str = "qwen"
-    """The registered type name."""
 
-    hf_architecture: ClassVar[str] = "Qwen2ForCausalLM"
-    hf_model_type: ClassVar[str] = "qwen2"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Qwen2ForCausalLM"
+    hf_model_type = "qwen2"
+    hf_keys = {
         **DecoderConfig.hf_keys,
         # Qwen2Config has no head_dim key, but its attention honours one if present
         "head_dim": dataclasses.replace(DecoderConfig.hf_keys["head_dim"], written=False),

@@ -13,7 +13,6 @@ a different attention layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from pydantic import NonNegativeInt, PositiveInt
 
@@ -29,11 +28,10 @@ class Qwen3Config(QwenConfig):
     """The ``model:`` section for ``type: qwen3``. Defaults are Qwen3-8B's."""
 
     type: str = "qwen3"
-    """The registered type name."""
 
-    hf_architecture: ClassVar[str] = "Qwen3ForCausalLM"
-    hf_model_type: ClassVar[str] = "qwen3"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Qwen3ForCausalLM"
+    hf_model_type = "qwen3"
+    hf_keys = {
         **QwenConfig.hf_keys,
         "head_dim": HfKey("head_dim", _HF_HEAD_DIM, read=lambda v, hf: v or _HF_HEAD_DIM),
         "use_bias": HfKey("attention_bias", False),

@@ -12,7 +12,6 @@ A sliding window, when ``use_sliding_window``, applies to every layer.
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 from pydantic import Field, NonNegativeInt, PositiveInt
 
@@ -26,13 +25,11 @@ class Qwen3MoeConfig(Qwen3Config):
     """The ``model:`` section for ``type: qwen3_moe``. Defaults are Qwen3-30B-A3B's."""
 
     type: str = "qwen3_moe"
-    """The registered type name."""
-    default_hf_checkpoint: ClassVar[str | None] = "Qwen/Qwen3-30B-A3B"
-    """What ``initialize_from_hf: true`` loads without ``reference_checkpoint``."""
+    default_hf_checkpoint = "Qwen/Qwen3-30B-A3B"
 
-    hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
-    hf_model_type: ClassVar[str] = "qwen3_moe"
-    hf_keys: ClassVar[dict[str, HfKey]] = {
+    hf_architecture = "Qwen3MoeForCausalLM"
+    hf_model_type = "qwen3_moe"
+    hf_keys = {
         **{k: v for k, v in Qwen3Config.hf_keys.items() if k != "max_window_layers"},
         # transformers 5 writes num_local_experts (num_experts is its alias); older files num_experts
         "num_experts": HfKey("num_local_experts", 128, read=lambda v, hf: hf.get("num_experts", v)),

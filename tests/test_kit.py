@@ -241,3 +241,33 @@ def test_the_default_weight_decay_mask_decays_expert_and_router_matrices_only():
     mask = AdamConfig().build_weight_decay_mask()(block)
     assert mask.experts.gate_proj and mask.experts.up_proj and mask.experts.down_proj and mask.router.weight
     assert not mask.router.e_score_correction_bias and not mask.experts.gate_bias and not mask.experts.down_bias
+
+
+@pytest.mark.parametrize("kind", ["attention", "latent"])
+def test_attention_steps_compose_as_a_key_value_cache_would(kind):
+    """Decoding one token: project the prefix once (what a cache keeps), project the new token at
+    its own position, attend with the cached keys: the same output as the whole sequence's."""
+    from levanter_core.layers.mla import MlaConfig, MultiHeadLatentAttention
+
+    rope = DefaultRotaryConfig(theta=100.0)
+    if kind == "attention":
+        attn = Attention.init(
+            AttentionConfig(Embed=Embed, num_heads=4, num_kv_heads=2, head_dim=4, rope=rope, qk_norm="head"),
+            key=jax.random.PRNGKey(0),
+        )
+    else:
+        config = MlaConfig(Embed=Embed, num_heads=2, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                           v_head_dim=3, q_lora_rank=5, rope=rope)  # fmt: skip
+        attn = MultiHeadLatentAttention.init(config, key=jax.random.PRNGKey(0))
+    x = _x(6)
+    full = attn(x, AttentionMask.causal_mask())
+    last = Pos.size - 1
+    _, k_prefix, v_prefix = attn.project(x["position", :last])
+    Step = Axis("position", 1)
+    q, k_new, v_new = attn.project(x["position", last:], positions=hax.named(jnp.array([last]), Step), seq_len=Pos.size)
+    to_keys = {"position": "key_position"}
+    k = hax.concatenate("key_position", [k_prefix.rename(to_keys), k_new.rename(to_keys)])
+    v = hax.concatenate("key_position", [v_prefix.rename(to_keys), v_new.rename(to_keys)])
+    # the one new query may see every cached key
+    step = attn.o_proj(attn.attend(q, k, v, AttentionMask(causal=False)))
+    np.testing.assert_allclose(step["position", 0].array, full["position", last].array, atol=1e-5)

@@ -319,15 +319,17 @@ class DecoderLayer(eqx.Module):
     def _state_dict_key_map(self) -> dict[str, str | None]:
         return dict(self.hf_names)
 
-    def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None):
+    def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None, *, positions: NamedArray | None = None):
         """``x`` ``(..., position, embed)``; ``sliding`` is this layer's sliding-window switch (None:
-        the attention config decides). Returns the new ``x``, and for a mixture-of-experts layer
-        also its :class:`RouterStats`."""
+        the attention config decides); ``positions`` where ``x``'s tokens sit in their sequences
+        (default ``0..position-1``; a decoder with a key/value cache passes later ones). Returns the
+        new ``x``, and for a mixture-of-experts layer also its :class:`RouterStats`."""
         pre = self.placement == "pre"
         attn_in = self.input_layernorm
         attn_out = None if pre else self.post_attention_layernorm
         mlp_in = self.post_attention_layernorm if pre else self.pre_feedforward_layernorm
-        x = x + _apply(attn_out, self.self_attn(_apply(attn_in, x), mask, sliding=sliding))
+        attended = self.self_attn(_apply(attn_in, x), mask, sliding=sliding, positions=positions)
+        x = x + _apply(attn_out, attended)
         out = self.mlp(_apply(mlp_in, x))
         stats = None
         if isinstance(self.mlp, MoeBlock):
@@ -381,9 +383,11 @@ class Decoder(eqx.Module):
             return None
         return hax.named(jnp.array(flags), self.config.Layers)
 
-    def __call__(self, input_ids: NamedArray, mask: AttentionMask) -> tuple[NamedArray, RouterStats | None]:
+    def __call__(
+        self, input_ids: NamedArray, mask: AttentionMask, *, positions: NamedArray | None = None
+    ) -> tuple[NamedArray, RouterStats | None]:
         """Final hidden states, and the router statistics of the mixture-of-experts layers stacked
-        along ``layers`` (None for a dense model)."""
+        along ``layers`` (None for a dense model). ``positions``: see :meth:`DecoderLayer.__call__`."""
         c = self.config
         x = self.embed_tokens.embed(input_ids)
         multiplier = c.embedding_multiplier(x.dtype)
@@ -399,10 +403,10 @@ class Decoder(eqx.Module):
             size = stack.Block.size
             group_flags = None if flags is None else flags["layers", start : start + size]
             if kind == "moe":
-                x, group_stats = stack.scan(x, mask, group_flags, unroll=c.unroll_layers)
+                x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
             else:
-                x = stack.fold(x, mask, group_flags, unroll=c.unroll_layers)
+                x = stack.fold(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
         if not stats:
             all_stats = None
         elif len(stats) == 1:

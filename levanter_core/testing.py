@@ -92,3 +92,21 @@ def train_bpe_tokenizer(
     tokenizer.train_from_iterator(texts, trainer=trainer)
     tokenizer.save(path)
     return path
+
+
+def listed_plugin(distribution: str) -> dict:
+    """What ``levanter plugins --json`` says about ``distribution`` (its hooks, types and error),
+    run in a subprocess as a user would, with this interpreter: a plugin's discovery test."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "from levanter_core.cli import main; main()", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    listed = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
+    if distribution not in listed:
+        raise AssertionError(f"{distribution} is not among the plugins found: {sorted(listed)}")
+    return listed[distribution]

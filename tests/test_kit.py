@@ -271,3 +271,27 @@ def test_attention_steps_compose_as_a_key_value_cache_would(kind):
     # the one new query may see every cached key
     step = attn.o_proj(attn.attend(q, k, v, AttentionMask(causal=False)))
     np.testing.assert_allclose(step["position", 0].array, full["position", last].array, atol=1e-5)
+
+
+def test_a_family_with_a_plain_mlp():
+    """The feed-forward block is a choice: a family returning the core's plain two-layer ``Mlp``
+    gets ``up_proj`` / ``down_proj`` (no gate) in its layers and its checkpoints."""
+    from levanter_core.layers import Mlp
+
+    class Plain(DecoderConfig):
+        type: str = "kit_test_plain_mlp"
+
+        def mlp_module(self, *, key):
+            return Mlp.init(self.Embed, self.Mlp, "gelu", key=key, std=self.initializer_range)
+
+    config = Plain(hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=2, num_kv_heads=2, seq_len=10)
+    model = config.build(Axis("vocab", 20), key=jax.random.PRNGKey(0))
+    state = to_hf_state_dict(model)
+    assert "model.layers.1.mlp.up_proj.weight" in state and not any("gate_proj" in k for k in state)
+    ids = hax.named(jnp.arange(20).reshape(2, 10), ("batch", "position"))
+    layer = model.model.layers.unstacked()[0]
+    x = model.model.embed_tokens.embed(ids)
+    h = x + layer.self_attn(layer.input_layernorm(x), AttentionMask.causal_mask())
+    hidden = layer.post_attention_layernorm(h)
+    expected = h + layer.mlp.down_proj(hax.nn.gelu(layer.mlp.up_proj(hidden), approximate=False))
+    np.testing.assert_allclose(layer(x, AttentionMask.causal_mask()).array, expected.array, atol=1e-5)

@@ -151,3 +151,26 @@ def _differences(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
         for k in (before.keys() | after.keys()) - IGNORED_CONFIG_KEYS
         if before.get(k) != after.get(k)
     }
+
+
+def load_balancing_losses(hf_config, workdir: str, *, seed: int = 0, seq_len: int = 24, batch: int = 2):
+    """``(ours, theirs, our_aux_loss)`` for a mixture-of-experts family: our unweighted
+    ``moe/load_balancing_loss`` on a random ``transformers`` model of ``hf_config`` (imported from
+    its checkpoint in ``workdir``), the ``aux_loss`` ``transformers`` computes on the same tokens,
+    and our weighted auxiliary term (what training adds to the loss)."""
+    import equinox as eqx
+    import haliax as hax
+    import jax.numpy as jnp
+    import torch
+
+    from levanter_core.hf.bridge import load_hf_model
+
+    theirs = random_hf_model(hf_config, seed=seed)
+    theirs.save_pretrained(workdir)
+    tokens = np.random.default_rng(seed).integers(0, hf_config.vocab_size, size=(batch, seq_len))
+    with torch.no_grad():
+        out = theirs(torch.as_tensor(tokens), output_router_logits=True)
+    ours = load_hf_model(workdir).model
+    named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), ("batch", "position"))
+    _, aux = eqx.filter_jit(lambda m, x: m.activations_with_aux(x))(ours, named)
+    return float(aux.metrics["moe/load_balancing_loss"]), float(out.aux_loss), float(aux.loss)

@@ -1,10 +1,7 @@
 """DeepSeek-V3 against Hugging Face transformers (logits after import and export, stacked and
 unstacked), training from the nano config, and discovery."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import transformers
@@ -12,7 +9,7 @@ import transformers
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity
-from levanter_core.testing import train_briefly
+from levanter_core.testing import listed_plugin, train_briefly
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -111,7 +108,6 @@ def test_nano_config_trains(tmp_path):
 
 
 def test_discovered_through_its_entry_point():
-    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
-    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
-    ours = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}["levanter-model-deepseek"]
+    ours = listed_plugin("levanter-model-deepseek")
     assert ours["error"] is None and ours["types"] == {"model": ["deepseek_v3"]}
+    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}

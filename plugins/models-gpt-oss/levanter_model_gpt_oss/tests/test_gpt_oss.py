@@ -1,22 +1,13 @@
 """gpt-oss against Hugging Face transformers (logits after import and export, stacked and
 unstacked; the load-balancing loss), training from the nano config, and discovery."""
 
-import json
 import os
-import subprocess
-import sys
 
-import equinox as eqx
-import haliax as hax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-import torch
 import transformers
 
-from levanter_core.hf.bridge import load_hf_model
-from levanter_core.hf.parity import check_hf_parity, random_hf_model
-from levanter_core.testing import train_briefly
+from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, random_hf_model
+from levanter_core.testing import listed_plugin, train_briefly
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -77,16 +68,8 @@ def test_checkpoint_holds_sinks_and_interleaved_experts(tmp_path):
 
 
 def test_load_balancing_loss_is_hugging_faces(tmp_path):
-    theirs = random_hf_model(HF_CONFIGS["alternating-yarn"]())
-    theirs.save_pretrained(str(tmp_path))
-    tokens = np.random.default_rng(0).integers(0, 128, size=(2, 24))
-    with torch.no_grad():
-        out = theirs(torch.as_tensor(tokens), output_router_logits=True)
-    ours = load_hf_model(str(tmp_path)).model
-    named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), ("batch", "position"))
-    _, aux = eqx.filter_jit(lambda m, x: m.activations_with_aux(x))(ours, named)
-    balance = float(aux.metrics["moe/load_balancing_loss"])
-    assert abs(balance - float(out.aux_loss)) <= 1e-5 and abs(balance - 2.0) > 1e-3
+    ours, theirs, _ = load_balancing_losses(HF_CONFIGS["alternating-yarn"](), str(tmp_path))
+    assert abs(ours - theirs) <= 1e-5 and abs(ours - 2.0) > 1e-3  # not uniform routing's value
 
 
 @pytest.mark.slow
@@ -96,7 +79,6 @@ def test_nano_config_trains(tmp_path):
 
 
 def test_discovered_through_its_entry_point():
-    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
-    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
-    ours = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}["levanter-model-gpt-oss"]
+    ours = listed_plugin("levanter-model-gpt-oss")
     assert ours["error"] is None and ours["types"] == {"model": ["gpt_oss"]}
+    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}

@@ -6,8 +6,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import haliax as hax
@@ -22,7 +20,7 @@ from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf, load_hf_model
 from levanter_core.hf.checkpoint import HfCheckpoint
 from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
-from levanter_core.testing import train_briefly
+from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_mixtral.mixtral import MixtralConfig
 
 # the nano config ships inside the package, beside these tests
@@ -176,10 +174,6 @@ def test_training_logs_the_router_losses(nano_run):
 
 
 def test_discovered_through_its_entry_point():
-    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
-    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
-    listed = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
-    ours = listed["levanter-model-mixtral"]
-    assert ours["error"] is None
-    assert ours["types"] == {"model": ["mixtral"]}
+    ours = listed_plugin("levanter-model-mixtral")
+    assert ours["error"] is None and ours["types"] == {"model": ["mixtral"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}

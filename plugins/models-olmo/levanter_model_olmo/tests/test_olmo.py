@@ -15,7 +15,7 @@ from levanter_core.hf import to_hf_state_dict
 from levanter_core.hf.convert import from_hf_state_dict
 from levanter_core.hf.bridge import SPECIAL_TOKENS, config_from_hf
 from levanter_core.hf.parity import check_hf_parity
-from levanter_core.testing import train_briefly
+from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_olmo.olmo2 import Olmo2Config
 from levanter_model_olmo.olmo3 import Olmo3Config
 
@@ -168,10 +168,6 @@ def test_unscanned_layers_have_the_same_checkpoint_layout():
 
 
 def test_discovered_through_its_entry_point():
-    import subprocess
-    import sys
-
-    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
-    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
-    ours = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}["levanter-model-olmo"]
+    ours = listed_plugin("levanter-model-olmo")
     assert ours["error"] is None and ours["types"] == {"model": ["olmo2", "olmo3"]}
+    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}

@@ -1,20 +1,17 @@
 """Qwen 2 and Qwen 3 against Hugging Face transformers, training from the nano configs, and
 discovery through the entry point."""
 
-import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity
-from levanter_core.testing import train_briefly
+from levanter_core.hf.parity import check_hf_parity, load_balancing_losses
+from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_qwen3.qwen import QwenConfig
 
 # the nano configs ship inside the package, beside these tests
@@ -79,12 +76,8 @@ def test_nano_config_trains(config_file, tmp_path):
 
 
 def test_discovered_through_its_entry_point():
-    levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
-    out = subprocess.run([levanter, "plugins", "--json"], capture_output=True, text=True, timeout=300)
-    listed = {p["distribution"]: p for p in json.loads(out.stdout)["plugins"]}
-    ours = listed["levanter-model-qwen3"]
-    assert ours["error"] is None
-    assert ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
+    ours = listed_plugin("levanter-model-qwen3")
+    assert ours["error"] is None and ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
 
 
@@ -144,23 +137,7 @@ def test_qwen3_moe_unrolled_layers_match_hugging_face(tmp_path):
 
 
 def test_qwen3_moe_load_balancing_loss_is_hugging_faces(tmp_path):
-    import equinox as eqx
-    import haliax as hax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-
-    from levanter_core.hf.bridge import load_hf_model
-    from levanter_core.hf.parity import random_hf_model
-
-    theirs = random_hf_model(MOE_CONFIGS["moe-normalized"]())
-    theirs.save_pretrained(str(tmp_path))
-    tokens = np.random.default_rng(0).integers(0, 128, size=(2, 24))
-    with torch.no_grad():
-        out = theirs(torch.as_tensor(tokens), output_router_logits=True)
-    ours = load_hf_model(str(tmp_path)).model
-    named = hax.named(jnp.asarray(tokens, dtype=jnp.int32), ("batch", "position"))
-    _, aux = eqx.filter_jit(lambda m, x: m.activations_with_aux(x))(ours, named)
-    balance = float(aux.metrics["moe/load_balancing_loss"])
-    assert abs(balance - float(out.aux_loss)) <= 1e-5 and abs(balance - 2.0) > 1e-3
-    assert float(aux.loss) == pytest.approx(theirs.config.router_aux_loss_coef * balance, rel=1e-6)
+    hf_config = MOE_CONFIGS["moe-normalized"]()
+    ours, theirs, weighted = load_balancing_losses(hf_config, str(tmp_path))
+    assert abs(ours - theirs) <= 1e-5 and abs(ours - 2.0) > 1e-3  # not uniform routing's value
+    assert weighted == pytest.approx(hf_config.router_aux_loss_coef * ours, rel=1e-6)

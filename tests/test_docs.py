@@ -41,7 +41,8 @@ def test_the_guides_family_in_sixty_lines_is_the_code():
     shown = _code_block_after(guide, "This is the whole of `llama.py` but its module docstring:")
     body = llama[llama.index('"""', 3) + 3 :].split("\n\nLlamaLMHeadModel")[0].strip()
     assert body.replace("from __future__ import annotations\n\n", "") == shown.strip()
-    for marker, file in (("### A variant in the same plugin: Mistral", "mistral.py"), ("## 6. Fused layouts", "phi3.py")):
+    excerpts = (("### A variant in the same plugin: Mistral", "mistral.py"), ("## 6. Fused layouts", "phi3.py"))
+    for marker, file in excerpts:
         with open(os.path.join(plugin, file)) as f:
             source = f.read()
         for line in _code_block_after(guide, marker).splitlines():

@@ -61,7 +61,8 @@ def test_attention_sinks_join_every_softmax():
 def eqx_replace(module, **changes):
     import equinox as eqx
 
-    return eqx.tree_at(lambda m: [getattr(m, n) for n in changes], module, list(changes.values()), is_leaf=lambda x: x is None)
+    fields = lambda m: [getattr(m, n) for n in changes]  # noqa: E731
+    return eqx.tree_at(fields, module, list(changes.values()), is_leaf=lambda x: x is None)
 
 
 def test_partial_rotation_rotates_the_first_part_and_passes_the_rest():
@@ -132,7 +133,8 @@ def test_routing_and_dropless_dispatch_match_a_token_by_token_computation(routin
         for e, w in zip(chosen[t], weights[t]):
             gate = tokens[t] @ experts.gate_proj["experts", int(e)].rearrange(("embed", "mlp")).array
             up = tokens[t] @ experts.up_proj["experts", int(e)].rearrange(("embed", "mlp")).array
-            direct[t] += w * (jax.nn.silu(gate) * up) @ experts.down_proj["experts", int(e)].rearrange(("mlp", "embed")).array
+            down = experts.down_proj["experts", int(e)].rearrange(("mlp", "embed")).array
+            direct[t] += w * (jax.nn.silu(gate) * up) @ down
     np.testing.assert_allclose(out.rearrange((Batch, Pos, Embed)).array.reshape(-1, 16), direct, atol=1e-5)
     assert float(hax.sum(stats.expert_fraction).scalar()) == pytest.approx(2.0)
 

@@ -38,6 +38,20 @@ class ParityReport:
     shards: int
     """Number of safetensors files the export wrote."""
 
+    def assert_matches(self, tolerance: float = 1e-4, *, configs: bool = True, special_tokens: bool = True) -> None:
+        """The test every family runs: logits within ``tolerance`` after import and after export,
+        and (``configs``) the config unchanged by the round trip. ``special_tokens=False`` leaves
+        the token ids out of the translated config's comparison (a translated config carries
+        none: the exporter writes them, and the export's own comparison checks them)."""
+        assert self.import_max_abs_diff <= tolerance, f"import: max abs diff {self.import_max_abs_diff}"
+        assert self.export_max_abs_diff <= tolerance, f"export: max abs diff {self.export_max_abs_diff}"
+        if configs:
+            from levanter_core.hf.bridge import SPECIAL_TOKENS
+
+            translated = {k: v for k, v in self.config_differences.items() if special_tokens or k not in SPECIAL_TOKENS}
+            assert translated == {}, f"the config's round trip changes {translated}"
+            assert self.export_config_differences == {}, f"the export changes {self.export_config_differences}"
+
 
 def random_hf_model(hf_config, *, seed: int = 0, noise: float = 0.1):
     """A ``transformers`` causal LM of ``hf_config`` in eval mode, with every parameter

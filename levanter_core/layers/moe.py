@@ -242,7 +242,9 @@ class Experts(ModuleWithStateDictSerialization):
                 "gate_proj": _named_like(gate, self.gate_proj, ("experts", "embed", "mlp")),
                 "up_proj": _named_like(up, self.up_proj, ("experts", "embed", "mlp")),
                 "down_proj": _named_like(
-                    jnp.asarray(state_dict[with_prefix(prefix, "down_proj")]), self.down_proj, ("experts", "mlp", "embed")
+                    jnp.asarray(state_dict[with_prefix(prefix, "down_proj")]),
+                    self.down_proj,
+                    ("experts", "mlp", "embed"),
                 ),
             }
             if self.gate_bias is not None:
@@ -258,9 +260,8 @@ class Experts(ModuleWithStateDictSerialization):
             ("gate_proj", "up_proj", "down_proj"), layout.names, (("mlp", "embed"), ("mlp", "embed"), ("embed", "mlp"))
         ):
             template = getattr(self, field)
-            per_expert = [
-                jnp.asarray(state_dict[with_prefix(prefix, f"{e}.{name}.weight")]) for e in range(self.config.num_experts)
-            ]
+            names = [with_prefix(prefix, f"{e}.{name}.weight") for e in range(self.config.num_experts)]
+            per_expert = [jnp.asarray(state_dict[n]) for n in names]
             # stacked on a new leading axis: (experts, [layers,] out, in)
             loaded[field] = _named_like(jnp.stack(per_expert), template, ("experts", out, inp), experts_first=True)
         return dataclasses.replace(self, **loaded)

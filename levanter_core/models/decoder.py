@@ -143,7 +143,8 @@ class DecoderConfig(LmConfig, HfMapped):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim is None and self.hidden_dim % self.num_heads:
             raise ValueError(
-                f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads}) unless head_dim is set"
+                f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads}) "
+                "unless head_dim is set"
             )
         return self
 

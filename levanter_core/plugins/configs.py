@@ -54,7 +54,8 @@ def packaged_configs() -> list[PackagedConfig]:
             for file in sorted(os.listdir(directory)):
                 if file.endswith((".yaml", ".yml")):
                     name = os.path.splitext(file)[0]
-                    found[(name, distribution)] = PackagedConfig(name, os.path.join(directory, file), distribution, package)
+                    path = os.path.join(directory, file)
+                    found[(name, distribution)] = PackagedConfig(name, path, distribution, package)
     return sorted(found.values(), key=lambda c: (c.name, c.distribution))
 
 

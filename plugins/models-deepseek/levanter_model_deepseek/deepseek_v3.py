@@ -61,7 +61,12 @@ class DeepseekV3Config(DecoderConfig):
     num_kv_heads: PositiveInt = 128
     layer_norm_epsilon: float = Field(1e-6, gt=0.0)
     rope: RotaryConfig = YarnRotaryConfig(
-        factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
     )
 
     use_bias: bool = False

@@ -91,7 +91,8 @@ class Gemma2Config(GemmaConfig):
         if self.layer_types is not None:
             return self.layer_types
         pattern = self.sliding_window_pattern
-        return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(self.num_layers))
+        kinds = ("sliding_attention", "full_attention")
+        return tuple(kinds[(i + 1) % pattern == 0] for i in range(self.num_layers))
 
     def resolved_layer_types(self) -> tuple[LayerType, ...]:
         """``layer_types``, or the ones ``sliding_window_pattern`` implies."""

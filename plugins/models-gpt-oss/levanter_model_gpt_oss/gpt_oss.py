@@ -100,7 +100,8 @@ class GptOssConfig(DecoderConfig):
     def _check(self):
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}; give one per layer"
+                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}; "
+                "give one per layer"
             )
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(

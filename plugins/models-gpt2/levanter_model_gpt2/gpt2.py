@@ -47,7 +47,9 @@ def _mlp_scale_in(inner, hf: dict) -> int:
     hidden = hf.get("n_embd", 768)
     inner = inner or 4 * hidden
     if inner % hidden:
-        raise ValueError(f"n_inner ({inner}) must be a multiple of n_embd ({hidden}): the MLP is hidden_dim * mlp_scale wide")
+        raise ValueError(
+            f"n_inner ({inner}) must be a multiple of n_embd ({hidden}): the MLP is hidden_dim * mlp_scale wide"
+        )
     return inner // hidden
 
 
@@ -70,7 +72,9 @@ class Gpt2Config(LmConfig, HfMapped):
         "num_layers": HfKey("n_layer", 12),
         "num_heads": HfKey("n_head", 12),
         # null, as transformers writes it, when it is the default 4 * n_embd
-        "mlp_scale": HfKey("n_inner", None, read=_mlp_scale_in, write=lambda v, c: None if v == 4 else c.hidden_dim * v),
+        "mlp_scale": HfKey(
+            "n_inner", None, read=_mlp_scale_in, write=lambda v, c: None if v == 4 else c.hidden_dim * v
+        ),
         "initializer_range": HfKey("initializer_range", 0.02),
         "embed_pdrop": HfKey("embd_pdrop", 0.1),
         "resid_pdrop": HfKey("resid_pdrop", 0.1),

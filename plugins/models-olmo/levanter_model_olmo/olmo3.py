@@ -57,7 +57,8 @@ class Olmo3Config(Olmo2Config):
     def _one_type_per_layer(self):
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}; give one per layer"
+                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}; "
+                "give one per layer"
             )
         return self
 

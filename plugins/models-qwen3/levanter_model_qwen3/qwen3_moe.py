@@ -37,7 +37,9 @@ class Qwen3MoeConfig(Qwen3Config):
         "moe_intermediate_dim": HfKey("moe_intermediate_size", 768),
         "norm_topk_prob": HfKey("norm_topk_prob", False),
         "decoder_sparse_step": HfKey("decoder_sparse_step", 1),
-        "mlp_only_layers": HfKey("mlp_only_layers", None, read=lambda v, hf: tuple(v or ()), write=lambda v, c: list(v)),
+        "mlp_only_layers": HfKey(
+            "mlp_only_layers", None, read=lambda v, hf: tuple(v or ()), write=lambda v, c: list(v)
+        ),
         "router_aux_loss_coef": HfKey("router_aux_loss_coef", 0.001),
     }
 

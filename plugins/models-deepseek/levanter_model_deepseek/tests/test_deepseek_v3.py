@@ -76,22 +76,14 @@ def correction_bias(monkeypatch):
     monkeypatch.setattr(parity, "random_hf_model", lambda *a, **k: _perturbed_correction_bias(original(*a, **k)))
 
 
-def _assert_parity(report):
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
-
-
 @pytest.mark.parametrize("name", HF_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
-    _assert_parity(check_hf_parity(HF_CONFIGS[name](), str(tmp_path)))
+    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
 def test_unrolled_layers_match_hugging_face(tmp_path):
     report = check_hf_parity(HF_CONFIGS["q-latent-groups-yarn"](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
+    report.assert_matches(configs=False)
 
 
 def test_unsupported_rotary_type_is_refused_by_name():

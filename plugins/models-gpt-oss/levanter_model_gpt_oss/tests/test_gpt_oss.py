@@ -44,17 +44,11 @@ HF_CONFIGS = {
 
 @pytest.mark.parametrize("name", HF_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
-    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
+    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
 def test_unrolled_layers_match_hugging_face(tmp_path):
-    report = check_hf_parity(HF_CONFIGS["alternating-yarn"](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
+    check_hf_parity(HF_CONFIGS["alternating-yarn"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 def test_checkpoint_holds_sinks_and_interleaved_experts(tmp_path):

@@ -65,7 +65,9 @@ LLAMA_VARIANTS = {
         }
     ),
     # dynamic NTK: 24 positions past max_position_embeddings 16 grow the base wavelength
-    "rope_dynamic": dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    "rope_dynamic": dict(
+        max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    ),
 }
 
 MISTRAL_VARIANTS = {
@@ -87,7 +89,9 @@ PHI3_VARIANTS = {
     # half of each head rotates, the other half passes through
     "partial_rotary": dict(partial_rotary_factor=0.5),
     # LongRoPE past its original length, on the rotating half of each head
-    "longrope_partial": dict(partial_rotary_factor=0.5, original_max_position_embeddings=16, rope_parameters=PHI3_LONGROPE),
+    "longrope_partial": dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=16, rope_parameters=PHI3_LONGROPE
+    ),
     "sliding_window_8": dict(sliding_window=8),
     "tied": dict(tie_word_embeddings=True),
 }

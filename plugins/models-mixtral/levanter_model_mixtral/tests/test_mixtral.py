@@ -55,12 +55,7 @@ HF_CONFIGS = {
 
 @pytest.mark.parametrize("name", HF_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
-    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
-    assert report.shards > 1
+    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +122,7 @@ def test_jitter_noise_and_too_many_experts_are_rejected():
 
 
 def test_unrolled_layers_match_hugging_face_through_import_and_export(tmp_path):
-    report = check_hf_parity(HF_CONFIGS["top1-of-3-mqa-tied"](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.export_config_differences == {}
+    check_hf_parity(HF_CONFIGS["top1-of-3-mqa-tied"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import transformers
 from levanter_core.errors import CheckpointError
 from levanter_core.hf import to_hf_state_dict
 from levanter_core.hf.convert import from_hf_state_dict
-from levanter_core.hf.bridge import SPECIAL_TOKENS, config_from_hf
+from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_olmo.olmo2 import Olmo2Config
@@ -62,12 +62,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_parity_with_transformers(variant, tmp_path):
-    report = check_hf_parity(transformers.Olmo2Config(**COMMON, **VARIANTS[variant]), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
-    assert report.shards > 1
+    check_hf_parity(transformers.Olmo2Config(**COMMON, **VARIANTS[variant]), str(tmp_path)).assert_matches()
 
 
 
@@ -108,21 +103,18 @@ def olmo3_config(variant: str):
 
 @pytest.mark.parametrize("variant", sorted(OLMO3_VARIANTS))
 def test_olmo3_parity_with_transformers(variant, tmp_path):
-    report = check_hf_parity(olmo3_config(variant), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert {k: v for k, v in report.config_differences.items() if k not in SPECIAL_TOKENS} == {}
-    assert report.export_config_differences == {}
+    check_hf_parity(olmo3_config(variant), str(tmp_path)).assert_matches(special_tokens=False)
 
 
 @pytest.mark.parametrize(
-    "hf_config", [lambda: transformers.Olmo2Config(**COMMON, **VARIANTS["gqa_llama3_bias"]), lambda: olmo3_config("pattern_yarn_full")]
+    "hf_config",
+    [
+        lambda: transformers.Olmo2Config(**COMMON, **VARIANTS["gqa_llama3_bias"]),
+        lambda: olmo3_config("pattern_yarn_full"),
+    ],
 )
 def test_unrolled_layers_match_transformers(hf_config, tmp_path):
-    report = check_hf_parity(hf_config(), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.export_config_differences == {}
+    check_hf_parity(hf_config(), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 def test_olmo3_refuses_a_layer_pattern_of_the_wrong_length():

@@ -43,19 +43,15 @@ HF_CONFIGS = {
     ),
     # dynamic NTK scaling past a context of 16: the 24 compared positions grow the base
     "qwen3-dynamic-rope": lambda: transformers.Qwen3Config(
-        **{**TINY, "max_position_embeddings": 16}, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+        **{**TINY, "max_position_embeddings": 16},
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
     ),
 }
 
 
 @pytest.mark.parametrize("name", HF_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
-    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
-    assert report.shards > 1
+    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
 def test_unsupported_layer_pattern_is_rejected_by_name():
@@ -85,10 +81,7 @@ def test_discovered_through_its_entry_point():
 # and Qwen 3's head norms are the parts that differ from the scanned path
 @pytest.mark.parametrize("name", ["qwen-sliding", "qwen3"])
 def test_unrolled_layers_match_hugging_face(name, tmp_path):
-    report = check_hf_parity(HF_CONFIGS[name](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.export_config_differences == {}
+    check_hf_parity(HF_CONFIGS[name](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 REFUSED = {
@@ -123,17 +116,11 @@ MOE_CONFIGS = {
 
 @pytest.mark.parametrize("name", MOE_CONFIGS)
 def test_qwen3_moe_matches_hugging_face(name, tmp_path):
-    report = check_hf_parity(MOE_CONFIGS[name](), str(tmp_path))
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
+    check_hf_parity(MOE_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
 def test_qwen3_moe_unrolled_layers_match_hugging_face(tmp_path):
-    report = check_hf_parity(MOE_CONFIGS["moe-sparse-step"](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
+    check_hf_parity(MOE_CONFIGS["moe-sparse-step"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 def test_qwen3_moe_load_balancing_loss_is_hugging_faces(tmp_path):

@@ -19,7 +19,8 @@ caller puts in front.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Annotated, ClassVar, Literal
 
 import equinox as eqx
 import haliax as hax
@@ -32,7 +33,7 @@ from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey, HfMapped
-from levanter_core.layers import ACTIVATIONS, init_linear
+from levanter_core.layers import ACTIVATIONS, init_linear, stack_layers
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
@@ -154,7 +155,7 @@ class Gpt2Config(LmConfig, HfMapped):
     than unrolled (``haliax.nn.BlockSeq``). Both load and export the same Hugging Face tensors."""
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> "Gpt2Config":
+    def _heads_divide_hidden(self) -> Gpt2Config:
         if self.hidden_dim % self.num_heads != 0:
             raise ValueError(
                 f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads}); "
@@ -184,7 +185,7 @@ class Gpt2Config(LmConfig, HfMapped):
         return Axis("layers", self.num_layers)
 
     # -- the core's interface ----------------------------------------------------------
-    def build(self, Vocab: Axis, *, key) -> "Gpt2LMHeadModel":
+    def build(self, Vocab: Axis, *, key) -> Gpt2LMHeadModel:
         return Gpt2LMHeadModel.init(Vocab, self, key=key)
 
     def flops_per_token(self, vocab_size: int) -> float:
@@ -208,7 +209,7 @@ class Gpt2Config(LmConfig, HfMapped):
     # -- Hugging Face ------------------------------------------------------------------------
     def to_hf_config(self, vocab_size: int) -> dict:
         if not self.use_bias:
-            raise ValueError("use_bias: false has no Hugging Face GPT-2 equivalent (its projections always have biases)")
+            raise ValueError("use_bias: false has no Hugging Face GPT-2 equivalent (its projections have biases)")
         # constants of Hugging Face's GPT-2 that ours always has (hf_refused reads them back)
         return {**super().to_hf_config(vocab_size), "scale_attn_weights": True, "tie_word_embeddings": True}
 
@@ -238,43 +239,55 @@ def _own_layout(linear: hnn.Linear, template: hnn.Linear) -> hnn.Linear:
     return eqx.tree_at(lambda m: m.weight, linear, linear.weight.rearrange(template.weight.axes))
 
 
-class Gpt2Mlp(ModuleWithStateDictSerialization):
+class _Conv1dExport(ModuleWithStateDictSerialization):
+    """A module whose projections (the fields named in ``_conv1d``) Hugging Face keeps in
+    ``Conv1D`` layers: exported in that layout, and put back in ours on import."""
+
+    _conv1d: ClassVar[tuple[str, ...]]
+
+    def _map_linears(self, fn, *others):
+        new = [fn(getattr(self, name), *(getattr(o, name) for o in others)) for name in self._conv1d]
+        return eqx.tree_at(lambda m: [getattr(m, name) for name in self._conv1d], self, new)
+
+    def flatten_for_export(self):
+        return self._map_linears(_conv1d_layout)
+
+    def unflatten_from_export(self, template):
+        return self._map_linears(_own_layout, template)
+
+
+class Gpt2Mlp(_Conv1dExport):
     """The feed-forward sublayer: ``embed -> mlp -> activation -> embed``."""
 
+    _conv1d = ("c_fc", "c_proj")
     c_fc: hnn.Linear
     c_proj: hnn.Linear
     activation: Callable[[NamedArray], NamedArray] = eqx.field(static=True)
 
     @staticmethod
-    def init(config: Gpt2Config, *, key) -> "Gpt2Mlp":
+    def init(config: Gpt2Config, *, key) -> Gpt2Mlp:
         k_fc, k_proj = jax.random.split(key, 2)
         residual_std = config.initializer_range / math.sqrt(2 * config.num_layers)
-        c_fc = init_linear(
-            config.Embed, config.Mlp, key=k_fc, std=config.initializer_range, use_bias=config.use_bias
-        )
+        c_fc = init_linear(config.Embed, config.Mlp, key=k_fc, std=config.initializer_range, use_bias=config.use_bias)
         c_proj = init_linear(config.Mlp, config.Embed, key=k_proj, std=residual_std, use_bias=config.use_bias)
         return Gpt2Mlp(c_fc, c_proj, ACTIVATIONS[config.activation_function])
 
     def __call__(self, x: NamedArray) -> NamedArray:
         return self.c_proj(self.activation(self.c_fc(x)))
 
-    def flatten_for_export(self) -> "Gpt2Mlp":
-        return eqx.tree_at(lambda m: (m.c_fc, m.c_proj), self, (_conv1d_layout(self.c_fc), _conv1d_layout(self.c_proj)))
 
-    def unflatten_from_export(self, template: "Gpt2Mlp") -> "Gpt2Mlp":
-        layers = (_own_layout(self.c_fc, template.c_fc), _own_layout(self.c_proj, template.c_proj))
-        return eqx.tree_at(lambda m: (m.c_fc, m.c_proj), self, layers)
+class Gpt2Attention(_Conv1dExport):
+    """Causal multi-head self-attention with one fused projection for queries, keys and values.
+    Its output axes ``(qkv, heads, head_size)`` flatten, in that order, into Hugging Face's fused
+    ``c_attn``: queries, then keys, then values, each split into heads."""
 
-
-class Gpt2Attention(ModuleWithStateDictSerialization):
-    """Causal multi-head self-attention with one fused projection for queries, keys and values."""
-
+    _conv1d = ("c_attn", "c_proj")
     config: Gpt2Config = eqx.field(static=True)
     c_attn: hnn.Linear  # embed -> (qkv, heads, head_size)
     c_proj: hnn.Linear  # (heads, head_size) -> embed
 
     @staticmethod
-    def init(config: Gpt2Config, *, key) -> "Gpt2Attention":
+    def init(config: Gpt2Config, *, key) -> Gpt2Attention:
         k_attn, k_proj = jax.random.split(key, 2)
         Qkv = Axis("qkv", 3)
         residual_std = config.initializer_range / math.sqrt(2 * config.num_layers)
@@ -328,17 +341,6 @@ class Gpt2Attention(ModuleWithStateDictSerialization):
         )
         return self.c_proj(attended)
 
-    def flatten_for_export(self) -> "Gpt2Attention":
-        # c_attn's output axes flatten in the order (qkv, heads, head_size): Hugging Face's
-        # fused projection, queries then keys then values, each split into heads
-        return eqx.tree_at(
-            lambda m: (m.c_attn, m.c_proj), self, (_conv1d_layout(self.c_attn), _conv1d_layout(self.c_proj))
-        )
-
-    def unflatten_from_export(self, template: "Gpt2Attention") -> "Gpt2Attention":
-        layers = (_own_layout(self.c_attn, template.c_attn), _own_layout(self.c_proj, template.c_proj))
-        return eqx.tree_at(lambda m: (m.c_attn, m.c_proj), self, layers)
-
 
 class Gpt2Block(eqx.Module):
     """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
@@ -350,7 +352,7 @@ class Gpt2Block(eqx.Module):
     mlp: Gpt2Mlp
 
     @staticmethod
-    def init(config: Gpt2Config, *, key) -> "Gpt2Block":
+    def init(config: Gpt2Config, *, key) -> Gpt2Block:
         k_attn, k_mlp = jax.random.split(key, 2)
         return Gpt2Block(
             config,
@@ -377,19 +379,21 @@ class Gpt2Transformer(eqx.Module):
     ln_f: hnn.LayerNorm
 
     @staticmethod
-    def init(config: Gpt2Config, *, key) -> "Gpt2Transformer":
-        stack = hnn.Stacked if config.scan_layers else hnn.BlockSeq
-        blocks = stack.init(config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing)(
-            config, key=jax.random.split(key, config.num_layers)
+    def init(config: Gpt2Config, *, key) -> Gpt2Transformer:
+        blocks = stack_layers(
+            config.Layers,
+            Gpt2Block,
+            config,
+            key=key,
+            scan=config.scan_layers,
+            gradient_checkpointing=config.gradient_checkpointing,
         )
         return Gpt2Transformer(config, blocks, hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon))
 
     def __call__(self, x: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         # one key per layer, sliced by the scan; None (no dropout) is passed through as is
         keys = jax.random.split(key, self.config.num_layers) if key is not None else None
-        x = self.blocks.fold(
-            x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers
-        )
+        x = self.blocks.fold(x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers)
         return self.ln_f(x)
 
     def _state_dict_key_map(self) -> dict[str, str | None]:
@@ -404,7 +408,7 @@ class Gpt2Embeddings(eqx.Module):
     position_embeddings: hnn.Embedding  # (position, embed)
 
     @staticmethod
-    def init(Vocab: Axis, config: Gpt2Config, *, key) -> "Gpt2Embeddings":
+    def init(Vocab: Axis, config: Gpt2Config, *, key) -> Gpt2Embeddings:
         k_tok, k_pos = jax.random.split(key, 2)
         Embed, std = config.Embed, config.initializer_range
         token = hnn.Embedding(hax.random.normal(k_tok, (Vocab, Embed)) * std, Vocab=Vocab, Embed=Embed)
@@ -435,7 +439,7 @@ class Gpt2LMHeadModel(eqx.Module):
     embeddings: Gpt2Embeddings
 
     @staticmethod
-    def init(Vocab: Axis, config: Gpt2Config, *, key) -> "Gpt2LMHeadModel":
+    def init(Vocab: Axis, config: Gpt2Config, *, key) -> Gpt2LMHeadModel:
         k_transformer, k_embeddings = jax.random.split(key, 2)
         return Gpt2LMHeadModel(
             Gpt2Transformer.init(config, key=k_transformer),

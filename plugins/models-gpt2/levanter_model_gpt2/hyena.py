@@ -6,8 +6,8 @@ The operator, for an input ``u`` of ``(position, embed)``:
 1. ``in_proj`` widens ``u`` to ``order + 1`` streams, and a short causal depthwise
    convolution (``short_filter_order`` taps) mixes each channel with its recent past;
 2. the streams are split into ``x_0 .. x_{order-1}`` and ``v``; for each ``x_i`` from the
-   last to ``x_1``, ``v = h_i * (v . x_i) + D_i . v``, a *long* causal convolution over the
-   whole sequence with an implicit filter ``h_i``, plus a skip term ``D_i``;
+   last to ``x_1``, the gated ``g = v . x_i`` becomes ``v = h_i * g + D_i . g``: a *long*
+   causal convolution over the whole sequence with an implicit filter ``h_i``, plus a skip term;
 3. ``y = act(v . x_0)``, then ``out_proj``.
 
 The long filters are not stored position by position: a small MLP with sine activations
@@ -54,14 +54,15 @@ class HyenaConfig(ConfigModel):
     order: int = Field(2, ge=2)
     """Depth of the recurrence: ``order - 1`` long convolutions, each gated."""
 
-    filter_order: PositiveInt = 64
-    """Width of the MLP that generates the implicit filters."""
+    filter_order: PositiveInt = 16
+    """Width of the MLP that generates the implicit filters (Levanter's default; the paper's code uses 64)."""
 
     short_filter_order: PositiveInt = 3
     """Taps of the short causal convolution after the input projection."""
 
     outer_mixing: bool = False
-    """Mix the gated stream with an outer product over channels (False: elementwise gating)."""
+    """Gate each channel of the stream by the sum of the gate's channels in its head, the outer
+    product summed as in the paper's code (False: elementwise gating)."""
 
     activation: ActivationName = "gelu_new"
     """Nonlinearity after the recurrence (and of the blocks' MLPs)."""
@@ -147,15 +148,14 @@ class HyenaFilter(eqx.Module):
     config: HyenaConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: HyenaConfig, *, key) -> "HyenaFilter":
+    def init(config: HyenaConfig, *, key) -> HyenaFilter:
         c = config
         Width, Features = Axis("filter_width", c.filter_order), Axis("filter_features", c.filter_emb_dim)
         Orders = Axis("order_minus_1", c.order - 1)
         keys = jax.random.split(key, c.num_hidden_layers_filter_mlp + 2)
         sizes = [Features] + [Width.alias(f"filter_width{i}") for i in range(c.num_hidden_layers_filter_mlp)]
         layers = [
-            hnn.Linear.init(In, Out, key=k, use_bias=c.use_bias)
-            for In, Out, k in zip(sizes[:-1], sizes[1:], keys)
+            hnn.Linear.init(In, Out, key=k, use_bias=c.use_bias) for In, Out, k in zip(sizes[:-1], sizes[1:], keys)
         ]
         layers.append(hnn.Linear.init(sizes[-1], (Orders, c.HeadSize), key=keys[-2], use_bias=c.use_bias))
         # decay rates spread from the slow to the fast one, over every output channel
@@ -191,14 +191,18 @@ class HyenaFilter(eqx.Module):
 
 def causal_fft_convolution(u: NamedArray, h: NamedArray, Pos: Axis) -> NamedArray:
     """``y[t] = sum_{s <= t} h[t - s] u[s]`` along ``Pos`` (every other axis of ``h`` must be in
-    ``u``), through FFTs of length ``2 * Pos.size`` so that nothing wraps around; float32 inside."""
+    ``u``), through FFTs of length ``2 * Pos.size`` so that nothing wraps around; float32 inside.
+    The filters' transform is taken before they are broadcast over ``u``'s batch axes."""
     n = 2 * Pos.size
-    h = h.broadcast_to(u.axes).rearrange(u.axes)
-    axis = u.axis_indices(Pos.name)
-    u_f = jnp.fft.rfft(u.array.astype(jnp.float32), n=n, axis=axis)
-    h_f = jnp.fft.rfft(h.array.astype(jnp.float32), n=n, axis=axis)
-    y = jnp.fft.irfft(u_f * h_f, n=n, axis=axis)
-    y = jax.lax.slice_in_dim(y, 0, Pos.size, axis=axis)
+    Freq = Axis("frequency", n // 2 + 1)
+
+    def spectrum(x: NamedArray) -> NamedArray:
+        f = jnp.fft.rfft(x.array.astype(jnp.float32), n=n, axis=x.axis_indices(Pos.name))
+        return hax.named(f, tuple(Freq if a.name == Pos.name else a for a in x.axes))
+
+    product = (spectrum(u) * spectrum(h)).rearrange(tuple(Freq if a.name == Pos.name else a for a in u.axes))
+    axis = product.axis_indices(Freq.name)
+    y = jax.lax.slice_in_dim(jnp.fft.irfft(product.array, n=n, axis=axis), 0, Pos.size, axis=axis)
     return hax.named(y.astype(u.dtype), u.axes)
 
 
@@ -213,7 +217,7 @@ class HyenaOperator(eqx.Module):
     config: HyenaConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: HyenaConfig, *, key, std: float = 0.02) -> "HyenaOperator":
+    def init(config: HyenaConfig, *, key, std: float = 0.02) -> HyenaOperator:
         c = config
         k_in, k_short, k_filter, k_out = jax.random.split(key, 4)
         Streams, Taps = Axis("streams", c.order + 1), Axis("taps", c.short_filter_order)
@@ -247,7 +251,7 @@ class HyenaOperator(eqx.Module):
                 f"gpt2_hyena handles sequences of at most hyena.seq_len={c.seq_len} positions that divide into "
                 f"hyena.num_blocks={c.num_blocks} blocks, not {Pos.size}"
             )
-        k_drop = maybe_rng_split(key, c.order)
+        k_drop = maybe_rng_split(key, 2 * (c.order - 1))  # the gate's and the filter's dropout, per step
         streams = self._short_convolution(self.in_proj(u), Pos)
         if c.num_blocks > 1:
             Block, PerBlock = Axis("hyena_blocks", c.num_blocks), Axis("position", Pos.size // c.num_blocks)
@@ -260,14 +264,13 @@ class HyenaOperator(eqx.Module):
         x = [streams["streams", i] for i in range(c.order)]
         v = streams["streams", c.order]
         filters = self.filter_fn(BlockPos.size)
-        for step, i in enumerate(range(c.order - 1, 0, -1)):  # x_{order-1} .. x_1
-            order = c.order - 1 - i  # the filter used for x_i
-            # gating: elementwise, or with outer mixing x_i[d] * sum_d' v[d'] within each head
-            gated = x[i] * hax.sum(v, "head_size") if c.outer_mixing else v * x[i]
-            v = _dropout(gated, c.resid_pdrop, k_drop[step])
-            h = filters["order_minus_1", order]
-            v = causal_fft_convolution(v, h, BlockPos) + v * self.filter_fn.D["order_minus_1", order]
-            v = _dropout(v, c.filter_dropout, k_drop[step])
+        for step, i in enumerate(range(c.order - 1, 0, -1)):  # x_{order-1} .. x_1, with filter `step`
+            # gating: elementwise, or with outer mixing v[d] * sum_d' x_i[d'] within each head
+            gated = v * hax.sum(x[i], "head_size") if c.outer_mixing else v * x[i]
+            v = _dropout(gated, c.resid_pdrop, k_drop[2 * step])
+            h, D = filters["order_minus_1", step], self.filter_fn.D["order_minus_1", step]
+            v = causal_fft_convolution(v, h, BlockPos) + v * D
+            v = _dropout(v, c.filter_dropout, k_drop[2 * step + 1])
         y = (v * x[0]).flatten_axes((Heads, c.HeadSize), "inner")
         if c.num_blocks > 1:
             y = y.flatten_axes(("hyena_blocks", "position"), "position")
@@ -351,7 +354,7 @@ class Gpt2HyenaConfig(LmConfig):
     def activation_function(self) -> str:
         return self.hyena.activation
 
-    def build(self, Vocab: Axis, *, key) -> "Gpt2HyenaModel":
+    def build(self, Vocab: Axis, *, key) -> Gpt2HyenaModel:
         return Gpt2HyenaModel.init(Vocab, self, key=key)
 
 
@@ -365,13 +368,15 @@ class Gpt2HyenaBlock(eqx.Module):
     config: Gpt2HyenaConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: Gpt2HyenaConfig, *, key) -> "Gpt2HyenaBlock":
+    def init(config: Gpt2HyenaConfig, *, key) -> Gpt2HyenaBlock:
         k_hyena, k_mlp = jax.random.split(key)
-        norm = lambda: hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_bias=config.use_bias)  # noqa: E731
+        ln_1, ln_2 = (
+            hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_bias=config.use_bias) for _ in range(2)
+        )
         return Gpt2HyenaBlock(
-            norm(),
+            ln_1,
             HyenaOperator.init(config.hyena, key=k_hyena, std=config.initializer_range),
-            norm(),
+            ln_2,
             Gpt2Mlp.init(config, key=k_mlp),
             config,
         )
@@ -392,7 +397,7 @@ class Gpt2HyenaModel(eqx.Module):
     embeddings: Gpt2Embeddings
 
     @staticmethod
-    def init(Vocab: Axis, config: Gpt2HyenaConfig, *, key) -> "Gpt2HyenaModel":
+    def init(Vocab: Axis, config: Gpt2HyenaConfig, *, key) -> Gpt2HyenaModel:
         k_blocks, k_embed = jax.random.split(key)
         blocks = stack_layers(
             config.Layers,

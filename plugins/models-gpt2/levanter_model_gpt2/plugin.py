@@ -2,6 +2,7 @@
 
 from levanter_core.plugins import hookimpl
 
+
 @hookimpl
 def register_models(register):
     register("gpt2", "levanter_model_gpt2.gpt2:Gpt2Config")

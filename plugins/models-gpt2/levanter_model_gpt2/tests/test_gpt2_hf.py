@@ -7,32 +7,37 @@ import os
 import numpy as np
 import pytest
 
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model
+from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_model_gpt2.gpt2 import Gpt2Config
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-from levanter_core.errors import CheckpointError  # noqa: E402
-from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model  # noqa: E402
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model  # noqa: E402
-from levanter_model_gpt2.gpt2 import Gpt2Config  # noqa: E402
-
-TINY = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+TINY = {"vocab_size": 128, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}
 
 VARIANTS = {
-    "gpt2": dict(),
+    "gpt2": {},
     # a narrower MLP (n_inner = 2 * n_embd), ReLU, another epsilon, and layer i's scores
     # divided by i + 1: each would change the logits far beyond the tolerance if ignored
-    "mistral-tweaks": dict(
-        n_inner=128, activation_function="relu", layer_norm_epsilon=1e-3, scale_attn_by_inverse_layer_idx=True
-    ),
-    "upcast": dict(reorder_and_upcast_attn=True, activation_function="gelu"),
+    "mistral-tweaks": {
+        "n_inner": 128,
+        "activation_function": "relu",
+        "layer_norm_epsilon": 1e-3,
+        "scale_attn_by_inverse_layer_idx": True,
+    },
+    "upcast": {"reorder_and_upcast_attn": True, "activation_function": "gelu"},
 }
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_hugging_face(variant, scan_layers, tmp_path):
-    report = check_hf_parity(transformers.GPT2Config(**TINY, **VARIANTS[variant]), str(tmp_path), scan_layers=scan_layers)
-    print(f"{variant} scan_layers={scan_layers}: import {report.import_max_abs_diff:.2e}, export {report.export_max_abs_diff:.2e}")
+    hf_config = transformers.GPT2Config(**TINY, **VARIANTS[variant])
+    report = check_hf_parity(hf_config, str(tmp_path), scan_layers=scan_layers)
+    diffs = f"import {report.import_max_abs_diff:.2e}, export {report.export_max_abs_diff:.2e}"
+    print(f"{variant} scan_layers={scan_layers}: {diffs}")
     assert report.import_max_abs_diff <= 1e-4
     assert report.export_max_abs_diff <= 1e-4
     assert report.config_differences == {}
@@ -70,7 +75,8 @@ def test_our_checkpoint_names_are_unchanged():
 
     from levanter_core.checkpoint.tensorstore import _flatten
 
-    model = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16).build(Axis("vocab", 50), key=jax.random.PRNGKey(0))
+    config = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
+    model = config.build(Axis("vocab", 50), key=jax.random.PRNGKey(0))
     _, _, names = _flatten({"model": model})
     assert "model/embeddings/token_embeddings/weight" in names
     assert "model/transformer/blocks/stacked/attn/c_attn/weight" in names
@@ -79,9 +85,9 @@ def test_our_checkpoint_names_are_unchanged():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(tie_word_embeddings=False), "tie_word_embeddings: false is not supported"),
-        (dict(n_inner=100), r"n_inner \(100\) must be a multiple of n_embd \(64\)"),
-        (dict(scale_attn_weights=False), "scale_attn_weights: false is not supported"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings: false is not supported"),
+        ({"n_inner": 100}, r"n_inner \(100\) must be a multiple of n_embd \(64\)"),
+        ({"scale_attn_weights": False}, "scale_attn_weights: false is not supported"),
     ],
 )
 def test_unsupported_settings_are_named(change, message, tmp_path):

@@ -413,7 +413,7 @@ class Decoder(eqx.Module):
         elif len(stats) == 1:
             all_stats = stats[0]
         else:
-            all_stats = jax.tree.map(lambda *s: hax.concatenate("layers", s), *stats)
+            all_stats = jax.tree.map(lambda *s: hax.concatenate("layers", s), *stats, is_leaf=hax.is_named_array)
         return self.norm(x), all_stats
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +48,14 @@ class GemmaConfig(DecoderConfig):
 
     hf_architecture = "GemmaForCausalLM"
     hf_model_type = "gemma"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **DecoderConfig.hf_keys,
         "head_dim": HfKey("head_dim", 256, read=lambda v, hf: v or 256),
         "activation_function": HfKey("hidden_act", None, read=_tanh_gelu),
         "tie_word_embeddings": HfKey("tie_word_embeddings", True),
         "use_bias": HfKey("attention_bias", False),
     }
-    hf_refused = {"use_bidirectional_attention": (False, None)}
+    hf_refused: ClassVar = {"use_bidirectional_attention": (False, None), "attention_dropout": (0, 0.0)}
     norm_offset = GEMMA_NORM_OFFSET
 
     seq_len: PositiveInt = 8192

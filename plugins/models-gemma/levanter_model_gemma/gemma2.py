@@ -16,6 +16,7 @@ Relative to Gemma 1:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import PositiveFloat, PositiveInt, model_validator
 
@@ -37,7 +38,7 @@ class Gemma2Config(GemmaConfig):
 
     hf_architecture = "Gemma2ForCausalLM"
     hf_model_type = "gemma2"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **{k: v for k, v in GemmaConfig.hf_keys.items() if k != "activation_function"},
         # Gemma 2 and 3 read `hidden_activation`; a leftover `hidden_act` is ignored, as in transformers
         "activation_function": HfKey("hidden_activation", None, read=lambda v, hf: v or "gelu_pytorch_tanh"),
@@ -107,6 +108,4 @@ class Gemma2Config(GemmaConfig):
             super().attention_config(),
             scale=self.query_pre_attn_scalar**-0.5,
             logits_soft_cap=self.attn_logit_softcapping,
-            # the window of the sliding layers, even when a pattern leaves none (a per-layer switch)
-            sliding_window=self.sliding_window,
         )

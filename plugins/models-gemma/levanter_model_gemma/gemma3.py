@@ -20,6 +20,7 @@ read here.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import PositiveFloat, PositiveInt
 
@@ -40,7 +41,7 @@ class Gemma3Config(Gemma2Config):
 
     hf_architecture = "Gemma3ForCausalLM"
     hf_model_type = "gemma3_text"
-    hf_keys = {
+    hf_keys: ClassVar = {
         # transformers reads Gemma 3's attention soft cap but never applies it
         **{k: v for k, v in Gemma2Config.hf_keys.items() if k != "attn_logit_softcapping"},
         "final_logit_softcapping": HfKey("final_logit_softcapping", None),

@@ -18,16 +18,25 @@ core's :mod:`levanter_core.layers.moe`.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey
 from levanter_core.layers import FUSED_INTERLEAVED_EXPERTS, AttentionConfig, MoeConfig, RotaryConfig, YarnRotaryConfig
+from levanter_core.layers.rotary import rotary_from_hf
 from levanter_core.models.decoder import DecoderConfig, LayerType
 
-_HF_ROPE = YarnRotaryConfig(
-    theta=150000.0, factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False
-)
+_HF_THETA = 150000.0
+# what transformers' GptOssConfig fills in when a config.json has no rope_parameters (nor rope_scaling)
+_HF_ROPE_PARAMETERS = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def _layer_types_in(value, hf):
@@ -42,9 +51,10 @@ class GptOssConfig(DecoderConfig):
 
     hf_architecture = "GptOssForCausalLM"
     hf_model_type = "gpt_oss"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **DecoderConfig.hf_keys,
-        "head_dim": HfKey("head_dim", None),
+        # absent: transformers' 64, not hidden_size / num_attention_heads
+        "head_dim": HfKey("head_dim", 64, write=lambda v, c: c.actual_head_dim),
         "layer_norm_epsilon": HfKey("rms_norm_eps", 1e-5),
         "use_bias": HfKey("attention_bias", True),
         "num_local_experts": HfKey("num_local_experts", 128),
@@ -55,7 +65,8 @@ class GptOssConfig(DecoderConfig):
         "sliding_window": HfKey("sliding_window", 128),
         "layer_types": HfKey("layer_types", None, read=_layer_types_in, write=lambda v, c: list(c.attention_types())),
     }
-    hf_rope_theta = 150000.0
+    hf_refused: ClassVar = {"attention_dropout": (0, 0.0)}
+    hf_rope_theta = _HF_THETA
 
     seq_len: PositiveInt = 131072
     hidden_dim: PositiveInt = 2880
@@ -64,7 +75,7 @@ class GptOssConfig(DecoderConfig):
     num_heads: PositiveInt = 64
     num_kv_heads: PositiveInt = 8
     head_dim: PositiveInt | None = 64
-    rope: RotaryConfig = _HF_ROPE
+    rope: RotaryConfig = rotary_from_hf(_HF_ROPE_PARAMETERS, default_theta=_HF_THETA)
 
     use_bias: bool = True
     """Biases on the query, key, value and output projections (``attention_bias``)."""
@@ -89,9 +100,10 @@ class GptOssConfig(DecoderConfig):
     """The experts' gate is clamped to at most ``swiglu_limit``, their up projection to
     ``[-swiglu_limit, swiglu_limit]``."""
 
-    router_aux_loss_coef: float = Field(0.001, ge=0.0)
+    router_aux_loss_coef: float = Field(0.9, ge=0.0)
     """Weight of the load-balancing loss in the training objective (logged unweighted as
-    ``moe/load_balancing_loss``)."""
+    ``moe/load_balancing_loss``); 0.9 in gpt-oss-20b's ``config.json`` (transformers' own
+    default, for a file without the key, is 0.001)."""
 
     router_z_loss_coef: float = Field(0.0, ge=0.0)
     """Weight of the router z-loss (ST-MoE) in the training objective; ours, not exported."""
@@ -103,6 +115,8 @@ class GptOssConfig(DecoderConfig):
                 f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}; "
                 "give one per layer"
             )
+        if self.attn_backend == "jax":
+            raise ValueError("attn_backend 'jax' cannot add attention sinks; use 'auto' or 'reference'")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) cannot exceed num_local_experts "
@@ -121,7 +135,6 @@ class GptOssConfig(DecoderConfig):
             qkv_bias=self.use_bias,
             out_bias=self.use_bias,
             sinks=True,
-            sliding_window=self.sliding_window,
         )
 
     def moe_config(self) -> MoeConfig:
@@ -142,6 +155,25 @@ class GptOssConfig(DecoderConfig):
 
     def router_loss_weights(self) -> tuple[float, float]:
         return self.router_aux_loss_coef, self.router_z_loss_coef
+
+    # -- Hugging Face -------------------------------------------------------------------------
+    @classmethod
+    def rope_from_hf(cls, hf: dict):
+        if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:
+            hf = {**hf, "rope_parameters": _HF_ROPE_PARAMETERS}  # YaRN, as transformers assumes
+        return super().rope_from_hf(hf)
+
+    @classmethod
+    def hf_fields(cls, hf: dict) -> dict:
+        quantization = hf.get("quantization_config")
+        if quantization is not None:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(
+                f"quantization_config: the experts are stored quantized ({method}), as in OpenAI's published "
+                "gpt-oss checkpoints; only unquantized ones can be imported. Dequantize first: load it in "
+                "transformers with quantization_config=Mxfp4Config(dequantize=True) and save_pretrained."
+            )
+        return super().hf_fields(hf)
 
     def to_hf_config(self, vocab_size: int) -> dict:
         hf = super().to_hf_config(vocab_size)

@@ -11,6 +11,7 @@ embedding.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import Field, PositiveInt
 
@@ -27,13 +28,15 @@ class Olmo2Config(DecoderConfig):
 
     hf_architecture = "Olmo2ForCausalLM"
     hf_model_type = "olmo2"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **DecoderConfig.hf_keys,
         # not a field of Hugging Face's Olmo2Config: written by to_hf_config only when not implied
         "head_dim": dataclasses.replace(DecoderConfig.hf_keys["head_dim"], written=False),
         "layer_norm_epsilon": HfKey("rms_norm_eps", 1e-5),
         "use_bias": HfKey("attention_bias", False),
     }
+    # dropout acts only in training, and we train without it: refuse it rather than drop it
+    hf_refused: ClassVar = {"attention_dropout": (0, 0.0)}
     norm_placement = "post"
 
     seq_len: PositiveInt = 4096

@@ -1,1 +1,1 @@
-"""Qwen 2 / 2.5 (``type: qwen``) and Qwen 3 (``type: qwen3``) for levanter-core."""
+"""Qwen 2 / 2.5 (``type: qwen``), Qwen 3 (``type: qwen3``) and Qwen3-MoE (``type: qwen3_moe``) for levanter-core."""

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
@@ -20,7 +21,6 @@ _HF_SLIDING_WINDOW = 4096
 _HF_MAX_WINDOW_LAYERS = 28
 
 
-
 class QwenConfig(DecoderConfig):
     """The ``model:`` section for ``type: qwen``. Defaults are Qwen2.5-7B's."""
 
@@ -28,7 +28,7 @@ class QwenConfig(DecoderConfig):
 
     hf_architecture = "Qwen2ForCausalLM"
     hf_model_type = "qwen2"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **DecoderConfig.hf_keys,
         # Qwen2Config has no head_dim key, but its attention honours one if present
         "head_dim": dataclasses.replace(DecoderConfig.hf_keys["head_dim"], written=False),
@@ -39,6 +39,8 @@ class QwenConfig(DecoderConfig):
         ),
         "max_window_layers": HfKey("max_window_layers", _HF_MAX_WINDOW_LAYERS),
     }
+    # dropout acts only in training, and we train without it: refuse it rather than drop it
+    hf_refused: ClassVar = {"attention_dropout": (0, 0.0)}
 
     seq_len: PositiveInt = 4096
     hidden_dim: PositiveInt = 3584
@@ -78,7 +80,7 @@ class QwenConfig(DecoderConfig):
         return dataclasses.replace(super().attention_config(), qkv_bias=True)
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict) -> "QwenConfig":
+    def from_hf_config(cls, hf_config: dict) -> QwenConfig:
         config = super().from_hf_config(hf_config)
         # Hugging Face lets layer_types name any pattern; we support the one that
         # use_sliding_window and max_window_layers describe, which is what Qwen ships.

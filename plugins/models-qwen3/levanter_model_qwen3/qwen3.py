@@ -13,6 +13,7 @@ a different attention layer.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pydantic import NonNegativeInt, PositiveInt
 
@@ -31,7 +32,7 @@ class Qwen3Config(QwenConfig):
 
     hf_architecture = "Qwen3ForCausalLM"
     hf_model_type = "qwen3"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **QwenConfig.hf_keys,
         "head_dim": HfKey("head_dim", _HF_HEAD_DIM, read=lambda v, hf: v or _HF_HEAD_DIM),
         "use_bias": HfKey("attention_bias", False),

@@ -12,6 +12,7 @@ A sliding window, when ``use_sliding_window``, applies to every layer.
 
 from __future__ import annotations
 
+from typing import ClassVar
 
 from pydantic import Field, NonNegativeInt, PositiveInt
 
@@ -29,8 +30,11 @@ class Qwen3MoeConfig(Qwen3Config):
 
     hf_architecture = "Qwen3MoeForCausalLM"
     hf_model_type = "qwen3_moe"
-    hf_keys = {
+    hf_keys: ClassVar = {
         **{k: v for k, v in Qwen3Config.hf_keys.items() if k != "max_window_layers"},
+        # unlike Qwen3Config, Qwen3MoeConfig has no head_dim of its own: a file without one
+        # splits hidden_size evenly among the heads
+        "head_dim": HfKey("head_dim", None, read=lambda v, hf: v or hf["hidden_size"] // hf["num_attention_heads"]),
         # transformers 5 writes num_local_experts (num_experts is its alias); older files num_experts
         "num_experts": HfKey("num_local_experts", 128, read=lambda v, hf: hf.get("num_experts", v)),
         "num_experts_per_tok": HfKey("num_experts_per_tok", 8),
@@ -48,6 +52,10 @@ class Qwen3MoeConfig(Qwen3Config):
     intermediate_dim: PositiveInt = 6144
     num_layers: PositiveInt = 48
     num_kv_heads: PositiveInt = 4
+
+    max_window_layers: NonNegativeInt = 48
+    """Not used by Qwen3-MoE, whose window (with ``use_sliding_window``) covers every layer; kept
+    from Qwen 2, with the value Qwen3-30B-A3B's config.json carries."""
 
     num_experts: PositiveInt = 128
     """Number of experts in each mixture-of-experts layer."""

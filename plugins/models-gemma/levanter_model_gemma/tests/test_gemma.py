@@ -16,14 +16,20 @@ from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity
 from levanter_core.models.lm import next_token_loss
-from levanter_core.testing import train_briefly
+from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_gemma.gemma import embedding_scale
 from levanter_model_gemma.gemma2 import Gemma2Config
 
 # the nano configs ship inside the package, beside these tests
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=256)
+COMMON = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
 
 # Sequences of 24 tokens, three times the sliding window of 8, so that windows truncate.
 SEQ_LEN = 24
@@ -90,40 +96,43 @@ VARIANTS = {
     ),
     # every layer global, with a window configured that none of them uses
     "gemma2_all_global": lambda: transformers.Gemma2Config(
-        **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=WINDOW, layer_types=["full_attention", "full_attention"],
-    ),  # fmt: skip
+        **COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        layer_types=["full_attention", "full_attention"],
+    ),
     # every layer local: one fixed window, and every layer rotates with the local base
     "gemma3_all_local": lambda: transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention"],
+        **COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
         },
-    ),  # fmt: skip
+    ),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_parity_with_transformers(variant, tmp_path):
     report = check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
+    report.assert_matches()
     assert report.shards > 1
-
 
 
 # scan_layers: false (hnn.BlockSeq): the per-layer sliding flags and Gemma 3's two rotary
 # embeddings reach every unrolled layer
 @pytest.mark.parametrize("variant", ["gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope"])
 def test_unrolled_layers_match_transformers(variant, tmp_path):
-    report = check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN, scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.export_config_differences == {}
+    check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN, scan_layers=False).assert_matches()
 
 
 def _with_rope_type(hf_config, rope_type: str) -> dict:
@@ -152,11 +161,18 @@ REFUSED = {
             },
         ).to_dict()
     ),
+    # embedding models: attention that sees the whole sequence, no causal mask
+    "gemma3: use_bidirectional_attention: true is not supported": lambda: transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=2, use_bidirectional_attention=True
+    ).to_dict(),
+    "gemma2: attention_dropout: 0.1 is not supported": lambda: transformers.Gemma2Config(
+        **COMMON, num_hidden_layers=2, attention_dropout=0.1
+    ).to_dict(),
 }
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_unsupported_rotary_settings_are_refused_by_name(case):
+def test_unsupported_settings_are_refused_by_name(case):
     message = case.split(": ", 1)[1]
     with pytest.raises(CheckpointError, match=re.escape(message)):
         config_from_hf(REFUSED[case]())
@@ -208,6 +224,12 @@ def test_legacy_gemma3_config_reads_local_theta_scaling_and_pattern():
 def test_multimodal_gemma3_is_refused_with_an_explanation():
     with pytest.raises(CheckpointError, match="gemma3_text"):
         config_from_hf({"model_type": "gemma3", "text_config": {}, "vision_config": {}})
+
+
+def test_discovered_through_its_entry_point():
+    ours = listed_plugin("levanter-model-gemma")
+    assert ours["error"] is None and ours["types"] == {"model": ["gemma", "gemma2", "gemma3"]}
+    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Qwen 2 and Qwen 3 against Hugging Face transformers, training from the nano configs, and
+"""Qwen 2, Qwen 3 and Qwen3-MoE against Hugging Face transformers (logits after import and
+export, the config's round trip, settings we refuse), training from the nano configs, and
 discovery through the entry point."""
 
 import math
@@ -12,20 +13,20 @@ from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_hf_parity, load_balancing_losses
 from levanter_core.testing import listed_plugin, train_briefly
-from levanter_model_qwen3.qwen import QwenConfig
+from levanter_model_qwen3.qwen3_moe import Qwen3MoeConfig
 
 # the nano configs ship inside the package, beside these tests
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+TINY = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 # check_hf_parity compares logits over 24 positions, so a window of 8 is exercised.
 HF_CONFIGS = {
@@ -48,18 +49,108 @@ HF_CONFIGS = {
     ),
 }
 
+# Qwen3-MoE: 4 experts of width 32, 2 per token. head_dim 32 (not hidden_size // heads), as in
+# the released models, where the attention is wider than the residual stream.
+MOE = {**TINY, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
-@pytest.mark.parametrize("name", HF_CONFIGS)
+MOE_CONFIGS = {
+    "moe-normalized": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=True),
+    # layers 1 and 3 are sparse by the step, 3 is dense by mlp_only_layers: dense, moe, dense, dense
+    "moe-sparse-step": lambda: transformers.Qwen3MoeConfig(
+        **{**MOE, "num_hidden_layers": 4}, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
+    ),
+    # moe, dense, moe (three groups of layers); every layer sliding; biases; tied embeddings
+    "moe-sliding-bias-tied": lambda: transformers.Qwen3MoeConfig(
+        **{**MOE, "num_hidden_layers": 3},
+        mlp_only_layers=[1],
+        use_sliding_window=True,
+        sliding_window=8,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        norm_topk_prob=True,
+    ),
+}
+
+ALL_CONFIGS = {**HF_CONFIGS, **MOE_CONFIGS}
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
-    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
+    check_hf_parity(ALL_CONFIGS[name](), str(tmp_path)).assert_matches()
 
 
-def test_unsupported_layer_pattern_is_rejected_by_name():
-    hf = transformers.Qwen2Config(
-        **TINY, use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
-    ).to_dict()
-    with pytest.raises(ValueError, match="layer_types .* max_window_layers"):
-        QwenConfig.from_hf_config(hf)
+# scan_layers: false builds the layers unrolled (hnn.BlockSeq): the per-layer sliding switch,
+# Qwen 3's head norms, and the groups of dense and sparse layers are what differ from the stack
+@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3", "moe-sparse-step", "moe-sliding-bias-tied"])
+def test_unrolled_layers_match_hugging_face(name, tmp_path):
+    check_hf_parity(ALL_CONFIGS[name](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
+
+
+def test_qwen3_moe_without_head_dim_splits_the_hidden_size(tmp_path):
+    # Qwen3MoeConfig, unlike Qwen3Config, has no head_dim default of 128: without the key the
+    # heads are hidden_size // num_attention_heads wide. The export writes the key explicitly.
+    hf_config = transformers.Qwen3MoeConfig(**{k: v for k, v in MOE.items() if k != "head_dim"})
+    assert config_from_hf(hf_config.to_dict()).head_dim == 16
+    report = check_hf_parity(hf_config, str(tmp_path))
+    assert report.import_max_abs_diff <= 1e-4 and report.export_max_abs_diff <= 1e-4
+    assert report.config_differences == report.export_config_differences == {"head_dim": (None, 16)}
+
+
+def test_qwen3_moe_defaults_are_qwen3_30b_a3b_as_transformers_reads_them():
+    hf = transformers.AutoConfig.for_model(**Qwen3MoeConfig().to_hf_config(151936))
+    shape = (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
+    assert shape == (2048, 48, 32, 4, 128)
+    experts = (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob, hf.mlp_only_layers)
+    assert experts == (128, 8, 768, True, [])
+    assert (hf.max_position_embeddings, hf.rope_parameters["rope_theta"], hf.sliding_window) == (40960, 1e6, None)
+
+
+def test_qwen3_moe_reads_the_older_num_experts_key():
+    hf = transformers.Qwen3MoeConfig(**MOE).to_dict()
+    del hf["num_local_experts"]
+    assert config_from_hf({**hf, "num_experts": 4}).num_experts == 4
+
+
+def test_qwen3_moe_load_balancing_loss_is_hugging_faces(tmp_path):
+    hf_config = MOE_CONFIGS["moe-normalized"]()
+    ours, theirs, weighted = load_balancing_losses(hf_config, str(tmp_path))
+    assert abs(ours - theirs) <= 1e-5 and abs(ours - 2.0) > 1e-3  # not uniform routing's value
+    assert weighted == pytest.approx(hf_config.router_aux_loss_coef * ours, rel=1e-6)
+
+
+def _with(make, **keys):
+    """A Hugging Face config as a dict, with ``keys`` set as a config.json could have them."""
+    return lambda: {**make().to_dict(), **keys}
+
+
+REFUSED = {
+    # rotating only part of each head: transformers' Qwen would rotate all of it anyway
+    "partial_rotary_factor = 0.5 is not supported: Hugging Face's Qwen2ForCausalLM rotates whole heads": (
+        lambda: transformers.Qwen2Config(**TINY, partial_rotary_factor=0.5).to_dict()
+    ),
+    "partial_rotary_factor = 0.25 is not supported: Hugging Face's Qwen3MoeForCausalLM rotates whole heads": (
+        lambda: transformers.Qwen3MoeConfig(**MOE, partial_rotary_factor=0.25).to_dict()
+    ),
+    # a pattern of sliding layers that use_sliding_window and max_window_layers cannot say
+    "layer_types ['sliding_attention', 'full_attention'] is not supported": _with(
+        lambda: transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8),
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "attention_dropout: 0.1 is not supported": _with(lambda: transformers.Qwen3Config(**TINY), attention_dropout=0.1),
+    "rope type 'proportional' is not supported": _with(
+        lambda: transformers.Qwen3Config(**TINY), rope_parameters={"rope_type": "proportional", "rope_theta": 1e6}
+    ),
+    # no experts: transformers would build every layer dense (type qwen3 is that model)
+    "num_experts\n  Input should be greater than 0": _with(
+        lambda: transformers.Qwen3MoeConfig(**MOE), num_local_experts=0
+    ),
+    "attention_dropout: 0.2 is not supported": _with(lambda: transformers.Qwen3MoeConfig(**MOE), attention_dropout=0.2),
+}
+
+
+@pytest.mark.parametrize("message", REFUSED)
+def test_unsupported_settings_are_refused_by_name(message):
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        config_from_hf(REFUSED[message]())
 
 
 @pytest.mark.slow
@@ -75,56 +166,3 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-qwen3")
     assert ours["error"] is None and ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
-
-
-# scan_layers: false builds the layers unrolled (hnn.BlockSeq); the per-layer sliding switch
-# and Qwen 3's head norms are the parts that differ from the scanned path
-@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3"])
-def test_unrolled_layers_match_hugging_face(name, tmp_path):
-    check_hf_parity(HF_CONFIGS[name](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
-
-
-REFUSED = {
-    # rotating only half of each head: transformers' Qwen would rotate all of it anyway
-    "partial_rotary_factor = 0.5 is not supported: Hugging Face's Qwen2ForCausalLM rotates whole heads": (
-        lambda: transformers.Qwen2Config(**TINY, partial_rotary_factor=0.5)
-    ),
-}
-
-
-@pytest.mark.parametrize("message", REFUSED)
-def test_unsupported_settings_are_refused_by_name(message):
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[message]().to_dict())
-
-
-# -- Qwen3-MoE ------------------------------------------------------------------------------------
-
-MOE = dict(TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-
-MOE_CONFIGS = {
-    "moe-normalized": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=True),
-    # layers 1 and 3 are sparse by the step, 3 is dense by mlp_only_layers: dense, moe, dense, dense
-    "moe-sparse-step": lambda: transformers.Qwen3MoeConfig(
-        **{**MOE, "num_hidden_layers": 4}, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
-    ),
-    "moe-sliding-tied": lambda: transformers.Qwen3MoeConfig(
-        **MOE, use_sliding_window=True, sliding_window=8, tie_word_embeddings=True, norm_topk_prob=True
-    ),
-}
-
-
-@pytest.mark.parametrize("name", MOE_CONFIGS)
-def test_qwen3_moe_matches_hugging_face(name, tmp_path):
-    check_hf_parity(MOE_CONFIGS[name](), str(tmp_path)).assert_matches()
-
-
-def test_qwen3_moe_unrolled_layers_match_hugging_face(tmp_path):
-    check_hf_parity(MOE_CONFIGS["moe-sparse-step"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
-
-
-def test_qwen3_moe_load_balancing_loss_is_hugging_faces(tmp_path):
-    hf_config = MOE_CONFIGS["moe-normalized"]()
-    ours, theirs, weighted = load_balancing_losses(hf_config, str(tmp_path))
-    assert abs(ours - theirs) <= 1e-5 and abs(ours - 2.0) > 1e-3  # not uniform routing's value
-    assert weighted == pytest.approx(hf_config.router_aux_loss_coef * ours, rel=1e-6)

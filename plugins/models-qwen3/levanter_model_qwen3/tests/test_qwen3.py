@@ -73,6 +73,7 @@ MOE_CONFIGS = {
 
 ALL_CONFIGS = {**HF_CONFIGS, **MOE_CONFIGS}
 
+
 @pytest.mark.parametrize("name", ALL_CONFIGS)
 def test_matches_hugging_face(name, tmp_path):
     check_hf_parity(ALL_CONFIGS[name](), str(tmp_path)).assert_matches()

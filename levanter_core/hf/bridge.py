@@ -257,6 +257,53 @@ def export_hf(
     ``config.json`` carries the special token ids (``pad_token_id``, ``bos_token_id``,
     ``eos_token_id``) of the exported tokenizer; an id it does not define is the imported
     ``config.json``'s, else null, and never one outside the vocabulary."""
+    loaded = load_checkpoint_model(checkpoint, averaged=averaged)
+    model, config, Vocab, found, run_config = loaded.model, loaded.config, loaded.Vocab, loaded.path, loaded.run_config
+    if not isinstance(config, HfConvertible):
+        raise CheckpointError(f"model type {config.type!r} has no Hugging Face equivalent to export to")
+    try:
+        translated = config.to_hf_config(Vocab.size)
+    except ValueError as e:  # a setting the Hugging Face architecture does not have
+        raise CheckpointError(f"{found} cannot be exported: {e}") from None
+    write_hf_model(
+        model,
+        config,
+        Vocab,
+        output,
+        run_config=run_config,
+        imported_hf_config=loaded.stored.get("hf_config"),
+        tokenizer_dirs=(os.path.join(found, HF_TOKENIZER_DIR),),
+        tokenizer=loaded.tokenizer,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        translated=translated,
+    )
+    logger.info("exported %s to %s", found, output)
+    return output
+
+
+@dataclass
+class CheckpointModel:
+    """A model loaded from one of our checkpoints (see :func:`load_checkpoint_model`)."""
+
+    model: Any
+    config: Any
+    Vocab: Axis
+    path: str
+    """The complete ``step-N`` checkpoint it came from."""
+    run_config: dict
+    """The config of the run (or import) that wrote it."""
+    stored: dict
+    """The run's metadata stored with the checkpoint (``config``, ``vocab_size``, ``hf_config``...)."""
+    tokenizer: Any = None
+    """The run's tokenizer, when it had to be loaded to learn the vocabulary size."""
+
+
+def load_checkpoint_model(checkpoint: str, *, averaged: bool = True) -> CheckpointModel:
+    """The model of our checkpoint ``checkpoint`` (a ``step-N`` directory, a run's checkpoint
+    directory, whose latest complete checkpoint is taken, or an import), built from the config
+    the checkpoint records. A run with ``trainer.model_averaging`` keeps the running average
+    beside the trained weights: ``averaged`` loads the average (what evaluation used)."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
     from levanter_core.config.base import validate_section
 
@@ -267,21 +314,14 @@ def export_hf(
     stored = described.get("metadata", {})
     run_config = stored.get("config") or {}
     if "model" not in run_config:
-        raise CheckpointError(f"{found} does not record its model config; it cannot be exported")
+        raise CheckpointError(f"{found} does not record its model config, so its model cannot be built")
     config = validate_section("model", run_config["model"])
-    if not isinstance(config, HfConvertible):
-        raise CheckpointError(f"model type {config.type!r} has no Hugging Face equivalent to export to")
     tokenizer = None
     vocab_size = stored.get("vocab_size")
     if vocab_size is None:  # checkpoints of training runs before vocab_size was recorded
         tokenizer = _run_tokenizer(run_config)
         vocab_size = tokenizer.vocab_size
     Vocab = Axis("vocab", int(vocab_size))
-
-    try:
-        translated = config.to_hf_config(Vocab.size)
-    except ValueError as e:  # a setting the Hugging Face architecture does not have
-        raise CheckpointError(f"{found} cannot be exported: {e}") from None
 
     key = jax.random.PRNGKey(0)
     template = jax.eval_shape(lambda: config.build(Vocab, key=key))
@@ -290,26 +330,12 @@ def export_hf(
         # the average of a TrainerState is saved as `model_averaging/model/...`
         owner, field = AVERAGED_MODEL.split("/")
         model = load_checkpoint({field: template}, found, subtree=owner)[field]
-        logger.info("exporting the averaged weights of trainer.model_averaging (evaluation used them)")
+        logger.info("loaded the averaged weights of trainer.model_averaging (evaluation used them)")
     else:
         model = load_checkpoint(template, found, subtree="model")
         if has_average:
-            logger.info("exporting the trained weights, not the average trainer.model_averaging kept")
-    write_hf_model(
-        model,
-        config,
-        Vocab,
-        output,
-        run_config=run_config,
-        imported_hf_config=stored.get("hf_config"),
-        tokenizer_dirs=(os.path.join(found, HF_TOKENIZER_DIR),),
-        tokenizer=tokenizer,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        translated=translated,
-    )
-    logger.info("exported %s to %s", found, output)
-    return output
+            logger.info("loaded the trained weights, not the average trainer.model_averaging kept")
+    return CheckpointModel(model, config, Vocab, found, run_config, stored, tokenizer)
 
 
 def write_hf_model(

@@ -159,6 +159,67 @@ def check_hf_parity(
     return ParityReport(import_diff, export_diff, _differences(before, translated), export_differences, shards)
 
 
+@dataclasses.dataclass
+class GenerationReport:
+    """Greedy continuations of the same prompts by ``transformers``' ``generate`` and by our engine."""
+
+    prompts: list[list[int]]
+    theirs: list[list[int]]
+    ours: list[list[int]]
+
+    def assert_matches(self) -> None:
+        """Every continuation equal, token for token."""
+        for prompt, theirs, ours in zip(self.prompts, self.theirs, self.ours):
+            if theirs != ours:
+                at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+                raise AssertionError(
+                    f"the continuations of a {len(prompt)}-token prompt differ from token {at} on: "
+                    f"transformers {theirs[at:at + 8]}..., ours {ours[at:at + 8]}..."
+                )
+
+
+def check_generation_parity(
+    hf_config,
+    workdir: str,
+    *,
+    prompt_lengths: tuple[int, ...] = (3, 9, 20),
+    new_tokens: int = 48,
+    seed: int = 0,
+) -> GenerationReport:
+    """Greedy decoding of a tiny random ``transformers`` model of ``hf_config`` with its own
+    ``generate`` (one prompt at a time, the end-of-sequence token ignored) and with our engine
+    on its ``levanter import-hf`` import (all prompts in one batch, in slots of a key/value
+    cache), ``new_tokens`` each."""
+    import torch
+
+    from levanter_core.hf.bridge import import_hf
+    from levanter_core.inference.engine import Engine
+    from levanter_core.inference.sampling import SamplingParams
+    from levanter_core.models.source import load_model_source
+
+    source, imported = os.path.join(workdir, "hf"), os.path.join(workdir, "imported")
+    theirs_model = random_hf_model(hf_config, seed=seed)
+    theirs_model.save_pretrained(source)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, hf_config.vocab_size, size=n).tolist() for n in prompt_lengths]
+    generation = theirs_model.generation_config
+    generation.update(eos_token_id=None, pad_token_id=0, max_new_tokens=new_tokens, do_sample=False)
+    theirs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            # an explicit mask: one inferred from pad_token_id would hide the prompt's 0 tokens
+            out = theirs_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=generation)
+            theirs.append(out[0, len(prompt) :].tolist())
+
+    import_hf(source, imported)
+    loaded = load_model_source(imported)
+    with Engine(loaded.model, max_seqs=len(prompts) + 1, max_rounds=4) as engine:
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        ours = [row[0].tokens for row in engine.generate(prompts, params)]
+    return GenerationReport(prompts, theirs, ours)
+
+
 def _differences(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
     return {
         k: (before.get(k), after.get(k))

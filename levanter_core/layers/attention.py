@@ -83,6 +83,10 @@ class AttentionMask(eqx.Module):
 
     segment_ids: NamedArray | None = None
     causal: bool = eqx.field(static=True, default=True)
+    query_positions: NamedArray | None = None
+    """Where each query sits in its sequence, ``(..., position)``, when the queries are not the
+    keys' first positions (decoding with a key/value cache: the keys are the whole sequence so
+    far, indexed by position, the queries its newest tokens). None: query ``i`` is at ``i``."""
 
     @staticmethod
     def causal_mask() -> "AttentionMask":
@@ -91,13 +95,21 @@ class AttentionMask(eqx.Module):
     def with_segments(self, segment_ids: NamedArray) -> "AttentionMask":
         return dataclasses.replace(self, segment_ids=segment_ids)
 
+    def at_positions(self, positions: NamedArray) -> "AttentionMask":
+        """This mask for queries at ``positions`` (``(..., position)``) over keys indexed by position."""
+        return dataclasses.replace(self, query_positions=positions)
+
     def materialize(self, Pos: Axis, KeyPos: Axis, *, window: int | None = None, sliding=None) -> NamedArray:
         """A boolean array ``(..., position, key_position)``, True where attention is allowed.
 
         ``window``: a query at ``q`` sees keys ``q - window < k <= q`` (``window`` keys,
         itself included), as Hugging Face's sliding-window models do. ``sliding`` (a
         traced boolean, for layers scanned together) switches the window on or off."""
-        q = hax.broadcast_to(hax.arange(Pos), (Pos, KeyPos))
+        if self.query_positions is None:
+            q = hax.broadcast_to(hax.arange(Pos), (Pos, KeyPos))
+        else:
+            batch = tuple(ax for ax in self.query_positions.axes if ax.name != Pos.name)
+            q = hax.broadcast_to(self.query_positions, (*batch, Pos, KeyPos))
         k = hax.broadcast_to(hax.arange(KeyPos), (Pos, KeyPos))
         allowed = hax.full((Pos, KeyPos), True, dtype=jnp.bool_)
         if self.causal:
@@ -189,7 +201,7 @@ def dot_product_attention(
     q = q.rearrange((..., Pos, HeadSize))
     k, v = k.rearrange((..., KeyPos, HeadSize)), v.rearrange((..., KeyPos, VHead))
     scale = jnp.asarray(scale, q.dtype)
-    causal_self = mask.causal and Pos.size == KeyPos.size
+    causal_self = mask.causal and Pos.size == KeyPos.size and mask.query_positions is None
     starts = range(0, Pos.size, block_size) if causal_self else [0]
     keys_per_block = jax.random.split(key, len(starts)) if dropout > 0 else [None] * len(starts)
     blocks = []
@@ -248,7 +260,8 @@ def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, w
     v_arr = v.rearrange((*batch_axes, KeyPos, KvHeads, HeadSize)).array.reshape(batch, KeyPos.size, KvHeads.size, -1)
 
     static_window = window is not None and sliding is None
-    if mask.segment_ids is None and mask.causal and (window is None or static_window):
+    plain = mask.segment_ids is None and mask.query_positions is None and Pos.size == KeyPos.size
+    if plain and mask.causal and (window is None or static_window):
         # the pattern cuDNN's fused kernel knows: causal, optionally a fixed window
         out = jax.nn.dot_product_attention(
             q_arr,

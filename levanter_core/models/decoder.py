@@ -45,6 +45,7 @@ from haliax import Axis, NamedArray
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import DECODER_HF_KEYS, HfKey, HfMapped
+from levanter_core.inference.cache import KvCache
 from levanter_core.layers.attention import Attention, AttentionBackend, AttentionConfig, AttentionMask
 from levanter_core.layers.mlp import ActivationName, GatedMlp, init_linear
 from levanter_core.layers.moe import MoeBlock, MoeConfig, RouterStats, router_losses
@@ -325,12 +326,32 @@ class DecoderLayer(eqx.Module):
         the attention config decides); ``positions`` where ``x``'s tokens sit in their sequences
         (default ``0..position-1``; a decoder with a key/value cache passes later ones). Returns the
         new ``x``, and for a mixture-of-experts layer also its :class:`RouterStats`."""
+        return self._residual(x, lambda h: self.self_attn(h, mask, sliding=sliding, positions=positions))
+
+    def decode(self, x: NamedArray, cache: KvCache, layer, positions: NamedArray, *, key_len: int, sliding=None):
+        """One step of decoding: ``x`` ``(batch, position, embed)`` are new tokens at ``positions``
+        (``(batch, position)``); their keys and values go into ``cache`` as layer ``layer``, and
+        they attend over the cache's first ``key_len`` positions. Returns the new ``x`` and cache."""
+        attn = self.self_attn
+        mask = AttentionMask.causal_mask().at_positions(positions)
+        written = []
+
+        def attend(h):
+            q, k, v = attn.project(h, positions=positions, sliding=sliding)
+            written.append(cache.write(layer, k, v, positions))
+            keys, values = written[0].layer(layer, key_len)
+            return attn.o_proj(attn.attend(q, keys, values, mask, sliding=sliding))
+
+        out = self._residual(x, attend)
+        return (out[0] if isinstance(out, tuple) else out), written[0]
+
+    def _residual(self, x: NamedArray, attention):
+        """The layer around ``attention`` (normed input -> attention output)."""
         pre = self.placement == "pre"
         attn_in = self.input_layernorm
         attn_out = None if pre else self.post_attention_layernorm
         mlp_in = self.post_attention_layernorm if pre else self.pre_feedforward_layernorm
-        attended = self.self_attn(_apply(attn_in, x), mask, sliding=sliding, positions=positions)
-        x = x + _apply(attn_out, attended)
+        x = x + _apply(attn_out, attention(_apply(attn_in, x)))
         out = self.mlp(_apply(mlp_in, x))
         stats = None
         if isinstance(self.mlp, MoeBlock):
@@ -390,19 +411,9 @@ class Decoder(eqx.Module):
         """Final hidden states, and the router statistics of the mixture-of-experts layers stacked
         along ``layers`` (None for a dense model). ``positions``: see :meth:`DecoderLayer.__call__`."""
         c = self.config
-        x = self.embed_tokens.embed(input_ids)
-        multiplier = c.embedding_multiplier(x.dtype)
-        if multiplier is not None:
-            x = x * multiplier
-        flags = self.sliding_flags()
-        if isinstance(self.layers, LayerGroups):
-            groups = zip(self.layers.groups, self.layers.starts, self.layers.kinds)
-        else:
-            groups = [(self.layers, 0, c.layer_kinds()[0])]
+        x = self.embed(input_ids)
         stats = []
-        for stack, start, kind in groups:
-            size = stack.Block.size
-            group_flags = None if flags is None else flags["layers", start : start + size]
+        for stack, start, kind, group_flags in self._groups():
             if kind == "moe":
                 x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
@@ -415,6 +426,44 @@ class Decoder(eqx.Module):
         else:
             all_stats = jax.tree.map(lambda *s: hax.concatenate("layers", s), *stats, is_leaf=hax.is_named_array)
         return self.norm(x), all_stats
+
+    def embed(self, input_ids: NamedArray) -> NamedArray:
+        x = self.embed_tokens.embed(input_ids)
+        multiplier = self.config.embedding_multiplier(x.dtype)
+        return x if multiplier is None else x * multiplier
+
+    def _groups(self):
+        """``(stack, first layer, kind, sliding flags)`` of each group of layers."""
+        flags = self.sliding_flags()
+        if isinstance(self.layers, LayerGroups):
+            groups = zip(self.layers.groups, self.layers.starts, self.layers.kinds)
+        else:
+            groups = [(self.layers, 0, self.config.layer_kinds()[0])]
+        for stack, start, kind in groups:
+            size = stack.Block.size
+            yield stack, start, kind, None if flags is None else flags["layers", start : start + size]
+
+    def init_cache(self, Batch: Axis, KeyPos: Axis) -> KvCache:
+        """An empty key/value cache for ``Batch`` sequences of up to ``KeyPos.size`` tokens."""
+        probe = hax.zeros((Batch.resize(1), Axis("position", 1), self.config.Embed), dtype=self.embed_tokens.weight.dtype)
+        stack = next(self._groups())[0]
+        _, (k, v) = jax.eval_shape(lambda: stack.scan_via(lambda layer, c: (c, layer.self_attn.project(probe)[1:]))(0))
+        return KvCache.zeros(self.config.Layers, Batch, KeyPos, k, v)
+
+    def decode(self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+        """Final hidden states of new tokens ``input_ids`` ``(batch, position)`` at ``positions``,
+        attending over the first ``key_len`` positions of ``cache``; and the cache with their keys
+        and values added (see :meth:`DecoderLayer.decode`)."""
+        x = self.embed(input_ids)
+        for stack, start, _, group_flags in self._groups():
+
+            def step(layer, carry, index, flag):
+                x, cache = carry
+                return layer.decode(x, cache, index.array, positions, key_len=key_len, sliding=flag), None
+
+            indices = hax.arange(stack.Block) + start
+            (x, cache), _ = stack.scan_via(step)((x, cache), indices, group_flags)
+        return self.norm(x), cache
 
 
 class DecoderLM(eqx.Module):
@@ -454,6 +503,15 @@ class DecoderLM(eqx.Module):
             return hidden, None
         balance, z = self.config.router_loss_weights()
         return hidden, router_losses(stats, self.config.moe_config().num_experts, balance_weight=balance, z_weight=z)
+
+    def init_cache(self, Batch: Axis, KeyPos: Axis) -> KvCache:
+        """An empty key/value cache for decoding (:mod:`levanter_core.inference`)."""
+        return self.model.init_cache(Batch, KeyPos)
+
+    def decode(self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+        """Final hidden states of new tokens at ``positions`` and the updated cache (see
+        :meth:`Decoder.decode`)."""
+        return self.model.decode(input_ids, positions, cache, key_len=key_len)
 
     def get_lm_head(self) -> NamedArray:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -34,6 +34,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey, HfMapped
 from levanter_core.layers import ACTIVATIONS, init_linear, stack_layers
+from levanter_core.inference.cache import KvCache
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
@@ -306,34 +307,47 @@ class Gpt2Attention(_Conv1dExport):
     def __call__(self, x: NamedArray, layer_idx: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         """``x`` has axes ``(..., position, embed)``; ``layer_idx`` is this block's index (a scalar);
         ``attn_mask`` an ``AttentionMask`` (None: causal)."""
+        q, k, v = self._project(x, layer_idx)
+        renamed = {self.config.Pos.name: self.config.KeyPos.name}
+        mask = AttentionMask.causal_mask() if attn_mask is None else attn_mask
+        return self._attend(q, k.rename(renamed), v.rename(renamed), mask, key=key)
+
+    def decode(self, x: NamedArray, layer_idx, cache: KvCache, positions: NamedArray, *, key_len: int):
+        """New tokens ``x`` ``(batch, position, embed)`` at ``positions``: their keys and values go
+        into ``cache``, and they attend over its first ``key_len`` positions."""
+        q, k, v = self._project(x, layer_idx)
+        cache = cache.write(layer_idx, k, v, positions)
+        keys, values = cache.layer(layer_idx, key_len)
+        return self._attend(q, keys, values, AttentionMask.causal_mask().at_positions(positions)), cache
+
+    def _project(self, x: NamedArray, layer_idx) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """Queries, keys and values ``(..., heads, position, head_size)``."""
         config = self.config
         Pos = x.resolve_axis(config.Pos.name)
-        KeyPos = Pos.alias(config.KeyPos.name)
-
         # One transpose of the fused projection puts heads before positions for all three.
         qkv = self.c_attn(x).rearrange((..., "qkv", config.Heads, Pos, config.HeadSize))
         q, k, v = hax.unbind(qkv, "qkv")
-        k = k.rename({Pos.name: KeyPos.name})
-        v = v.rename({Pos.name: KeyPos.name})
         if config.upcast_attn:
             q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-
-        scale = 1.0 / math.sqrt(config.HeadSize.size)
         if config.scale_attn_by_inverse_layer_idx:
             # The layer's divisor is traced (the layers are scanned), so it goes into the queries:
             # attention takes a constant scale. Keep the query's dtype: a float32 factor would
             # silently upcast low-precision compute.
             q = q * (1.0 / (layer_idx + 1)).astype(q.dtype)
+        return q, k, v
 
+    def _attend(self, q: NamedArray, k: NamedArray, v: NamedArray, mask, *, key=None) -> NamedArray:
+        """Attention of ``q`` over ``k``/``v`` (on ``key_position``), then the output projection."""
+        config = self.config
         attended = dot_product_attention(
             q,
             k,
             v,
-            AttentionMask.causal_mask() if attn_mask is None else attn_mask,
-            Pos=Pos,
-            KeyPos=KeyPos,
+            mask,
+            Pos=q.resolve_axis(config.Pos.name),
+            KeyPos=k.resolve_axis(config.KeyPos.name),
             HeadSize=config.HeadSize,
-            scale=scale,
+            scale=1.0 / math.sqrt(config.HeadSize.size),
             backend=config.attn_backend,
             query_block=config.flash_attention_block_size,
             dropout=config.attn_pdrop,
@@ -369,6 +383,11 @@ class Gpt2Block(eqx.Module):
         mlp_out = self.mlp(self.ln_2(x))
         return x + _dropout(mlp_out, self.config.resid_pdrop, k_resid_mlp)
 
+    def decode(self, x: NamedArray, layer_idx, cache: KvCache, positions: NamedArray, *, key_len: int):
+        attn_out, cache = self.attn.decode(self.ln_1(x), layer_idx, cache, positions, key_len=key_len)
+        x = x + attn_out
+        return x + self.mlp(self.ln_2(x)), cache
+
 
 class Gpt2Transformer(eqx.Module):
     """The stack of blocks (scanned over ``layers``, or unrolled without ``scan_layers``) and
@@ -396,6 +415,14 @@ class Gpt2Transformer(eqx.Module):
         x = self.blocks.fold(x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers)
         return self.ln_f(x)
 
+    def decode(self, x: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+        def step(block, carry, layer_idx):
+            x, cache = carry
+            return block.decode(x, layer_idx.array, cache, positions, key_len=key_len), None
+
+        (x, cache), _ = self.blocks.scan_via(step)((x, cache), hax.arange(self.config.Layers))
+        return self.ln_f(x), cache
+
     def _state_dict_key_map(self) -> dict[str, str | None]:
         return {"blocks": "h"}
 
@@ -419,9 +446,11 @@ class Gpt2Embeddings(eqx.Module):
     def Vocab(self) -> Axis:
         return self.token_embeddings.Vocab
 
-    def __call__(self, input_ids: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, input_ids: NamedArray, *, key=None, positions: NamedArray | None = None) -> NamedArray:
+        """``positions``: where the tokens sit in their sequences (default ``0..position-1``)."""
         Pos = input_ids.resolve_axis(self.config.Pos.name)
-        x = self.token_embeddings.embed(input_ids) + self.position_embeddings.embed(hax.arange(Pos))
+        positions = hax.arange(Pos) if positions is None else positions
+        x = self.token_embeddings.embed(input_ids) + self.position_embeddings.embed(positions)
         return _dropout(x, self.config.embed_pdrop, key)
 
     def _state_dict_key_map(self) -> dict[str, str | None]:
@@ -464,6 +493,18 @@ class Gpt2LMHeadModel(eqx.Module):
         k_embed, k_transformer = maybe_rng_split(key, 2)
         x = self.embeddings(input_ids, key=k_embed)
         return self.transformer(x, attn_mask, key=k_transformer)
+
+    def init_cache(self, Batch: Axis, KeyPos: Axis) -> KvCache:
+        """An empty key/value cache for decoding (:mod:`levanter_core.inference`)."""
+        c = self.config
+        like = hax.zeros((c.Heads, c.HeadSize), dtype=self.embeddings.token_embeddings.weight.dtype)
+        return KvCache.zeros(c.Layers, Batch, KeyPos, like, like)
+
+    def decode(self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+        """Final hidden states of new tokens ``input_ids`` ``(batch, position)`` at ``positions``,
+        attending over the first ``key_len`` positions of ``cache``, and the updated cache."""
+        x = self.embeddings(input_ids, positions=positions)
+        return self.transformer.decode(x, positions, cache, key_len=key_len)
 
     def get_lm_head(self) -> NamedArray:
         """The output projection, axes ``(embed, vocab)``: the token embedding matrix."""

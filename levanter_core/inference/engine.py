@@ -1,0 +1,493 @@
+"""An inference engine with continuous batching.
+
+The engine keeps ``max_seqs`` slots, one row of the key/value cache each. A background thread
+loops: it admits waiting requests into free slots (prefilling their prompts, several at once,
+padded to a length bucket), then runs ``max_rounds`` decoding steps of every slot in one
+compiled call, and hands each request its new tokens. A request that ends (an end-of-sequence
+token, a stop string, its token budget, the context's end) frees its slot for the next one at
+once, so the decoding batch stays full while there is work.
+
+Shapes are bucketed so that each compiles once: prompts to powers of two (at least
+``min_prefill``), the number prefilled together to powers of two, and the keys a decoding
+step attends over to the power of two that covers the longest live sequence.
+
+Requests come from any thread (:meth:`Engine.submit`); results are read from the returned
+:class:`Request`, or streamed through its ``on_update`` callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from haliax import Axis
+
+from levanter_core.errors import UserError
+from levanter_core.inference import decoding
+from levanter_core.inference.sampling import SamplingParams, choose_tokens, token_keys
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(UserError):
+    """A request that cannot be served as asked; ``status`` is its HTTP status (400: bad input,
+    429: the queue is full, 503: the engine is shutting down or broken)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Completion:
+    """One finished generation."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    """The generated tokens (without the end-of-sequence token that ended them)."""
+    logprobs: list[float]
+    """The log-probability of each generated token under the model (before temperature and truncation)."""
+    text: str | None
+    """The generated text, cut before the stop string that ended it (None without a tokenizer)."""
+    finish_reason: str
+    """``stop`` (an end-of-sequence token or a stop string) or ``length`` (the token budget or the
+    model's context ran out)."""
+    index: int = 0
+    """Which of a prompt's samples this is (``-n``)."""
+    time_to_first_token: float | None = None
+    """Seconds from submission to the first generated token."""
+
+
+@dataclass
+class Update:
+    """What a request got since the last update: new text and tokens, and whether it ended."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    finished: Completion | None = None
+
+
+class Request:
+    """A submitted request: wait on it with :meth:`result`, or stream it through ``on_update``."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, index: int, on_update):
+        self.prompt = prompt
+        self.params = params
+        self.index = index
+        self.on_update: Callable[[Update], None] | None = on_update
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.emitted = 0  # characters of text already given to on_update
+        self.cancelled = False
+        self._done = threading.Event()
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """The completion, once the request has ended (raises the engine's error if it failed)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the request has not finished")
+        if self._error is not None:
+            raise self._error
+        return self._completion
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating (a client that went away); the slot is freed at the next step."""
+        self.cancelled = True
+
+
+@dataclass
+class _Slot:
+    request: Request
+    position: int  # where the last token (the next one fed to the model) sits
+    token: int
+
+
+@dataclass
+class EngineStats:
+    """Counters for benchmarks and logs."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    compiles: set = field(default_factory=set)
+
+
+def _bucket(n: int, smallest: int, largest: int) -> int:
+    return min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
+
+
+class Engine:
+    """Continuous batching over one model (see the module docstring).
+
+    ``tokenizer`` (a :class:`~levanter_core.data.tokenizer.Tokenizer`) turns tokens into text and
+    makes stop strings work; ``eos_ids`` end a sequence. ``max_seq_len`` (default the model's
+    ``seq_len``) bounds prompt plus generation. ``max_queued`` requests may wait for a slot; one
+    more is refused with status 429."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        eos_ids: tuple[int, ...] = (),
+        max_seqs: int = 16,
+        max_seq_len: int | None = None,
+        max_queued: int = 256,
+        max_rounds: int = 4,
+        max_prefill_seqs: int = 8,
+        min_prefill: int = 16,
+    ):
+        name = getattr(getattr(model, "config", None), "type", type(model).__name__)
+        decoding.check_can_generate(model, name)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
+        self.max_seqs = max_seqs
+        self.max_seq_len = int(max_seq_len or model.config.seq_len)
+        self.max_queued = max_queued
+        self.max_rounds = max_rounds
+        self.max_prefill_seqs = max(1, min(max_prefill_seqs, max_seqs))
+        self.min_prefill = min(min_prefill, self.max_seq_len)
+        self.stats = EngineStats()
+        self._Batch = Axis("batch", max_seqs)
+        self._KeyPos = Axis("key_position", self.max_seq_len)
+        self._cache = None
+        self._slots: list[_Slot | None] = [None] * max_seqs
+        self._queue: collections.deque[Request] = collections.deque()
+        self._lock = threading.Condition()
+        self._closing = False
+        self._failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the public side ---------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
+            self._thread = threading.Thread(target=self._run, name="levanter-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` (400) for a request that cannot be served as asked."""
+        problems = params.problems()
+        if problems:
+            raise RequestError("; ".join(problems))
+        if not prompt:
+            raise RequestError("the prompt is empty: give at least one token")
+        limit = self.max_seq_len
+        if len(prompt) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
+                "(the prompt and what is generated must fit in it)"
+            )
+        if len(prompt) + params.max_new_tokens > limit:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_new_tokens}) add up to "
+                f"{len(prompt) + params.max_new_tokens} tokens, more than this model's context of {limit} "
+                f"tokens; ask for at most {limit - len(prompt)} new tokens"
+            )
+        vocab = self.model.Vocab.size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, *, index: int = 0, on_update=None
+    ) -> Request:
+        """Queue a request (``index``: its sample number among a prompt's ``n``). Raises
+        :class:`RequestError`: 400 for a bad request, 429 when the queue is full, 503 when the
+        engine is shutting down or has failed."""
+        self.check(prompt, params)
+        request = Request(list(prompt), params, index, on_update)
+        with self._lock:
+            if self._failed is not None:
+                raise RequestError(f"the engine has failed: {self._failed}", status=503)
+            if self._closing:
+                raise RequestError("the engine is shutting down", status=503)
+            if len(self._queue) >= self.max_queued:
+                raise RequestError(
+                    f"too many requests: {len(self._queue)} are already waiting (the queue holds "
+                    f"{self.max_queued}); retry later",
+                    status=429,
+                )
+            self._queue.append(request)
+            self._lock.notify_all()
+        self.start()
+        return request
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1) -> list[list[Completion]]:
+        """``n`` completions of each prompt, all batched together (waits for them)."""
+        for prompt in prompts:
+            self.check(prompt, params)
+        requests = [[self._submit_waiting(p, params, i) for i in range(n)] for p in prompts]
+        return [[r.result() for r in row] for row in requests]
+
+    def _submit_waiting(self, prompt, params, index) -> Request:
+        while True:  # more prompts than the queue holds: wait for room rather than fail
+            try:
+                return self.submit(prompt, params, index=index)
+            except RequestError as e:
+                if e.status != 429:
+                    raise
+                time.sleep(0.01)
+
+    def pending(self) -> int:
+        """Requests waiting or being decoded."""
+        with self._lock:
+            return len(self._queue) + sum(s is not None for s in self._slots)
+
+    def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with ``drain``, finish every accepted one first, else cancel them."""
+        with self._lock:
+            self._closing = True
+            if not drain:
+                for request in self._queue:
+                    request.cancel()
+                for slot in self._slots:
+                    if slot is not None:
+                        slot.request.cancel()
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._queue and not any(self._slots) and not self._closing:
+                        self._lock.wait()
+                    if self._closing and not self._queue and not any(self._slots):
+                        return
+                    admitted = self._take_admissions()
+                if admitted:
+                    self._prefill(admitted)
+                if any(self._slots):
+                    self._decode_round()
+        except BaseException as e:  # an engine failure fails every request rather than hanging it
+            logger.exception("the inference engine failed")
+            with self._lock:
+                self._failed = e
+                waiting = list(self._queue) + [s.request for s in self._slots if s is not None]
+                self._queue.clear()
+                self._slots = [None] * self.max_seqs
+            for request in waiting:
+                request._error = RequestError(f"the engine failed: {e}", status=503)
+                request._done.set()
+
+    def _take_admissions(self) -> list[tuple[int, Request]]:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        admitted = []
+        while self._queue and free and len(admitted) < self.max_prefill_seqs:
+            request = self._queue.popleft()
+            if request.cancelled:
+                self._finish_cancelled(request)
+                continue
+            admitted.append((free.pop(0), request))
+        return admitted
+
+    def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
+        started = time.perf_counter()
+        rows = _bucket(len(admitted), 1, self.max_prefill_seqs)
+        length = _bucket(max(len(r.prompt) for _, r in admitted), self.min_prefill, self.max_seq_len)
+        tokens = np.zeros((rows, length), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.max_seqs, np.int32)  # padding rows go past the cache: dropped
+        for i, (slot, request) in enumerate(admitted):
+            tokens[i, : len(request.prompt)] = request.prompt
+            lengths[i] = len(request.prompt)
+            slots[i] = slot
+        params = self._params([r for _, r in admitted], rows)
+        self.stats.compiles.add(("prefill", rows, length))
+        self._cache, new_tokens, logprobs = _prefill(
+            self._cache, self.model, tokens, lengths, slots, *params, key_positions=self._KeyPos
+        )
+        new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
+        self.stats.prefill_tokens += int(lengths[: len(admitted)].sum())
+        self.stats.prefill_seconds += time.perf_counter() - started
+        for i, (slot, request) in enumerate(admitted):
+            self._slots[slot] = _Slot(request, len(request.prompt), int(new_tokens[i]))
+            self._accept(slot, [int(new_tokens[i])], [float(logprobs[i])])
+
+    def _decode_round(self) -> None:
+        started = time.perf_counter()
+        live = [(i, s) for i, s in enumerate(self._slots) if s is not None]
+        rounds = self.max_rounds
+        tokens = np.zeros(self.max_seqs, np.int32)
+        positions = np.zeros(self.max_seqs, np.int32)
+        for i, slot in live:
+            tokens[i], positions[i] = slot.token, slot.position
+        key_len = _bucket(int(positions.max()) + rounds, self.min_prefill, self.max_seq_len)
+        params = self._params([s.request if s else None for s in self._slots], self.max_seqs)
+        self.stats.compiles.add(("decode", key_len))
+        self._cache, out_tokens, out_logprobs = _decode(
+            self._cache, self.model, tokens, positions, *params, key_len=key_len, rounds=rounds
+        )
+        out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+        self.stats.decode_steps += rounds
+        self.stats.decode_seconds += time.perf_counter() - started
+        for i, slot in live:
+            slot.position += rounds
+            slot.token = int(out_tokens[i, -1])
+            self.stats.decode_tokens += rounds
+            self._accept(i, out_tokens[i].tolist(), out_logprobs[i].tolist())
+
+    def _params(self, requests, rows: int):
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.uint32)
+        samples = np.zeros(rows, np.int32)
+        for i, request in enumerate(requests):
+            if request is None:
+                continue
+            p = request.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            seeds[i], samples[i] = p.seed % 2**32, request.index
+        return temperature, top_k, top_p, seeds, samples
+
+    # -- turning tokens into results -----------------------------------------------------------
+    def _accept(self, slot: int, tokens: list[int], logprobs: list[float]) -> None:
+        """Give slot ``slot``'s request its new ``tokens``; free the slot if it has ended."""
+        request = self._slots[slot].request
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        params = request.params
+        reason = None
+        added = 0
+        for token, logprob in zip(tokens, logprobs):
+            if token in self.eos_ids and not params.ignore_eos:
+                reason = "stop"
+                break
+            request.tokens.append(token)
+            request.logprobs.append(logprob)
+            added += 1
+            if len(request.tokens) >= params.max_new_tokens or len(request.prompt) + len(request.tokens) >= self.max_seq_len:
+                reason = "length"
+                break
+        text, cut = self._text(request)
+        if cut is not None:  # a stop string: the text ends before it, and so do the tokens
+            reason = "stop"
+        if request.cancelled:
+            reason = reason or "cancelled"
+        completion = None
+        if reason is not None:
+            self._slots[slot] = None
+            completion = Completion(
+                request.prompt,
+                request.tokens[:cut] if cut is not None else request.tokens,
+                request.logprobs[:cut] if cut is not None else request.logprobs,
+                text,
+                reason,
+                request.index,
+                request.first_token_at - request.submitted,
+            )
+        self._deliver(request, text, added, completion)
+
+    def _text(self, request: Request) -> tuple[str | None, int | None]:
+        """The request's text so far, cut at the first stop string; and, when a stop string
+        appeared, how many tokens the text keeps."""
+        if self.tokenizer is None:
+            return None, None
+        text = self.tokenizer.decode(request.tokens)
+        found = [text.find(s) for s in request.params.stop if s in text]
+        if not found:
+            return text, None
+        end = min(found)
+        # the fewest tokens whose text covers what is kept
+        kept = next(n for n in range(len(request.tokens) + 1) if len(self.tokenizer.decode(request.tokens[:n])) >= end)
+        return text[:end], kept
+
+    def _deliver(self, request: Request, text: str | None, added: int, completion: Completion | None) -> None:
+        if request.on_update is not None:
+            if text is None:
+                delta = ""
+            elif completion is not None:
+                delta = text[request.emitted :]
+            else:
+                # hold back what could still become a stop string, and half a character
+                hold = max((len(s) - 1 for s in request.params.stop), default=0)
+                safe = len(text) - hold
+                while safe > request.emitted and text[safe - 1] == "\ufffd":
+                    safe -= 1
+                delta = text[request.emitted : max(safe, request.emitted)]
+            request.emitted += len(delta)
+            new_tokens = request.tokens[len(request.tokens) - added :] if added else []
+            new_logprobs = request.logprobs[len(request.logprobs) - added :] if added else []
+            try:
+                request.on_update(Update(delta, new_tokens, new_logprobs, completion))
+            except Exception:  # a listener's failure (a closed connection) is the listener's
+                logger.exception("a request's update listener failed; cancelling the request")
+                request.cancel()
+        if completion is not None:
+            request._completion = completion
+            request._done.set()
+
+    def _finish_cancelled(self, request: Request) -> None:
+        completion = Completion(request.prompt, [], [], "" if self.tokenizer else None, "cancelled", request.index)
+        request._completion = completion
+        request._done.set()
+
+
+# -- the compiled steps ------------------------------------------------------------------------------
+@hax.named_jit(donate_args=(True,) + (False,) * 9)
+def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions):
+    """Prompts ``tokens`` ``[rows, length]`` (``lengths`` long) through the model into a fresh
+    cache whose rows go to ``slots`` of ``cache``; the first generated token of each."""
+    Batch, Pos = Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1])
+    ids = hax.named(jnp.asarray(tokens), (Batch, Pos))
+    positions = hax.broadcast_to(hax.arange(Pos), (Batch, Pos))
+    fresh = decoding.init_cache(model, Batch, key_positions)
+    hidden, fresh = decoding.decode(model, ids, positions, fresh, key_len=Pos.size)
+    hidden = hidden.rearrange((Batch.name, Pos.name, ...))
+    last = hax.named(hidden.array[jnp.arange(Batch.size), lengths - 1], (Batch, *hidden.axes[2:]))
+    logits = decoding.next_token_logits(model, last).rearrange((Batch.name, ...)).array
+    keys = token_keys(seeds, samples, lengths)
+    new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys)
+    return cache.insert(slots, fresh), new, logprobs
+
+
+@hax.named_jit(donate_args=(True,) + (False,) * 8)
+def _decode(cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds):
+    """``rounds`` decoding steps of every row: each feeds its last token at its position and
+    chooses the next. Returns the cache and the chosen tokens and log-probabilities ``[rows, rounds]``."""
+    Batch, One = Axis("batch", tokens.shape[0]), Axis("position", 1)
+
+    def step(i, carry):
+        cache, tokens, positions, out_tokens, out_logprobs = carry
+        ids = hax.named(tokens[:, None], (Batch, One))
+        where = hax.named(positions[:, None], (Batch, One))
+        hidden, cache = decoding.decode(model, ids, where, cache, key_len=key_len)
+        logits = decoding.next_token_logits(model, hidden["position", 0]).rearrange((Batch.name, ...)).array
+        new, logprobs = choose_tokens(logits, temperature, top_k, top_p, token_keys(seeds, samples, positions + 1))
+        return cache, new, positions + 1, out_tokens.at[:, i].set(new), out_logprobs.at[:, i].set(logprobs)
+
+    out = (jnp.zeros((Batch.size, rounds), jnp.int32), jnp.zeros((Batch.size, rounds), jnp.float32))
+    tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+    cache, _, _, out_tokens, out_logprobs = jax.lax.fori_loop(0, rounds, step, (cache, tokens, positions, *out))
+    return cache, out_tokens, out_logprobs

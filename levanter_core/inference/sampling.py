@@ -1,0 +1,87 @@
+"""Choosing the next token: greedy, or sampled with temperature, top-k and top-p (nucleus).
+
+Every random draw comes from the request's seed, its sample index (``-n``) and the position
+of the token being chosen, never from which batch or slot it ran in: the same request gives
+the same text alone or among others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded."""
+
+    max_new_tokens: int = 128
+    """Most tokens to generate (fewer when an end-of-sequence token or a stop string comes first)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy (always the most likely token)."""
+    top_k: int = 0
+    """Sample among the ``top_k`` most likely tokens only; 0: all of them."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose probabilities add up to ``top_p``; 1: all."""
+    seed: int = 0
+    """Seed of the random draws; the same seed gives the same text."""
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    """Strings that end the text where they appear (they are not part of it)."""
+    ignore_eos: bool = False
+    """Go on past the end-of-sequence token (benchmarks use it to generate a fixed length)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, in the words of their fields (empty when nothing)."""
+        found = []
+        if self.max_new_tokens < 1:
+            found.append(f"max_new_tokens must be at least 1, not {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            found.append(f"temperature must be 0 (greedy) or more, not {self.temperature}")
+        if self.top_k < 0:
+            found.append(f"top_k must be 0 (off) or more, not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            found.append(f"top_p must be in (0, 1], not {self.top_p}")
+        if any(not s for s in self.stop):
+            found.append("a stop string must not be empty")
+        return found
+
+
+def token_keys(seeds: jax.Array, samples: jax.Array, positions: jax.Array) -> jax.Array:
+    """One PRNG key per row: from its seed, its sample index and the position being chosen."""
+
+    def one(seed, sample, position):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), sample), position)
+
+    return jax.vmap(one)(seeds.astype(jnp.uint32), samples, positions)
+
+
+def choose_tokens(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The next token of each row of ``logits`` ``[rows, vocab]`` (float32) and its log-probability
+    under the model (before temperature and truncation). ``temperature``, ``top_k`` and ``top_p``
+    are per row (see :class:`SamplingParams`); ``keys`` one PRNG key per row."""
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    vocab = logits.shape[-1]
+
+    def truncate(scaled):
+        # the k-th largest value and the smallest value inside the nucleus bound what is kept
+        ordered = -jnp.sort(-scaled, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+        ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each one
+        inside = jnp.sum(before < top_p[:, None], axis=-1)  # always >= 1: the first has 0 before it
+        nucleus = jnp.take_along_axis(ordered, (inside - 1)[:, None], axis=-1)
+        return jnp.where(scaled < jnp.maximum(kth, nucleus), -jnp.inf, scaled)
+
+    needs_truncation = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
+    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]

@@ -201,6 +201,18 @@ class ChatFormat(_Format):
         return messages
 
 
+def render_chat_prompt(messages, tokenizer, *, template: str | None = None, where: str = "the conversation") -> str:
+    """The text that asks a model for the next assistant message of ``messages`` (a list of
+    ``{"role", "content"}``): rendered by ``template``, else the tokenizer's chat template, else the
+    built-in one, with ``add_generation_prompt``, as :class:`ChatFormat` renders training data.
+    Encode it without the tokenizer's own special tokens (the template writes them). Raises
+    :class:`DataError` naming ``where`` for messages or a template that do not fit."""
+    messages = ChatFormat().messages_of({"messages": messages}, where)
+    specials = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    compiled = _compile(template or tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE)
+    return _render(compiled, messages, True, specials, where)
+
+
 BUILTIN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -182,7 +182,7 @@ def check_generation_parity(
     hf_config,
     workdir: str,
     *,
-    prompt_lengths: tuple[int, ...] = (3, 9, 20),
+    prompt_lengths: tuple[int, ...] = (3, 9, 14),
     new_tokens: int = 48,
     seed: int = 0,
 ) -> GenerationReport:

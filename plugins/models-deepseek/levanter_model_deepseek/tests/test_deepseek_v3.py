@@ -8,7 +8,7 @@ import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity
+from levanter_core.hf.parity import check_hf_parity, check_generation_parity
 from levanter_core.testing import listed_plugin, train_briefly
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -103,3 +103,10 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-deepseek")
     assert ours["error"] is None and ours["types"] == {"model": ["deepseek_v3"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["q-latent-groups-yarn", "q-proj-unnormalized-tied"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()

@@ -14,7 +14,7 @@ import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity
+from levanter_core.hf.parity import check_hf_parity, check_generation_parity
 from levanter_core.models.lm import next_token_loss
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_gemma.gemma import embedding_scale
@@ -242,3 +242,10 @@ def test_nano_config_trains(name, tmp_path):
         losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert result.final_eval_loss < result.initial_eval_loss
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(VARIANTS[name](), str(tmp_path)).assert_matches()

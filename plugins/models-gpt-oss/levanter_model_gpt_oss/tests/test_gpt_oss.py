@@ -9,7 +9,7 @@ import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, random_hf_model
+from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, random_hf_model, check_generation_parity
 from levanter_core.layers import YarnRotaryConfig
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_gpt_oss.gpt_oss import GptOssConfig
@@ -137,3 +137,10 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-gpt-oss")
     assert ours["error"] is None and ours["types"] == {"model": ["gpt_oss"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["alternating-yarn"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()

@@ -9,7 +9,7 @@ import pytest
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
 from levanter_model_gpt2.gpt2 import Gpt2Config
 
 transformers = pytest.importorskip("transformers")
@@ -111,3 +111,10 @@ def test_a_model_without_biases_is_not_exported(tmp_path):
     with pytest.raises(CheckpointError, match="use_bias: false has no Hugging Face GPT-2 equivalent"):
         export_hf(checkpoint, str(tmp_path / "exported"))
     assert not os.path.exists(tmp_path / "exported" / "config.json")
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["gpt2"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(transformers.GPT2Config(**TINY), str(tmp_path)).assert_matches()

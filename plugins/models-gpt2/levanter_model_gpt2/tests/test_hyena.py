@@ -112,3 +112,22 @@ def test_packed_examples_are_refused():
 def test_nano_config_trains(tmp_path):
     result = train_briefly(os.path.join(CONFIGS, "gpt2_hyena_nano.yaml"), str(tmp_path))
     assert result.final_eval_loss < result.initial_eval_loss
+
+
+def test_decodes_without_a_cache_as_its_own_greedy_argmax(caplog):
+    # Hyena has no key/value cache: the engine runs it over the sequence so far at every step
+    from levanter_core.inference.engine import Engine
+    from levanter_core.inference.sampling import SamplingParams
+
+    config = Gpt2HyenaConfig(num_layers=2, hyena=HyenaConfig(seq_len=Pos.size, hidden_dim=16, filter_order=8))
+    model = config.build(Axis("vocab", 30), key=jax.random.PRNGKey(4))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    with Engine(model, max_seqs=2, max_rounds=2) as engine:
+        ours = [c[0].tokens for c in engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))]
+    assert "has no key/value cache" in caplog.text
+    for prompt, tokens in zip(prompts, ours):
+        expected = list(prompt)
+        for _ in range(6):
+            logits = model(hax.named(jnp.array([expected]), ("batch", "position"))).array[0, -1]
+            expected.append(int(jnp.argmax(logits)))
+        assert tokens == expected[len(prompt) :]

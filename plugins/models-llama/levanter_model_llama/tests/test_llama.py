@@ -9,7 +9,7 @@ import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model
-from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
 from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig
 from levanter_core.testing import train_briefly
 
@@ -231,3 +231,10 @@ def test_scaled_rope_without_original_length_uses_the_context_length():
     hf = transformers.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)).to_dict()
     del hf["rope_parameters"]["original_max_position_embeddings"]
     assert config_from_hf(hf).rope.original_max_position_embeddings == COMMON["max_position_embeddings"]
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["llama", "mistral", "phi3"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity({"llama": lambda: transformers.LlamaConfig(**COMMON, **LLAMA_VARIANTS["rope_llama3"]), "mistral": UNROLLED["mistral"], "phi3": lambda: phi3_config(**PHI3_VARIANTS["partial_rotary"])}[name](), str(tmp_path)).assert_matches()

@@ -19,7 +19,7 @@ from levanter_core.hf import hf_state_dict_shapes, to_hf_state_dict
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf, load_hf_model
 from levanter_core.hf.checkpoint import HfCheckpoint
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_mixtral.mixtral import MixtralConfig
 
@@ -169,3 +169,10 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-mixtral")
     assert ours["error"] is None and ours["types"] == {"model": ["mixtral"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["sliding-window"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()

@@ -18,7 +18,7 @@ from levanter_core.errors import CheckpointError
 from levanter_core.hf import to_hf_state_dict
 from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model
 from levanter_core.hf.convert import from_hf_state_dict
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model
+from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
 from levanter_core.layers import DefaultRotaryConfig, YarnRotaryConfig
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_olmo.olmo2 import Olmo2Config
@@ -234,3 +234,10 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-olmo")
     assert ours["error"] is None and ours["types"] == {"model": ["olmo2", "olmo3"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["olmo2", "olmo3"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity({"olmo2": lambda: transformers.Olmo2Config(**COMMON, **VARIANTS["gqa_llama3_bias"]), "olmo3": lambda: olmo3_config("pattern_yarn_full")}[name](), str(tmp_path)).assert_matches()

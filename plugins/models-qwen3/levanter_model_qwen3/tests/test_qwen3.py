@@ -11,7 +11,7 @@ import transformers
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity, load_balancing_losses
+from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, check_generation_parity
 from levanter_core.testing import listed_plugin, train_briefly
 from levanter_model_qwen3.qwen3_moe import Qwen3MoeConfig
 
@@ -167,3 +167,10 @@ def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-qwen3")
     assert ours["error"] is None and ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
     assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
+
+
+# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
+# one batch, 48 new tokens each: the same tokens as transformers' generate
+@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3", "moe-sparse-step"])
+def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
+    check_generation_parity(ALL_CONFIGS[name](), str(tmp_path)).assert_matches()

@@ -250,6 +250,112 @@ def export_hf(
     print(f"exported {checkpoint} to {written}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sample(
+    ctx: typer.Context,
+    source: Annotated[
+        Optional[str],
+        typer.Argument(
+            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import, "
+            "or a Hugging Face model directory or hub name. May be left out with --config.",
+            metavar="SOURCE",
+        ),
+    ] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for several).")] = None,
+    prompts: Annotated[
+        Optional[str],
+        typer.Option(
+            "--prompts",
+            help='A JSONL file of prompts: per line a string, {"prompt": TEXT} or {"messages": [...]} '
+            "(a conversation, through the chat template).",
+            metavar="FILE.jsonl",
+        ),
+    ] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per sample [default: 128].")] = None,
+    temperature: Annotated[
+        Optional[float], typer.Option(help="Softmax temperature; 0 is greedy [default: 1.0].")
+    ] = None,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0: all.")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens holding this much probability.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the random draws; the same seed gives the same text [default: 0].")] = None,
+    stop: Annotated[
+        Optional[list[str]], typer.Option("--stop", help="A string that ends a sample (repeat for several).")
+    ] = None,
+    n: Annotated[Optional[int], typer.Option("-n", help="Samples per prompt [default: 1].")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Put each --prompt through the tokenizer's chat template as a user message.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print one JSON line per sample: text, token ids, log-probabilities, finish reason."),
+    ] = False,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
+    max_seqs: Annotated[Optional[int], typer.Option(help="Sequences decoded together [default: 16].")] = None,
+    max_seq_len: Annotated[
+        Optional[int], typer.Option(help="Longest prompt plus generation [default: the model's seq_len].")
+    ] = None,
+    config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            help="A sampler config in Levanter's sample_lm format (hf_checkpoint or checkpoint_path, prompts, "
+            "max_new_tokens, temperature, engine, ...); options given here override it, and so do dotted "
+            "overrides (--engine.max_seqs 4).",
+        ),
+    ] = None,
+) -> None:
+    """Generate text from a model, batching all prompts through the inference engine.
+
+    Prints each prompt with its continuation, or with --json one JSON line per sample.
+    Greedy at --temperature 0; otherwise the same --seed gives the same text.
+    """
+    from levanter_core.errors import ConfigError
+    from levanter_core.inference.sample import EngineConfig, SampleConfig, load_sample_config, read_prompts_file, run_sample
+    from levanter_core.inference.sampling import SamplingParams
+
+    if config is not None:
+        settings = load_sample_config(config, list(ctx.args))
+    elif ctx.args:
+        raise ConfigError(f"unknown option {ctx.args[0]!r} (dotted overrides need --config)")
+    else:
+        settings = SampleConfig(prompts=[], temperature=1.0, seed=0, max_new_tokens=128)
+    source = source or settings.source
+    if source is None:
+        raise ConfigError("name a SOURCE (or a --config with hf_checkpoint or checkpoint_path)")
+    chosen = [{"prompt": p} for p in (prompt or [])] + (read_prompts_file(prompts) if prompts else [])
+    if not chosen:
+        chosen = [{"prompt": p} for p in settings.prompts]
+    if not chosen:
+        raise ConfigError("give at least one --prompt or a --prompts file")
+    stops = tuple(stop) if stop else ((settings.stop_sequence,) if settings.stop_sequence else ())
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else settings.max_new_tokens,
+        temperature=temperature if temperature is not None else settings.temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed if seed is not None else settings.seed,
+        stop=stops,
+    )
+    problems = params.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    engine = settings.engine
+    if max_seqs is not None or max_seq_len is not None:
+        update = {"max_seqs": max_seqs or engine.max_seqs}
+        if max_seq_len is not None:
+            update.update(page_size=max_seq_len, max_pages_per_seq=1)
+        engine = EngineConfig(**{**engine.model_dump(), **update})
+    run_sample(
+        source,
+        chosen,
+        params,
+        n=n if n is not None else settings.n_generations,
+        chat=chat,
+        as_json=as_json,
+        tokenizer=tokenizer or settings.tokenizer,
+        engine=engine,
+        rounds=settings.n_rounds,
+    )
+
+
 def _setup_logging() -> None:
     level = os.environ.get("LEVANTER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

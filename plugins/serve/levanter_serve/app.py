@@ -1,0 +1,355 @@
+"""The HTTP application: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/models``, and ``/health``, over one running :class:`~levanter_core.inference.engine.Engine`.
+
+Each HTTP request becomes one engine request per prompt and sample (``n``); the engine
+batches them with every other request in flight. Answers are sent whole, or (``stream``) as
+server-sent events as the engine produces them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from levanter_core.data.formats import render_chat_prompt
+from levanter_core.errors import DataError, UserError
+from levanter_core.inference.engine import Completion, Engine, RequestError
+from levanter_serve.bridge import Generation
+from levanter_serve.errors import ApiError, install_error_handlers
+from levanter_serve.protocol import COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+
+CLIENT_GONE = 499
+"""The status logged for a request whose client left before its answer (nginx's convention)."""
+
+
+def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+    """The server's application over ``engine`` (started, or started by the first request),
+    which runs ``loaded``'s model (a :class:`~levanter_core.models.source.LoadedModel`, whose
+    tokenizer turns text into tokens and back). ``model_name`` (default ``loaded.name``) is the
+    name ``/v1/models`` lists. With ``api_key``, every ``/v1`` request must carry
+    ``Authorization: Bearer <api_key>`` (``/health`` stays open, for load balancers)."""
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.source} has no tokenizer (no tokenizer.json): name one with --tokenizer")
+    server = _Server(engine, loaded.tokenizer, model_name or loaded.name)
+    app = FastAPI(title="levanter serve", summary=f"OpenAI-compatible API over {server.model_name}")
+    install_error_handlers(app)
+    checks = [Depends(_bearer(api_key))] if api_key else []
+
+    @app.get("/health")
+    async def health():
+        """``{"status": "ok"}`` while the engine takes requests (503 once it is shutting down or has failed)."""
+        if engine._closing or engine._failed is not None:
+            raise ApiError(503, "the engine is not taking requests (shutting down or failed)", code="engine_unavailable")
+        return {"status": "ok", "model": server.model_name, "pending": engine.pending()}
+
+    @app.get("/v1/models", dependencies=checks)
+    async def models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=checks)
+    async def model(model: str):
+        server.check_model(model)
+        return server.model_card()
+
+    @app.post("/v1/completions", dependencies=checks)
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=checks)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat_completions(body, request)
+
+    return app
+
+
+def _bearer(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):  # in constant time: no guessing key prefixes
+            what = "no API key was given" if not given else "the API key is wrong"
+            raise ApiError(
+                401, f"{what}: send the server's key as the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+
+    return check
+
+
+class _Server:
+    """What the routes share: the engine, the tokenizer, the model's name."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "levanter",
+            "max_model_len": self.engine.max_seq_len,
+        }
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist: this server serves {self.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- the two endpoints ---------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        prompts = self._prompts(body.prompt)
+        budget = body.max_tokens or COMPLETIONS_MAX_TOKENS
+        generation = self._submit(prompts, body, lambda prompt: budget, "prompt", "max_tokens")
+        reply = _Reply("cmpl", "text_completion", self.model_name, sum(map(len, prompts)))
+        if body.logprobs is not None:
+            reply.logprobs = _Logprobs(self.tokenizer, chat=False, top=body.logprobs)
+        if body.stream:
+            return _sse(generation, reply.stream_completion(generation, request, body.include_usage))
+        finished = await generation.completions(request.is_disconnected)
+        if len(finished) < len(prompts) * body.n:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(reply.completion(finished))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        try:
+            text = render_chat_prompt([m.as_template_message() for m in body.messages], self.tokenizer, where="messages")
+        except DataError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompt = self.tokenizer.encode_with_offsets([text], add_special_tokens=False)[0][0].tolist()
+        limit = self.engine.max_seq_len
+        budget = body.token_budget
+        # no budget given: whatever room the context leaves (at least 1, so that a prompt too
+        # long for the context is what the engine complains about)
+        generation = self._submit(
+            [prompt], body, lambda p: budget or max(1, limit - len(p)), "messages", body.max_tokens_field
+        )
+        reply = _Reply("chatcmpl", "chat.completion", self.model_name, len(prompt))
+        if body.logprobs:
+            reply.logprobs = _Logprobs(self.tokenizer, chat=True, top=body.top_logprobs or 0)
+        if body.stream:
+            return _sse(generation, reply.stream_chat(generation, request, body.include_usage))
+        finished = await generation.completions(request.is_disconnected)
+        if len(finished) < body.n:
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(reply.chat(finished))
+
+    # -- turning a request into engine requests ------------------------------------------------
+    def _prompts(self, prompt) -> list[list[int]]:
+        """The token ids of each prompt of a completions request (see ``CompletionRequest.prompt``)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt or isinstance(prompt[0], int):  # one prompt of token ids
+            return [list(prompt)]
+        if isinstance(prompt[0], str):
+            return [ids.tolist() for ids in self.tokenizer.encode_batch(prompt)]
+        return [list(p) for p in prompt]
+
+    def _submit(self, prompts, body, budget_of, prompt_field: str, budget_field: str) -> Generation:
+        """Queue ``n`` samples of every prompt; choice ``p * n + i`` is sample ``i`` of prompt ``p``
+        (OpenAI's order). A refusal cancels whatever was already queued."""
+        generation = Generation(self.engine)
+        limit = self.engine.max_seq_len
+        try:
+            for p, prompt in enumerate(prompts):
+                budget = budget_of(prompt)
+                params = body.sampling(budget)
+                try:
+                    for i in range(body.n):
+                        generation.submit(p * body.n + i, prompt, params, sample=i)
+                except RequestError as e:
+                    param = code = None
+                    if e.status == 400:
+                        if len(prompt) >= limit or not prompt:
+                            param, code = prompt_field, "context_length_exceeded" if prompt else None
+                        elif len(prompt) + budget > limit:
+                            param, code = budget_field, "context_length_exceeded"
+                        else:
+                            param = prompt_field
+                    raise ApiError.from_engine(e, param=param, code=code) from None
+        except BaseException:
+            generation.cancel()
+            raise
+        return generation
+
+
+class _Logprobs:
+    """The ``logprobs`` of a request's choices, in the shape its endpoint uses, built piece by
+    piece as tokens arrive (the legacy completions shape gives each token's offset in the text,
+    which runs on from one piece to the next)."""
+
+    def __init__(self, tokenizer, *, chat: bool, top: int):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.top = top
+        self._offsets: dict[int, int] = {}
+
+    def __call__(self, choice: int, tokens: list[int], logprobs: list[float]) -> dict:
+        texts = [self.tokenizer.decode([t]) for t in tokens]
+        if self.chat:
+            content = []
+            for text, lp in zip(texts, logprobs):
+                entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+                # the engine computes the chosen token's log-probability only: it is its own top-1
+                content.append({**entry, "top_logprobs": [entry] if self.top else []})
+            return {"content": content}
+        offsets, offset = [], self._offsets.get(choice, 0)
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[choice] = offset
+        return {
+            "tokens": texts,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [{t: lp} for t, lp in zip(texts, logprobs)] if self.top else None,
+            "text_offset": offsets,
+        }
+
+
+class _Reply:
+    """The response bodies of one request: its id, its time, its usage."""
+
+    def __init__(self, prefix: str, kind: str, model: str, prompt_tokens: int):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind = kind
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.logprobs: _Logprobs | None = None  # when the request asks for them
+
+    def _head(self, kind: str | None = None) -> dict:
+        return {"id": self.id, "object": kind or self.kind, "created": self.created, "model": self.model}
+
+    def usage(self, finished: dict[int, Completion]) -> dict:
+        completion_tokens = sum(len(c.tokens) for c in finished.values())
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def _logprobs_of(self, choice: int, tokens: list[int], logprobs: list[float]):
+        return None if self.logprobs is None else self.logprobs(choice, tokens, logprobs)
+
+    def completion(self, finished: dict[int, Completion]) -> dict:
+        choices = [
+            {"index": i, "text": c.text, "logprobs": self._logprobs_of(i, c.tokens, c.logprobs), "finish_reason": _reason(c)}
+            for i, c in sorted(finished.items())
+        ]
+        return {**self._head(), "choices": choices, "usage": self.usage(finished)}
+
+    def chat(self, finished: dict[int, Completion]) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs),
+                "finish_reason": _reason(c),
+            }
+            for i, c in sorted(finished.items())
+        ]
+        return {**self._head(), "choices": choices, "usage": self.usage(finished)}
+
+    # -- streams -------------------------------------------------------------------------------
+    async def _deltas(self, generation: Generation, request: Request):
+        """``(choice, text, tokens, logprobs, finished)`` per engine update. Tokens past a stop
+        string can have been sent before the stop string showed; the last update trims what has
+        not been sent yet to the completion's tokens."""
+        sent: dict[int, int] = {}
+        async for choice, update in generation.updates(request.is_disconnected):
+            tokens, logprobs = update.tokens, update.logprobs
+            if update.finished is not None:
+                room = max(0, len(update.finished.tokens) - sent.get(choice, 0))
+                tokens, logprobs = tokens[:room], logprobs[:room]
+            sent[choice] = sent.get(choice, 0) + len(tokens)
+            yield choice, update.text, tokens, logprobs, update.finished
+
+    async def stream_completion(self, generation: Generation, request: Request, include_usage: bool):
+        finished: dict[int, Completion] = {}
+        async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
+            if not text and not tokens and done is None:
+                continue
+            if done is not None:
+                finished[choice] = done
+            choice_body = {
+                "index": choice,
+                "text": text,
+                "logprobs": self._logprobs_of(choice, tokens, logprobs),
+                "finish_reason": None if done is None else _reason(done),
+            }
+            yield self._chunk(self._head(), choice_body, include_usage)
+        if include_usage:
+            yield {**self._head(), "choices": [], "usage": self.usage(finished)}
+
+    async def stream_chat(self, generation: Generation, request: Request, include_usage: bool):
+        finished: dict[int, Completion] = {}
+        started: set[int] = set()
+        head = self._head("chat.completion.chunk")
+        async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
+            if choice not in started:  # OpenAI opens each choice with its role
+                started.add(choice)
+                opening = {"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                yield self._chunk(head, opening, include_usage)
+            if not text and not tokens and done is None:
+                continue
+            if done is not None:
+                finished[choice] = done
+            choice_body = {
+                "index": choice,
+                "delta": {"content": text} if text or done is None else {},
+                "logprobs": self._logprobs_of(choice, tokens, logprobs),
+                "finish_reason": None if done is None else _reason(done),
+            }
+            yield self._chunk(head, choice_body, include_usage)
+        if include_usage:
+            yield {**head, "choices": [], "usage": self.usage(finished)}
+
+    @staticmethod
+    def _chunk(head: dict, choice: dict, include_usage: bool) -> dict:
+        chunk = {**head, "choices": [choice]}
+        if include_usage:  # OpenAI: null on every chunk but the last
+            chunk["usage"] = None
+        return chunk
+
+
+def _reason(c: Completion) -> str:
+    return "length" if c.finish_reason == "length" else "stop"
+
+
+def _sse(generation: Generation, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """``chunks`` as server-sent events, ending with ``data: [DONE]``. A client that goes
+    away cancels its requests (the generator's ``finally`` when it is closed mid-stream, the
+    background task when the server notices the disconnection)."""
+
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except RequestError as e:  # the engine failed mid-answer: the status line is long gone
+            yield f"data: {json.dumps(ApiError.from_engine(e).body())}\n\n"
+        finally:
+            generation.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(generation.cancel),
+    )

@@ -45,8 +45,9 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
     @app.get("/health")
     async def health():
         """``{"status": "ok"}`` while the engine takes requests (503 once it is shutting down or has failed)."""
-        if engine._closing or engine._failed is not None:
-            raise ApiError(503, "the engine is not taking requests (shutting down or failed)", code="engine_unavailable")
+        trouble = _engine_trouble(engine)
+        if trouble:
+            raise ApiError(503, f"the engine is not taking requests: {trouble}", code="engine_unavailable")
         return {"status": "ok", "model": server.model_name, "pending": engine.pending()}
 
     @app.get("/v1/models", dependencies=checks)
@@ -67,6 +68,16 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
         return await server.chat_completions(body, request)
 
     return app
+
+
+def _engine_trouble(engine: Engine) -> str | None:
+    """Why ``engine`` refuses new requests, if it does. (The engine has no public accessor for
+    this yet: these are the two flags its ``submit`` checks.)"""
+    if getattr(engine, "_failed", None) is not None:
+        return f"it failed ({engine._failed})"
+    if getattr(engine, "_closing", False):
+        return "it is shutting down"
+    return None
 
 
 def _bearer(api_key: str):
@@ -162,30 +173,31 @@ class _Server:
         return [list(p) for p in prompt]
 
     def _submit(self, prompts, body, budget_of, prompt_field: str, budget_field: str) -> Generation:
-        """Queue ``n`` samples of every prompt; choice ``p * n + i`` is sample ``i`` of prompt ``p``
-        (OpenAI's order). A refusal cancels whatever was already queued."""
+        """Queue ``n`` samples of every prompt (generating at most ``budget_of(prompt)`` tokens);
+        choice ``p * n + i`` is sample ``i`` of prompt ``p`` (OpenAI's order). Every prompt is
+        checked before any is queued; a refusal of the queue cancels what was already queued.
+        ``prompt_field`` and ``budget_field`` name the fields a too-long request is blamed on."""
+        planned = []
+        for prompt in prompts:
+            budget = budget_of(prompt)
+            params = body.sampling(budget)
+            try:
+                self.engine.check(prompt, params)
+            except RequestError as e:
+                limit = self.engine.max_seq_len
+                if prompt and len(prompt) < limit and len(prompt) + budget > limit:
+                    raise ApiError.from_engine(e, param=budget_field, code="context_length_exceeded") from None
+                code = "context_length_exceeded" if len(prompt) >= limit else None
+                raise ApiError.from_engine(e, param=prompt_field, code=code) from None
+            planned.append((prompt, params))
         generation = Generation(self.engine)
-        limit = self.engine.max_seq_len
         try:
-            for p, prompt in enumerate(prompts):
-                budget = budget_of(prompt)
-                params = body.sampling(budget)
-                try:
-                    for i in range(body.n):
-                        generation.submit(p * body.n + i, prompt, params, sample=i)
-                except RequestError as e:
-                    param = code = None
-                    if e.status == 400:
-                        if len(prompt) >= limit or not prompt:
-                            param, code = prompt_field, "context_length_exceeded" if prompt else None
-                        elif len(prompt) + budget > limit:
-                            param, code = budget_field, "context_length_exceeded"
-                        else:
-                            param = prompt_field
-                    raise ApiError.from_engine(e, param=param, code=code) from None
-        except BaseException:
+            for p, (prompt, params) in enumerate(planned):
+                for i in range(body.n):
+                    generation.submit(p * body.n + i, prompt, params, sample=i)
+        except RequestError as e:  # the queue is full, or the engine is shutting down
             generation.cancel()
-            raise
+            raise ApiError.from_engine(e) from None
         return generation
 
 
@@ -283,7 +295,7 @@ class _Reply:
     async def stream_completion(self, generation: Generation, request: Request, include_usage: bool):
         finished: dict[int, Completion] = {}
         async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
-            if not text and not tokens and done is None:
+            if not text and done is None and not (self.logprobs and tokens):
                 continue
             if done is not None:
                 finished[choice] = done
@@ -306,7 +318,7 @@ class _Reply:
                 started.add(choice)
                 opening = {"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 yield self._chunk(head, opening, include_usage)
-            if not text and not tokens and done is None:
+            if not text and done is None and not (self.logprobs and tokens):
                 continue
             if done is not None:
                 finished[choice] = done

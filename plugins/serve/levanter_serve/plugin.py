@@ -1,0 +1,83 @@
+"""Entry point of the serve plugin (see ``pyproject.toml``): adds ``levanter serve``.
+
+FastAPI, uvicorn and JAX are imported when the command runs, so that loading the plugin
+(which every ``levanter`` command does) stays cheap."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from levanter_core.plugins import hookimpl
+from levanter_serve.server import DEFAULT_HOST, DEFAULT_PORT
+
+
+def serve_command(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import "
+            "(`levanter import-hf`), a Hugging Face model directory, or a hub name.",
+            metavar="SOURCE",
+        ),
+    ],
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; 0.0.0.0 to accept connections from other machines.")
+    ] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = DEFAULT_PORT,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            envvar="LEVANTER_API_KEY",
+            show_envvar=True,
+            help="Answer 401 to /v1 requests without the header 'Authorization: Bearer <key>'.",
+        ),
+    ] = None,
+    model_name: Annotated[
+        Optional[str],
+        typer.Option(help="The model's name in /v1/models and in answers (default: SOURCE's last path component)."),
+    ] = None,
+    tokenizer: Annotated[
+        Optional[str],
+        typer.Option(help="Tokenizer to use instead of SOURCE's own: a tokenizer.json, its directory, or a hub name."),
+    ] = None,
+    max_seqs: Annotated[
+        int, typer.Option(help="Sequences decoded together (the batch; each holds a row of the key/value cache).", min=1)
+    ] = 16,
+    max_queued: Annotated[
+        int, typer.Option(help="Requests that may wait for a free sequence; one more is answered 429.", min=0)
+    ] = 256,
+    max_seq_len: Annotated[
+        Optional[int],
+        typer.Option(help="Tokens of prompt plus answer per sequence (default and at most the model's seq_len).", min=2),
+    ] = None,
+    max_rounds: Annotated[
+        int, typer.Option(help="Tokens each sequence generates per engine step before new requests may join.", min=1)
+    ] = 4,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API.
+
+    Endpoints: /v1/completions, /v1/chat/completions (both streaming or not), /v1/models,
+    /health. Concurrent requests are batched together by the inference engine. Ctrl-C
+    (or SIGTERM) stops taking connections and finishes the answers in progress first.
+    """
+    from levanter_serve.server import serve
+
+    serve(
+        source,
+        tokenizer=tokenizer,
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        model_name=model_name,
+        max_seqs=max_seqs,
+        max_queued=max_queued,
+        max_seq_len=max_seq_len,
+        max_rounds=max_rounds,
+    )
+
+
+@hookimpl
+def register_commands(app):
+    app.command("serve")(serve_command)

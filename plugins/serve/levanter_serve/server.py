@@ -1,0 +1,127 @@
+"""Running the application: load a SOURCE, start its engine, serve HTTP with uvicorn until
+Ctrl-C (or SIGTERM), then finish what is in flight and stop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+
+from levanter_core.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def serve(
+    source: str,
+    *,
+    tokenizer: str | None = None,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_seqs: int = 16,
+    max_queued: int = 256,
+    max_seq_len: int | None = None,
+    max_rounds: int = 4,
+) -> None:
+    """Serve the model of ``source`` (a checkpoint, an import, a Hugging Face directory or hub
+    name; ``tokenizer`` replaces its own) on ``host``:``port`` until SIGINT or SIGTERM.
+
+    The port is taken before the model loads (a busy port fails at once). The engine decodes
+    ``max_seqs`` sequences together, ``max_rounds`` tokens per step, and holds ``max_queued``
+    more requests waiting (one more is answered 429); prompt and answer must fit in
+    ``max_seq_len`` tokens (default and at most the model's ``seq_len``). On a signal, uvicorn
+    stops accepting connections and waits for the answers in progress, then the engine
+    finishes whatever it still holds: every accepted request gets its whole answer."""
+    import uvicorn
+
+    from levanter_core.inference.engine import Engine
+    from levanter_core.models.source import load_model_source
+    from levanter_serve.app import create_app
+
+    listener = _listen(host, port)
+    try:
+        loaded = load_model_source(source, tokenizer=tokenizer)
+        seq_len = loaded.config.seq_len
+        if max_seq_len is not None and max_seq_len > seq_len:
+            raise UserError(f"--max-seq-len {max_seq_len} is longer than the model's context ({seq_len} tokens)")
+        engine = Engine(
+            loaded.model,
+            tokenizer=loaded.tokenizer,
+            eos_ids=loaded.eos_ids,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+            max_queued=max_queued,
+            max_rounds=max_rounds,
+        )
+        app = create_app(engine, loaded, api_key=api_key, model_name=model_name)
+        warm_up(engine)
+        name = model_name or loaded.name
+        print(
+            f"serving {name} ({engine.max_seq_len} tokens of context) at http://{_url_host(host)}:{port}/v1"
+            f"{' (API key required)' if api_key else ''}; Ctrl-C to stop",
+            flush=True,
+        )
+        config = uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=None)
+        try:
+            with _signals_end_quietly():
+                uvicorn.Server(config).run(sockets=[listener])
+        finally:
+            pending = engine.pending()
+            if pending:
+                logger.warning("finishing the %d requests still in the engine", pending)
+            engine.shutdown(drain=True)
+    finally:
+        listener.close()
+
+
+def warm_up(engine) -> None:
+    """Compile the engine's smallest prefill and decoding step before the first request needs them."""
+    from levanter_core.inference.sampling import SamplingParams
+
+    logger.info("compiling the model's first steps")
+    engine.start()
+    engine.generate([[0]], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (uvicorn listens on it once the model is ready)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host!r}: not an address this machine can listen on ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@contextlib.contextmanager
+def _signals_end_quietly():
+    """uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again through
+    the handler that was there before it, which would end the command as interrupted (exit 130,
+    or killed by SIGTERM) after a clean drain. Put a handler that does nothing there instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

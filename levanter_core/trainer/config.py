@@ -12,6 +12,7 @@ from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_on
 from levanter_core.config.types import MpPolicy
 from levanter_core.fileio import require_filesystem
 from levanter_core.optim.model_averaging import ModelAveragingConfig
+from levanter_core.trainer.samples import TrainingSamplesConfig
 from levanter_core.trainer.viz import VizConfig
 from levanter_core.trainer.watch import WatchConfig
 
@@ -278,6 +279,10 @@ class TrainerConfig(ConfigModel):
     """Every ``viz.interval`` steps, draw the log-probability of each token of a few
     validation sequences as an HTML heatmap (``{run_dir}/viz/step-N.html``, also sent to the
     trackers). None: no heatmaps."""
+
+    sample: TrainingSamplesConfig | None = None
+    """Every ``sample.interval`` steps (and after the last), continue ``sample.prompts`` with the
+    model and log the texts to the trackers (``samples/0``, ``samples/1``...). None: no samples."""
 
     watch: WatchConfig | None = None
     """Log norms (and optionally histograms) of the parameters, gradients and updates every

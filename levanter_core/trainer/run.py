@@ -772,6 +772,15 @@ class _TrainLoop:
                     tags.setdefault(tag, []).append(name)
         return tags
 
+    def sample_texts(self, model) -> dict[str, str]:
+        """``trainer.sample``'s prompts continued by ``model``, as text metrics."""
+        import haliax as hax
+
+        from levanter_core.trainer.samples import sample_texts
+
+        with hax.partitioning.set_mesh(self.trainer.mesh):
+            return sample_texts(model, self.data.tokenizer, self.trainer.config.sample, seq_len=model.config.seq_len)
+
     def draw_viz(self, model, step: int) -> None:
         """The token log-probability heatmap of ``trainer.viz`` for ``step``, written to the
         run directory and sent to the trackers."""
@@ -874,13 +883,17 @@ class _TrainLoop:
                 viz = self.trainer.config.viz
                 drawing = viz is not None and (step % viz.interval == 0 or step == self.num_steps)
                 exporting = self.exporter is not None and step % self.config.hf_save_steps == 0
-                if evaluating or saving or drawing or exporting:
+                samples = self.trainer.config.sample
+                sampling = samples is not None and (step % samples.interval == 0 or step == self.num_steps)
+                if evaluating or saving or drawing or exporting or sampling:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
                 pending["host"] = self.data_metrics()
                 if drawing:
                     self.draw_viz(self.trainer.eval_model(state), step)
+                if sampling:
+                    pending["host"].update(self.sample_texts(self.trainer.eval_model(state)))
                 if evaluating:
                     evaluated = self.evaluate(self.trainer.eval_model(state))
                     pending["host"].update(evaluated)

@@ -18,9 +18,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from levanter_core.data.formats import render_chat_prompt
 from levanter_core.errors import DataError, UserError
 from levanter_core.inference.engine import Completion, Engine, RequestError
+from levanter_core.inference.sample import encode_prompts
 from levanter_serve.bridge import Generation
 from levanter_serve.errors import ApiError, install_error_handlers
 from levanter_serve.protocol import COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -44,7 +44,7 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
 
     @app.get("/health")
     async def health():
-        """``{"status": "ok"}`` while the engine takes requests (503 once it is shutting down or has failed)."""
+        """``{"status": "ok"}`` while the engine takes requests; 503 once it is shutting down or has failed."""
         trouble = _engine_trouble(engine)
         if trouble:
             raise ApiError(503, f"the engine is not taking requests: {trouble}", code="engine_unavailable")
@@ -87,9 +87,8 @@ def _bearer(api_key: str):
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):  # in constant time: no guessing key prefixes
             what = "no API key was given" if not given else "the API key is wrong"
-            raise ApiError(
-                401, f"{what}: send the server's key as the header 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
+            message = f"{what}: send the server's key as the header 'Authorization: Bearer <key>'"
+            raise ApiError(401, message, code="invalid_api_key")
 
     return check
 
@@ -127,9 +126,8 @@ class _Server:
         prompts = self._prompts(body.prompt)
         budget = body.max_tokens or COMPLETIONS_MAX_TOKENS
         generation = self._submit(prompts, body, lambda prompt: budget, "prompt", "max_tokens")
-        reply = _Reply("cmpl", "text_completion", self.model_name, sum(map(len, prompts)))
-        if body.logprobs is not None:
-            reply.logprobs = _Logprobs(self.tokenizer, chat=False, top=body.logprobs)
+        logprobs = None if body.logprobs is None else _Logprobs(self.tokenizer, chat=False, top=body.logprobs)
+        reply = _Reply("cmpl", "text_completion", self.model_name, sum(map(len, prompts)), logprobs)
         if body.stream:
             return _sse(generation, reply.stream_completion(generation, request, body.include_usage))
         finished = await generation.completions(request.is_disconnected)
@@ -139,11 +137,11 @@ class _Server:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        messages = [m.as_template_message() for m in body.messages]
         try:
-            text = render_chat_prompt([m.as_template_message() for m in body.messages], self.tokenizer, where="messages")
-        except DataError as e:
+            (prompt,) = encode_prompts([{"messages": messages, "where": "messages"}], self.tokenizer, chat=True)
+        except DataError as e:  # the chat template refused the conversation
             raise ApiError(400, str(e), param="messages") from None
-        prompt = self.tokenizer.encode_with_offsets([text], add_special_tokens=False)[0][0].tolist()
         limit = self.engine.max_seq_len
         budget = body.token_budget
         # no budget given: whatever room the context leaves (at least 1, so that a prompt too
@@ -151,9 +149,8 @@ class _Server:
         generation = self._submit(
             [prompt], body, lambda p: budget or max(1, limit - len(p)), "messages", body.max_tokens_field
         )
-        reply = _Reply("chatcmpl", "chat.completion", self.model_name, len(prompt))
-        if body.logprobs:
-            reply.logprobs = _Logprobs(self.tokenizer, chat=True, top=body.top_logprobs or 0)
+        logprobs = _Logprobs(self.tokenizer, chat=True, top=body.top_logprobs or 0) if body.logprobs else None
+        reply = _Reply("chatcmpl", "chat.completion", self.model_name, len(prompt), logprobs)
         if body.stream:
             return _sse(generation, reply.stream_chat(generation, request, body.include_usage))
         finished = await generation.completions(request.is_disconnected)
@@ -169,7 +166,7 @@ class _Server:
         if not prompt or isinstance(prompt[0], int):  # one prompt of token ids
             return [list(prompt)]
         if isinstance(prompt[0], str):
-            return [ids.tolist() for ids in self.tokenizer.encode_batch(prompt)]
+            return encode_prompts([{"prompt": text} for text in prompt], self.tokenizer, chat=False)
         return [list(p) for p in prompt]
 
     def _submit(self, prompts, body, budget_of, prompt_field: str, budget_field: str) -> Generation:
@@ -235,15 +232,15 @@ class _Logprobs:
 
 
 class _Reply:
-    """The response bodies of one request: its id, its time, its usage."""
+    """The response bodies of one request (whole or streamed), which share its id and time."""
 
-    def __init__(self, prefix: str, kind: str, model: str, prompt_tokens: int):
+    def __init__(self, prefix: str, kind: str, model: str, prompt_tokens: int, logprobs: _Logprobs | None):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.kind = kind
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
-        self.logprobs: _Logprobs | None = None  # when the request asks for them
+        self.logprobs = logprobs  # None unless the request asks for them
 
     def _head(self, kind: str | None = None) -> dict:
         return {"id": self.id, "object": kind or self.kind, "created": self.created, "model": self.model}
@@ -261,7 +258,12 @@ class _Reply:
 
     def completion(self, finished: dict[int, Completion]) -> dict:
         choices = [
-            {"index": i, "text": c.text, "logprobs": self._logprobs_of(i, c.tokens, c.logprobs), "finish_reason": _reason(c)}
+            {
+                "index": i,
+                "text": c.text,
+                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs),
+                "finish_reason": _reason(c),
+            }
             for i, c in sorted(finished.items())
         ]
         return {**self._head(), "choices": choices, "usage": self.usage(finished)}
@@ -316,8 +318,8 @@ class _Reply:
         async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
             if choice not in started:  # OpenAI opens each choice with its role
                 started.add(choice)
-                opening = {"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                yield self._chunk(head, opening, include_usage)
+                opening = {"index": choice, "delta": {"role": "assistant", "content": ""}}
+                yield self._chunk(head, {**opening, "logprobs": None, "finish_reason": None}, include_usage)
             if not text and done is None and not (self.logprobs and tokens):
                 continue
             if done is not None:

@@ -36,12 +36,15 @@ class Generation:
 
     def submit(self, choice: int, prompt: list[int], params: SamplingParams, *, sample: int = 0) -> None:
         """Queue ``prompt`` in the engine as choice ``choice`` (``sample``: its number among the
-        prompt's ``n``, which seeds its random draws). Raises the engine's
-        :class:`~levanter_core.inference.engine.RequestError` (400, 429, 503); the caller then :meth:`cancel`\\ s what it submitted."""
+        prompt's ``n``, which seeds its random draws). Raises the engine's ``RequestError``
+        (400, 429, 503); the caller then cancels what it submitted."""
 
         def on_update(update: Update) -> None:  # on the engine's thread
-            # A closed loop (the server has gone) raises here, and the engine cancels the request.
-            self._loop.call_soon_threadsafe(self._updates.put_nowait, (choice, update))
+            try:
+                self._loop.call_soon_threadsafe(self._updates.put_nowait, (choice, update))
+            except RuntimeError:  # the event loop has closed (a server stopped at once): nobody listens
+                if choice in self._requests:
+                    self._requests[choice].cancel()
 
         self._requests[choice] = self._engine.submit(prompt, params, index=sample, on_update=on_update)
 
@@ -62,7 +65,7 @@ class Generation:
             try:
                 choice, update = await asyncio.wait_for(self._updates.get(), POLL_SECONDS)
             except asyncio.TimeoutError:
-                self._raise_if_failed()
+                self._check_requests()
                 if is_disconnected is not None and await is_disconnected():
                     self.cancel()
                     return
@@ -78,7 +81,7 @@ class Generation:
             pass
         return dict(self._finished)
 
-    def _raise_if_failed(self) -> None:
+    def _check_requests(self) -> None:
         # A failed engine ends its requests with an error, and a request cancelled before it left
         # the queue ends without a result, both without calling on_update: look at the requests.
         for choice, request in self._requests.items():

@@ -43,14 +43,17 @@ def serve_command(
         typer.Option(help="Tokenizer to use instead of SOURCE's own: a tokenizer.json, its directory, or a hub name."),
     ] = None,
     max_seqs: Annotated[
-        int, typer.Option(help="Sequences decoded together (the batch; each holds a row of the key/value cache).", min=1)
+        int,
+        typer.Option(help="Sequences decoded together (the batch; each holds a row of the key/value cache).", min=1),
     ] = 16,
     max_queued: Annotated[
         int, typer.Option(help="Requests that may wait for a free sequence; one more is answered 429.", min=0)
     ] = 256,
     max_seq_len: Annotated[
         Optional[int],
-        typer.Option(help="Tokens of prompt plus answer per sequence (default and at most the model's seq_len).", min=2),
+        typer.Option(
+            help="Tokens of prompt plus answer per sequence (default and at most the model's seq_len).", min=2
+        ),
     ] = None,
     max_rounds: Annotated[
         int, typer.Option(help="Tokens each sequence generates per engine step before new requests may join.", min=1)

@@ -126,9 +126,8 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _refuse(cls, value, info):
         if value not in _OFF_ONLY[info.field_name]:
-            raise PydanticCustomError(
-                "unsupported", "is not supported by this server (leave it out, or at {off})", {"off": _off(info.field_name)}
-            )
+            why = "is not supported by this server (leave it out, or at {off})"
+            raise PydanticCustomError("unsupported", why, {"off": _off(info.field_name)})
         return value
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:

@@ -38,7 +38,8 @@ def serve(
     more requests waiting (one more is answered 429); prompt and answer must fit in
     ``max_seq_len`` tokens (default and at most the model's ``seq_len``). On a signal, uvicorn
     stops accepting connections and waits for the answers in progress, then the engine
-    finishes whatever it still holds: every accepted request gets its whole answer."""
+    finishes whatever it still holds: every accepted request gets its whole answer. A second
+    signal stops at once."""
     import uvicorn
 
     from levanter_core.inference.engine import Engine
@@ -62,21 +63,26 @@ def serve(
         )
         app = create_app(engine, loaded, api_key=api_key, model_name=model_name)
         warm_up(engine)
+        listener.listen(2048)  # connections wait in the backlog from now on, until uvicorn accepts them
         name = model_name or loaded.name
+        port = listener.getsockname()[1]  # the one the system chose for --port 0
         print(
             f"serving {name} ({engine.max_seq_len} tokens of context) at http://{_url_host(host)}:{port}/v1"
             f"{' (API key required)' if api_key else ''}; Ctrl-C to stop",
             flush=True,
         )
-        config = uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=None)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=None))
         try:
             with _signals_end_quietly():
-                uvicorn.Server(config).run(sockets=[listener])
+                server.run(sockets=[listener])
         finally:
+            # uvicorn has waited for every answer in progress, unless a second Ctrl-C cut it short
+            drain = not server.force_exit
             pending = engine.pending()
             if pending:
-                logger.warning("finishing the %d requests still in the engine", pending)
-            engine.shutdown(drain=True)
+                what = "finishing" if drain else "cancelling"
+                logger.warning("%s the %d requests still in the engine", what, pending)
+            engine.shutdown(drain=drain)
     finally:
         listener.close()
 

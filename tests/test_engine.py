@@ -103,9 +103,60 @@ def test_end_of_sequence_and_truncation(model):
 
 def test_context_limits_are_checked_before_queueing(model):
     with Engine(model, max_seqs=1) as engine:
-        with pytest.raises(RequestError, match="this model's context is 96 tokens"):
+        with pytest.raises(RequestError, match="this model's context is 96 tokens") as e:
             engine.submit(list(range(96)), SamplingParams(max_new_tokens=1))
-        with pytest.raises(RequestError, match="ask for at most 6 new tokens"):
+        assert e.value.field == "prompt"
+        with pytest.raises(RequestError, match="ask for at most 6 new tokens") as e:
             engine.submit(list(range(90)), SamplingParams(max_new_tokens=7))
+        assert e.value.field == "max_new_tokens"
         with pytest.raises(RequestError, match="outside the vocabulary"):
             engine.submit([61], SamplingParams(max_new_tokens=4))
+        with pytest.raises(RequestError, match="top_p must be in") as e:
+            engine.submit([1], SamplingParams(top_p=0.0, top_logprobs=30))
+        assert e.value.field == "top_p" and "top_logprobs must be 0 to 20, not 30" in str(e.value)
+
+
+def test_top_logprobs_rank_the_alternatives(model):
+    greedy = SamplingParams(max_new_tokens=9, temperature=0.0, top_logprobs=4)
+    sampled = SamplingParams(max_new_tokens=9, temperature=1.5, seed=3, top_logprobs=20)
+    with Engine(model, max_seqs=2, max_rounds=4) as engine:
+        plain = engine.submit([3, 4, 5], SamplingParams(max_new_tokens=9, temperature=0.0)).result()
+        best, drawn = engine.submit([3, 4, 5], greedy), engine.submit([9, 8], sampled)
+        best, drawn = best.result(), drawn.result()
+    assert plain.top_logprobs is None
+    assert best.tokens == plain.tokens and len(best.top_logprobs) == 9
+    for token, logprob, top in zip(best.tokens, best.logprobs, best.top_logprobs):
+        assert len(top) == 4 and top[0] == (token, pytest.approx(logprob, abs=1e-5))  # greedy: the chosen is first
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    for token, logprob, top in zip(drawn.tokens, drawn.logprobs, drawn.top_logprobs):
+        assert len(top) == 20 and len({t for t, _ in top}) == 20
+        # a drawn token among the 20 likeliest carries the same log-probability there
+        assert all(lp == pytest.approx(logprob, abs=1e-5) for t, lp in top if t == token)
+
+
+def test_listeners_hear_of_cancellation_and_failure(model, monkeypatch):
+    heard = []
+    with Engine(model, max_seqs=1, max_rounds=1) as engine:
+        first = engine.submit([1, 2], SamplingParams(max_new_tokens=40, temperature=0.0))
+        queued = engine.submit([3], SamplingParams(max_new_tokens=5), on_update=heard.append)
+        queued.cancel()
+        assert first.result().finish_reason == "length"
+        assert queued.result().finish_reason == "cancelled"
+    assert heard[-1].finished is queued.result()
+
+    def lost(*args, **kwargs):  # a step that fails, as on a device error
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr("levanter_core.inference.engine._prefill", lost)
+    engine = Engine(model, max_seqs=1, max_rounds=1)
+    failed = []
+    assert engine.accepting
+    request = engine.submit([1, 2], SamplingParams(max_new_tokens=3), on_update=failed.append)
+    with pytest.raises(RequestError) as e:
+        request.result(timeout=60)
+    assert e.value.status == 503 and failed[-1].error is e.value and failed[-1].finished is None
+    assert not engine.accepting and "the engine has failed" in engine.refusal()
+    with pytest.raises(RequestError, match="the engine has failed") as e:
+        engine.submit([1], SamplingParams(max_new_tokens=1))
+    assert e.value.status == 503
+    engine.shutdown()

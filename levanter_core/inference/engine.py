@@ -34,18 +34,21 @@ from haliax import Axis
 
 from levanter_core.errors import UserError
 from levanter_core.inference import decoding
-from levanter_core.inference.sampling import SamplingParams, choose_tokens, token_keys
+from levanter_core.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, choose_tokens, token_keys, top_tokens
 
 logger = logging.getLogger(__name__)
 
 
 class RequestError(UserError):
     """A request that cannot be served as asked; ``status`` is its HTTP status (400: bad input,
-    429: the queue is full, 503: the engine is shutting down or broken)."""
+    429: the queue is full, 503: the engine is shutting down or broken); ``field``, when one is
+    to blame, the request's field in :class:`SamplingParams`'s words (``prompt``,
+    ``max_new_tokens``, ``temperature``, ...)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, *, field: str | None = None):
         super().__init__(message)
         self.status = status
+        self.field = field
 
 
 @dataclass
@@ -66,6 +69,9 @@ class Completion:
     """Which of a prompt's samples this is (``-n``)."""
     time_to_first_token: float | None = None
     """Seconds from submission to the first generated token."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``SamplingParams.top_logprobs``: at each generated position, the most likely tokens
+    and their log-probabilities, most likely first (None when not asked for)."""
 
 
 @dataclass
@@ -76,6 +82,11 @@ class Update:
     tokens: list[int]
     logprobs: list[float]
     finished: Completion | None = None
+    """The completion, on a request's last update."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """The alternatives at each new token's position, when the request asked for them."""
+    error: BaseException | None = None
+    """Why the request failed (the engine broke), on its last update; ``finished`` is then None."""
 
 
 class Request:
@@ -90,6 +101,7 @@ class Request:
         self.first_token_at: float | None = None
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.emitted = 0  # characters of text already given to on_update
         self.cancelled = False
         self._done = threading.Event()
@@ -194,27 +206,42 @@ class Engine:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` (400) for a request that cannot be served as asked."""
-        problems = params.problems()
+        problems = params.field_problems()
         if problems:
-            raise RequestError("; ".join(problems))
+            raise RequestError("; ".join(m for _, m in problems), field=problems[0][0])
         if not prompt:
-            raise RequestError("the prompt is empty: give at least one token")
+            raise RequestError("the prompt is empty: give at least one token", field="prompt")
         limit = self.max_seq_len
         if len(prompt) >= limit:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens, but this model's context is {limit} tokens "
-                "(the prompt and what is generated must fit in it)"
+                "(the prompt and what is generated must fit in it)",
+                field="prompt",
             )
         if len(prompt) + params.max_new_tokens > limit:
             raise RequestError(
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({params.max_new_tokens}) add up to "
                 f"{len(prompt) + params.max_new_tokens} tokens, more than this model's context of {limit} "
-                f"tokens; ask for at most {limit - len(prompt)} new tokens"
+                f"tokens; ask for at most {limit - len(prompt)} new tokens",
+                field="max_new_tokens",
             )
         vocab = self.model.Vocab.size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token {bad[0]} is outside the vocabulary (0 to {vocab - 1})")
+            raise RequestError(f"prompt token {bad[0]} is outside the vocabulary (0 to {vocab - 1})", field="prompt")
+
+    @property
+    def accepting(self) -> bool:
+        """Whether :meth:`submit` takes new requests (False once shutting down or failed)."""
+        return self.refusal() is None
+
+    def refusal(self) -> str | None:
+        """Why the engine refuses new requests (it is shutting down, it failed), or None."""
+        if self._failed is not None:
+            return f"the engine has failed: {self._failed}"
+        if self._closing:
+            return "the engine is shutting down"
+        return None
 
     def submit(
         self, prompt: list[int], params: SamplingParams, *, index: int = 0, on_update=None
@@ -225,10 +252,9 @@ class Engine:
         self.check(prompt, params)
         request = Request(list(prompt), params, index, on_update)
         with self._lock:
-            if self._failed is not None:
-                raise RequestError(f"the engine has failed: {self._failed}", status=503)
-            if self._closing:
-                raise RequestError("the engine is shutting down", status=503)
+            refusal = self.refusal()
+            if refusal is not None:
+                raise RequestError(refusal, status=503)
             if len(self._queue) >= self.max_queued:
                 raise RequestError(
                     f"too many requests: {len(self._queue)} are already waiting (the queue holds "
@@ -277,6 +303,7 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
+        admitted: list[tuple[int, Request]] = []
         try:
             while True:
                 with self._lock:
@@ -293,12 +320,15 @@ class Engine:
             logger.exception("the inference engine failed")
             with self._lock:
                 self._failed = e
-                waiting = list(self._queue) + [s.request for s in self._slots if s is not None]
+                # those being prefilled when it failed are in neither the queue nor a slot yet
+                busy = [s.request for s in self._slots if s is not None]
+                waiting = list(self._queue) + busy + [r for _, r in admitted if r not in busy and not r.done()]
                 self._queue.clear()
                 self._slots = [None] * self.max_seqs
             for request in waiting:
-                request._error = RequestError(f"the engine failed: {e}", status=503)
+                request._error = error = RequestError(f"the engine failed: {e}", status=503)
                 request._done.set()
+                self._notify(request, Update("", [], [], error=error))
 
     def _take_admissions(self) -> list[tuple[int, Request]]:
         free = [i for i, s in enumerate(self._slots) if s is None]
@@ -323,16 +353,18 @@ class Engine:
             lengths[i] = len(request.prompt)
             slots[i] = slot
         params = self._params([r for _, r in admitted], rows)
-        self.stats.compiles.add(("prefill", rows, length))
-        self._cache, new_tokens, logprobs = _prefill(
-            self._cache, self.model, tokens, lengths, slots, *params, key_positions=self._KeyPos
+        top_n = self._top_n(r for _, r in admitted)
+        self.stats.compiles.add(("prefill", rows, length, top_n))
+        self._cache, new_tokens, logprobs, top_ids, top_lps = _prefill(
+            self._cache, self.model, tokens, lengths, slots, *params, key_positions=self._KeyPos, top_n=top_n
         )
         new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
+        top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
         self.stats.prefill_tokens += int(lengths[: len(admitted)].sum())
         self.stats.prefill_seconds += time.perf_counter() - started
         for i, (slot, request) in enumerate(admitted):
             self._slots[slot] = _Slot(request, len(request.prompt), int(new_tokens[i]))
-            self._accept(slot, [int(new_tokens[i])], [float(logprobs[i])])
+            self._accept(slot, [int(new_tokens[i])], [float(logprobs[i])], top_ids[i : i + 1], top_lps[i : i + 1])
 
     def _decode_round(self) -> None:
         started = time.perf_counter()
@@ -344,18 +376,26 @@ class Engine:
             tokens[i], positions[i] = slot.token, slot.position
         key_len = _bucket(int(positions.max()) + rounds, self.min_prefill, self.max_seq_len)
         params = self._params([s.request if s else None for s in self._slots], self.max_seqs)
-        self.stats.compiles.add(("decode", key_len))
-        self._cache, out_tokens, out_logprobs = _decode(
-            self._cache, self.model, tokens, positions, *params, key_len=key_len, rounds=rounds
+        top_n = self._top_n(s.request for _, s in live)
+        self.stats.compiles.add(("decode", key_len, top_n))
+        self._cache, out_tokens, out_logprobs, top_ids, top_lps = _decode(
+            self._cache, self.model, tokens, positions, *params, key_len=key_len, rounds=rounds, top_n=top_n
         )
         out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+        top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
         self.stats.decode_steps += rounds
         self.stats.decode_seconds += time.perf_counter() - started
         for i, slot in live:
             slot.position += rounds
             slot.token = int(out_tokens[i, -1])
             self.stats.decode_tokens += rounds
-            self._accept(i, out_tokens[i].tolist(), out_logprobs[i].tolist())
+            self._accept(i, out_tokens[i].tolist(), out_logprobs[i].tolist(), top_ids[i], top_lps[i])
+
+    @staticmethod
+    def _top_n(requests) -> int:
+        """How many alternatives the compiled step reports: none unless a request asks (one more
+        compiled variant, with the most any request may ask for, rather than one per count)."""
+        return MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in requests) else 0
 
     def _params(self, requests, rows: int):
         temperature = np.zeros(rows, np.float32)
@@ -372,20 +412,24 @@ class Engine:
         return temperature, top_k, top_p, seeds, samples
 
     # -- turning tokens into results -----------------------------------------------------------
-    def _accept(self, slot: int, tokens: list[int], logprobs: list[float]) -> None:
-        """Give slot ``slot``'s request its new ``tokens``; free the slot if it has ended."""
+    def _accept(self, slot: int, tokens: list[int], logprobs: list[float], top_ids, top_lps) -> None:
+        """Give slot ``slot``'s request its new ``tokens`` (``top_ids``/``top_lps``: the
+        alternatives at each, ``[len(tokens), top_n]``); free the slot if it has ended."""
         request = self._slots[slot].request
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         params = request.params
         reason = None
         added = 0
-        for token, logprob in zip(tokens, logprobs):
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs)):
             if token in self.eos_ids and not params.ignore_eos:
                 reason = "stop"
                 break
             request.tokens.append(token)
             request.logprobs.append(logprob)
+            if params.top_logprobs:
+                n = params.top_logprobs
+                request.top_logprobs.append(list(zip(top_ids[j, :n].tolist(), top_lps[j, :n].tolist())))
             added += 1
             if len(request.tokens) >= params.max_new_tokens or len(request.prompt) + len(request.tokens) >= self.max_seq_len:
                 reason = "length"
@@ -398,14 +442,16 @@ class Engine:
         completion = None
         if reason is not None:
             self._slots[slot] = None
+            kept = slice(None, cut)
             completion = Completion(
                 request.prompt,
-                request.tokens[:cut] if cut is not None else request.tokens,
-                request.logprobs[:cut] if cut is not None else request.logprobs,
+                request.tokens[kept],
+                request.logprobs[kept],
                 text,
                 reason,
                 request.index,
                 request.first_token_at - request.submitted,
+                request.top_logprobs[kept] if params.top_logprobs else None,
             )
         self._deliver(request, text, added, completion)
 
@@ -437,28 +483,35 @@ class Engine:
                     safe -= 1
                 delta = text[request.emitted : max(safe, request.emitted)]
             request.emitted += len(delta)
-            new_tokens = request.tokens[len(request.tokens) - added :] if added else []
-            new_logprobs = request.logprobs[len(request.logprobs) - added :] if added else []
-            try:
-                request.on_update(Update(delta, new_tokens, new_logprobs, completion))
-            except Exception:  # a listener's failure (a closed connection) is the listener's
-                logger.exception("a request's update listener failed; cancelling the request")
-                request.cancel()
+            new = slice(len(request.tokens) - added, None) if added else slice(0, 0)
+            top = request.top_logprobs[len(request.top_logprobs) - added :] if added and request.top_logprobs else []
+            self._notify(request, Update(delta, request.tokens[new], request.logprobs[new], completion, top))
         if completion is not None:
             request._completion = completion
             request._done.set()
 
+    @staticmethod
+    def _notify(request: Request, update: Update) -> None:
+        if request.on_update is None:
+            return
+        try:
+            request.on_update(update)
+        except Exception:  # a listener's failure (a closed connection) is the listener's
+            logger.exception("a request's update listener failed; cancelling the request")
+            request.cancel()
+
     def _finish_cancelled(self, request: Request) -> None:
+        """End a request cancelled before it left the queue (its listener hears of it too)."""
         completion = Completion(request.prompt, [], [], "" if self.tokenizer else None, "cancelled", request.index)
-        request._completion = completion
-        request._done.set()
+        self._deliver(request, completion.text, 0, completion)
 
 
 # -- the compiled steps ------------------------------------------------------------------------------
 @hax.named_jit(donate_args=(True,) + (False,) * 9)
-def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions):
+def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions, top_n):
     """Prompts ``tokens`` ``[rows, length]`` (``lengths`` long) through the model into a fresh
-    cache whose rows go to ``slots`` of ``cache``; the first generated token of each."""
+    cache whose rows go to ``slots`` of ``cache``; the first generated token of each, its
+    log-probability, and the ``top_n`` most likely tokens and their log-probabilities."""
     Batch, Pos = Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1])
     ids = hax.named(jnp.asarray(tokens), (Batch, Pos))
     positions = hax.broadcast_to(hax.arange(Pos), (Batch, Pos))
@@ -469,25 +522,35 @@ def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, se
     logits = decoding.next_token_logits(model, last).rearrange((Batch.name, ...)).array
     keys = token_keys(seeds, samples, lengths)
     new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys)
-    return cache.insert(slots, fresh), new, logprobs
+    top_ids, top_lps = top_tokens(logits, top_n)
+    return cache.insert(slots, fresh), new, logprobs, top_ids, top_lps
 
 
 @hax.named_jit(donate_args=(True,) + (False,) * 8)
-def _decode(cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds):
+def _decode(cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds, top_n):
     """``rounds`` decoding steps of every row: each feeds its last token at its position and
-    chooses the next. Returns the cache and the chosen tokens and log-probabilities ``[rows, rounds]``."""
+    chooses the next. Returns the cache, the chosen tokens and log-probabilities ``[rows, rounds]``,
+    and the ``top_n`` most likely tokens and their log-probabilities ``[rows, rounds, top_n]``."""
     Batch, One = Axis("batch", tokens.shape[0]), Axis("position", 1)
 
     def step(i, carry):
-        cache, tokens, positions, out_tokens, out_logprobs = carry
+        cache, tokens, positions, out = carry
         ids = hax.named(tokens[:, None], (Batch, One))
         where = hax.named(positions[:, None], (Batch, One))
         hidden, cache = decoding.decode(model, ids, where, cache, key_len=key_len)
         logits = decoding.next_token_logits(model, hidden["position", 0]).rearrange((Batch.name, ...)).array
         new, logprobs = choose_tokens(logits, temperature, top_k, top_p, token_keys(seeds, samples, positions + 1))
-        return cache, new, positions + 1, out_tokens.at[:, i].set(new), out_logprobs.at[:, i].set(logprobs)
+        chosen = (new, logprobs, *top_tokens(logits, top_n))
+        out = tuple(o.at[:, i].set(c) for o, c in zip(out, chosen))
+        return cache, new, positions + 1, out
 
-    out = (jnp.zeros((Batch.size, rounds), jnp.int32), jnp.zeros((Batch.size, rounds), jnp.float32))
+    rows = Batch.size
+    out = (
+        jnp.zeros((rows, rounds), jnp.int32),
+        jnp.zeros((rows, rounds), jnp.float32),
+        jnp.zeros((rows, rounds, top_n), jnp.int32),
+        jnp.zeros((rows, rounds, top_n), jnp.float32),
+    )
     tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
-    cache, _, _, out_tokens, out_logprobs = jax.lax.fori_loop(0, rounds, step, (cache, tokens, positions, *out))
-    return cache, out_tokens, out_logprobs
+    cache, _, _, out = jax.lax.fori_loop(0, rounds, step, (cache, tokens, positions, out))
+    return (cache, *out)

@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask to see at each position (OpenAI's limit)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded."""
@@ -31,20 +35,29 @@ class SamplingParams:
     """Strings that end the text where they appear (they are not part of it)."""
     ignore_eos: bool = False
     """Go on past the end-of-sequence token (benchmarks use it to generate a fixed length)."""
+    top_logprobs: int = 0
+    """Also report, at each generated position, this many of the most likely tokens with their
+    log-probabilities (at most :data:`MAX_TOP_LOGPROBS`); 0: only the chosen token's."""
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, in the words of their fields (empty when nothing)."""
+        return [message for _, message in self.field_problems()]
+
+    def field_problems(self) -> list[tuple[str, str]]:
+        """``(field, what is wrong with it)`` for each bad setting (empty when nothing)."""
         found = []
         if self.max_new_tokens < 1:
-            found.append(f"max_new_tokens must be at least 1, not {self.max_new_tokens}")
+            found.append(("max_new_tokens", f"max_new_tokens must be at least 1, not {self.max_new_tokens}"))
         if not self.temperature >= 0:
-            found.append(f"temperature must be 0 (greedy) or more, not {self.temperature}")
+            found.append(("temperature", f"temperature must be 0 (greedy) or more, not {self.temperature}"))
         if self.top_k < 0:
-            found.append(f"top_k must be 0 (off) or more, not {self.top_k}")
+            found.append(("top_k", f"top_k must be 0 (off) or more, not {self.top_k}"))
         if not 0 < self.top_p <= 1:
-            found.append(f"top_p must be in (0, 1], not {self.top_p}")
+            found.append(("top_p", f"top_p must be in (0, 1], not {self.top_p}"))
         if any(not s for s in self.stop):
-            found.append("a stop string must not be empty")
+            found.append(("stop", "a stop string must not be empty"))
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            found.append(("top_logprobs", f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {self.top_logprobs}"))
         return found
 
 
@@ -85,3 +98,13 @@ def choose_tokens(
     drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+
+
+def top_tokens(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """The ``n`` most likely tokens of each row of ``logits`` ``[rows, vocab]`` and their
+    log-probabilities, most likely first (``[rows, n]`` each; ``n`` may be 0)."""
+    if n == 0:
+        rows = logits.shape[0]
+        return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+    log_probs, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n)
+    return ids.astype(jnp.int32), log_probs

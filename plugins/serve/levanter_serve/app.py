@@ -45,7 +45,7 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
     @app.get("/health")
     async def health():
         """``{"status": "ok"}`` while the engine takes requests; 503 once it is shutting down or has failed."""
-        trouble = _engine_trouble(engine)
+        trouble = engine.refusal()
         if trouble:
             raise ApiError(503, f"the engine is not taking requests: {trouble}", code="engine_unavailable")
         return {"status": "ok", "model": server.model_name, "pending": engine.pending()}
@@ -68,16 +68,6 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
         return await server.chat_completions(body, request)
 
     return app
-
-
-def _engine_trouble(engine: Engine) -> str | None:
-    """Why ``engine`` refuses new requests, if it does. (The engine has no public accessor for
-    this yet: these are the two flags its ``submit`` checks.)"""
-    if getattr(engine, "_failed", None) is not None:
-        return f"it failed ({engine._failed})"
-    if getattr(engine, "_closing", False):
-        return "it is shutting down"
-    return None
 
 
 def _bearer(api_key: str):
@@ -182,10 +172,12 @@ class _Server:
                 self.engine.check(prompt, params)
             except RequestError as e:
                 limit = self.engine.max_seq_len
-                if prompt and len(prompt) < limit and len(prompt) + budget > limit:
-                    raise ApiError.from_engine(e, param=budget_field, code="context_length_exceeded") from None
-                code = "context_length_exceeded" if len(prompt) >= limit else None
-                raise ApiError.from_engine(e, param=prompt_field, code=code) from None
+                too_long = bool(prompt) and len(prompt) + budget > limit
+                param = {"prompt": prompt_field, "max_new_tokens": budget_field}.get(e.field, e.field)
+                if param == "top_logprobs" and prompt_field == "prompt":
+                    param = "logprobs"  # what /v1/completions calls it
+                code = "context_length_exceeded" if too_long and e.field in ("prompt", "max_new_tokens") else None
+                raise ApiError.from_engine(e, param=param, code=code) from None
             planned.append((prompt, params))
         generation = Generation(self.engine)
         try:
@@ -209,14 +201,16 @@ class _Logprobs:
         self.top = top
         self._offsets: dict[int, int] = {}
 
-    def __call__(self, choice: int, tokens: list[int], logprobs: list[float]) -> dict:
+    def __call__(self, choice: int, tokens: list[int], logprobs: list[float], tops: list) -> dict:
+        """``tops``: the engine's alternatives at each token, ``[(token, logprob), ...]`` (empty
+        when the request asked for none)."""
         texts = [self.tokenizer.decode([t]) for t in tokens]
+        tops = tops or [[] for _ in tokens]
         if self.chat:
             content = []
-            for text, lp in zip(texts, logprobs):
-                entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-                # the engine computes the chosen token's log-probability only: it is its own top-1
-                content.append({**entry, "top_logprobs": [entry] if self.top else []})
+            for text, lp, top in zip(texts, logprobs, tops):
+                alternatives = [self._entry(self.tokenizer.decode([t]), a) for t, a in top]
+                content.append({**self._entry(text, lp), "top_logprobs": alternatives})
             return {"content": content}
         offsets, offset = [], self._offsets.get(choice, 0)
         for text in texts:
@@ -226,9 +220,20 @@ class _Logprobs:
         return {
             "tokens": texts,
             "token_logprobs": list(logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(texts, logprobs)] if self.top else None,
+            # keyed by text: tokens that decode alike keep the likelier one's value (OpenAI's shape)
+            "top_logprobs": [self._by_text(top) for top in tops] if self.top else None,
             "text_offset": offsets,
         }
+
+    @staticmethod
+    def _entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for token, logprob in top:
+            found.setdefault(self.tokenizer.decode([token]), logprob)
+        return found
 
 
 class _Reply:
@@ -253,15 +258,15 @@ class _Reply:
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
-    def _logprobs_of(self, choice: int, tokens: list[int], logprobs: list[float]):
-        return None if self.logprobs is None else self.logprobs(choice, tokens, logprobs)
+    def _logprobs_of(self, choice: int, tokens: list[int], logprobs: list[float], tops):
+        return None if self.logprobs is None else self.logprobs(choice, tokens, logprobs, tops)
 
     def completion(self, finished: dict[int, Completion]) -> dict:
         choices = [
             {
                 "index": i,
                 "text": c.text,
-                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs),
+                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs, c.top_logprobs),
                 "finish_reason": _reason(c),
             }
             for i, c in sorted(finished.items())
@@ -273,7 +278,7 @@ class _Reply:
             {
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs),
+                "logprobs": self._logprobs_of(i, c.tokens, c.logprobs, c.top_logprobs),
                 "finish_reason": _reason(c),
             }
             for i, c in sorted(finished.items())
@@ -281,53 +286,49 @@ class _Reply:
         return {**self._head(), "choices": choices, "usage": self.usage(finished)}
 
     # -- streams -------------------------------------------------------------------------------
-    async def _deltas(self, generation: Generation, request: Request):
-        """``(choice, text, tokens, logprobs, finished)`` per engine update. Tokens past a stop
-        string can have been sent before the stop string showed; the last update trims what has
-        not been sent yet to the completion's tokens."""
-        sent: dict[int, int] = {}
-        async for choice, update in generation.updates(request.is_disconnected):
-            tokens, logprobs = update.tokens, update.logprobs
-            if update.finished is not None:
-                room = max(0, len(update.finished.tokens) - sent.get(choice, 0))
-                tokens, logprobs = tokens[:room], logprobs[:room]
-            sent[choice] = sent.get(choice, 0) + len(tokens)
-            yield choice, update.text, tokens, logprobs, update.finished
-
     async def stream_completion(self, generation: Generation, request: Request, include_usage: bool):
-        finished: dict[int, Completion] = {}
-        async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
-            if not text and done is None and not (self.logprobs and tokens):
-                continue
-            if done is not None:
-                finished[choice] = done
-            choice_body = {
-                "index": choice,
-                "text": text,
-                "logprobs": self._logprobs_of(choice, tokens, logprobs),
-                "finish_reason": None if done is None else _reason(done),
-            }
-            yield self._chunk(self._head(), choice_body, include_usage)
-        if include_usage:
-            yield {**self._head(), "choices": [], "usage": self.usage(finished)}
+        head = self._head()
+
+        def body(choice: int, text: str, done: Completion | None) -> dict:
+            return {"index": choice, "text": text}
+
+        async for chunk in self._stream(generation, request, include_usage, head, body, None):
+            yield chunk
 
     async def stream_chat(self, generation: Generation, request: Request, include_usage: bool):
-        finished: dict[int, Completion] = {}
-        started: set[int] = set()
         head = self._head("chat.completion.chunk")
-        async for choice, text, tokens, logprobs, done in self._deltas(generation, request):
-            if choice not in started:  # OpenAI opens each choice with its role
-                started.add(choice)
-                opening = {"index": choice, "delta": {"role": "assistant", "content": ""}}
-                yield self._chunk(head, {**opening, "logprobs": None, "finish_reason": None}, include_usage)
-            if not text and done is None and not (self.logprobs and tokens):
-                continue
+
+        def body(choice: int, text: str, done: Completion | None) -> dict:
+            return {"index": choice, "delta": {"content": text} if text or done is None else {}}
+
+        def opening(choice: int) -> dict:  # OpenAI opens each choice with its role
+            return {"index": choice, "delta": {"role": "assistant", "content": ""}}
+
+        async for chunk in self._stream(generation, request, include_usage, head, body, opening):
+            yield chunk
+
+    async def _stream(self, generation: Generation, request: Request, include_usage: bool, head, body, opening):
+        """The chunks of a streamed answer: ``body(choice, text, finished)`` makes each choice's
+        part (its text or delta), ``opening(choice)``, when given, a first chunk per choice.
+        Tokens past a stop string can have been sent before the stop string showed; the last
+        update trims what has not been sent yet to the completion's tokens."""
+        finished: dict[int, Completion] = {}
+        sent: dict[int, int] = {}
+        async for choice, update in generation.updates(request.is_disconnected):
+            done = update.finished
+            if opening is not None and choice not in sent:
+                yield self._chunk(head, {**opening(choice), "logprobs": None, "finish_reason": None}, include_usage)
+            tokens, logprobs, tops = update.tokens, update.logprobs, update.top_logprobs
             if done is not None:
                 finished[choice] = done
+                room = max(0, len(done.tokens) - sent.get(choice, 0))
+                tokens, logprobs, tops = tokens[:room], logprobs[:room], tops[:room]
+            sent[choice] = sent.get(choice, 0) + len(tokens)
+            if not update.text and done is None and not (self.logprobs and tokens):
+                continue
             choice_body = {
-                "index": choice,
-                "delta": {"content": text} if text or done is None else {},
-                "logprobs": self._logprobs_of(choice, tokens, logprobs),
+                **body(choice, update.text, done),
+                "logprobs": self._logprobs_of(choice, tokens, logprobs, tops),
                 "finish_reason": None if done is None else _reason(done),
             }
             yield self._chunk(head, choice_body, include_usage)

@@ -16,8 +16,7 @@ from levanter_core.inference.engine import Completion, Engine, Request, Update
 from levanter_core.inference.sampling import SamplingParams
 
 POLL_SECONDS = 0.5
-"""How often a waiting generation looks at what the engine cannot tell through ``on_update``
-(a failed engine, a request dropped from the queue) and asks whether its client is still there."""
+"""How often a generation with no news asks whether its client is still there."""
 
 
 class Generation:
@@ -65,11 +64,12 @@ class Generation:
             try:
                 choice, update = await asyncio.wait_for(self._updates.get(), POLL_SECONDS)
             except asyncio.TimeoutError:
-                self._check_requests()
                 if is_disconnected is not None and await is_disconnected():
                     self.cancel()
                     return
                 continue
+            if update.error is not None:  # the engine failed: every request of it ends so
+                raise update.error
             if update.finished is not None:
                 self._finished[choice] = update.finished
             yield choice, update
@@ -80,15 +80,3 @@ class Generation:
         async for _ in self.updates(is_disconnected):
             pass
         return dict(self._finished)
-
-    def _check_requests(self) -> None:
-        # A failed engine ends its requests with an error, and a request cancelled before it left
-        # the queue ends without a result, both without calling on_update: look at the requests.
-        for choice, request in self._requests.items():
-            if choice in self._finished or not request.done():
-                continue
-            completion = request.result()  # raises the engine's error
-            if completion.finish_reason == "cancelled":
-                self._finished[choice] = completion
-            # otherwise its last update is already on its way to the queue
-

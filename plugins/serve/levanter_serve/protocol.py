@@ -140,7 +140,13 @@ class _GenerationRequest(BaseModel):
             seed=secrets.randbits(32) if self.seed is None else self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            top_logprobs=self.alternatives,
         )
+
+    @property
+    def alternatives(self) -> int:
+        """How many of the most likely tokens to report at each position (0: none)."""
+        return 0
 
     @property
     def include_usage(self) -> bool:
@@ -159,10 +165,15 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(COMPLETIONS_MAX_TOKENS, ge=1)
     """Most tokens to generate for each answer (default 16, as OpenAI)."""
     logprobs: int | None = Field(None, ge=0, le=5)
-    """Return the log-probability of each generated token (see the README on alternatives)."""
+    """Return the log-probability of each generated token and of the ``logprobs`` most likely
+    tokens at its position (0: the chosen token's only)."""
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def alternatives(self) -> int:
+        return self.logprobs or 0
 
 
 class ChatMessage(BaseModel):
@@ -190,11 +201,16 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     """Return the log-probability of each generated token."""
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    """With ``logprobs``: also the ``top_logprobs`` most likely tokens at each position."""
 
     @property
     def max_tokens_field(self) -> str:
         """The name of the field that set the token budget (for error messages)."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def alternatives(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def token_budget(self) -> int | None:

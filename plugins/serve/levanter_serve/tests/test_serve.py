@@ -63,10 +63,13 @@ def test_completion_fields(client):
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + generated
     assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
     assert choice.logprobs.text_offset[0] == 0
+    # greedy: the chosen token is the likeliest at each position
+    for text, lp, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert list(top) == [text] and top[text] == pytest.approx(lp, abs=1e-5)
 
     chat = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5, temperature=0, n=2,
-        logprobs=True,
+        logprobs=True, top_logprobs=3,
     )  # fmt: skip
     assert chat.id.startswith("chatcmpl-") and chat.object == "chat.completion"
     assert [c.index for c in chat.choices] == [0, 1]
@@ -74,6 +77,11 @@ def test_completion_fields(client):
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy twice
     assert len(chat.choices[0].logprobs.content) <= 5
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    for entry in chat.choices[0].logprobs.content:
+        alternatives = entry.top_logprobs
+        assert len(alternatives) == 3 and alternatives[0].token == entry.token
+        assert alternatives[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert alternatives[0].logprob >= alternatives[1].logprob >= alternatives[2].logprob
 
 
 def _requests(name: str) -> list[tuple[str, dict]]:

@@ -110,7 +110,7 @@ def ours_server(directory: str, workload, clients: int, repeats: int) -> dict:
         port = s.getsockname()[1]
     levanter = os.path.join(os.path.dirname(sys.executable), "levanter")
     server = subprocess.Popen(
-        [levanter, "serve", directory, "--port", str(port), "--max-seqs", str(clients), "--max-rounds", "8"],
+        [levanter, "serve", directory, "--port", str(port), "--max-seqs", str(clients), "--max-rounds", "8", "--precompile"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -160,3 +160,27 @@ def test_listeners_hear_of_cancellation_and_failure(model, monkeypatch):
         engine.submit([1], SamplingParams(max_new_tokens=1))
     assert e.value.status == 503
     engine.shutdown()
+
+
+def test_precompiled_engines_compile_nothing_while_serving(model):
+    compiled = []
+
+    def listen(name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    engine = Engine(model, max_seqs=3, max_seq_len=40, max_rounds=2, max_prefill_seqs=2)
+    # rows 1, 2 x prompt lengths 16, 32, 40; keys 16, 32, 40
+    assert engine.precompile() == 9
+    compiled.clear()
+    work = [([(5 * i + j) % 61 for j in range(1 + 3 * i)], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
+            for i in range(9)]  # fmt: skip
+    try:
+        with engine:
+            got = [r.result().tokens for r in [engine.submit(p, params) for p, params in work]]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []
+    with Engine(model, max_seqs=1, max_seq_len=40, max_rounds=1) as alone:
+        assert got == [alone.submit(p, params).result().tokens for p, params in work]

@@ -193,10 +193,51 @@ class Engine:
     # -- the public side ---------------------------------------------------------------------
     def start(self) -> "Engine":
         if self._thread is None:
-            self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
+            if self._cache is None:
+                self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
             self._thread = threading.Thread(target=self._run, name="levanter-engine", daemon=True)
             self._thread.start()
         return self
+
+    def precompile(self, *, top_logprobs: bool = False) -> int:
+        """Compile every prefill and decoding shape this engine can meet, so that no request ever
+        waits on a compilation (a server calls it before it listens). Call it before the first
+        request. ``top_logprobs``: the variants that report alternatives too. Returns how many
+        programs it compiled (or found compiled)."""
+        if self._thread is not None:
+            raise RuntimeError("precompile() must come before the engine's first request")
+        if self._cache is None:
+            self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
+        tops = (0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)
+        def buckets(smallest, largest, most):
+            return sorted({_bucket(n, smallest, largest) for n in range(1, most + 1)})
+
+        seq_len = self.max_seq_len
+        count = 0
+        for top_n in tops:
+            for rows in buckets(1, self.max_prefill_seqs, self.max_prefill_seqs):
+                params = self._params([], rows)
+                ones = np.ones(rows, np.int32)
+                past_the_end = np.full(rows, self.max_seqs, np.int32)  # every row's slot: nothing is written
+                for length in buckets(self.min_prefill, seq_len, seq_len - 1):
+                    tokens = np.zeros((rows, length), np.int32)
+                    self._cache, *_ = _prefill(
+                        self._cache, self.model, tokens, ones, past_the_end, *params,
+                        key_positions=self._KeyPos, top_n=top_n,
+                    )  # fmt: skip
+                    self.stats.compiles.add(("prefill", rows, length, top_n))
+                    count += 1
+            params = self._params([], self.max_seqs)
+            # writes position 0 of every row, which a request's prefill writes before anything reads it
+            zeros = np.zeros(self.max_seqs, np.int32)
+            for key_len in buckets(self.min_prefill, seq_len, seq_len - 1 + self.max_rounds):
+                self._cache, *_ = _decode(
+                    self._cache, self.model, zeros, zeros, *params, key_len=key_len, rounds=self.max_rounds, top_n=top_n
+                )
+                self.stats.compiles.add(("decode", key_len, top_n))
+                count += 1
+        jax.block_until_ready(self._cache)
+        return count
 
     def __enter__(self) -> "Engine":
         return self.start()

@@ -75,10 +75,13 @@ def choose_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """The next token of each row of ``logits`` ``[rows, vocab]`` (float32) and its log-probability
     under the model (before temperature and truncation). ``temperature``, ``top_k`` and ``top_p``
-    are per row (see :class:`SamplingParams`); ``keys`` one PRNG key per row."""
+    are per row (see :class:`SamplingParams`); ``keys`` one PRNG key per row.
+
+    A sampled row draws one uniform number and takes the token where it falls in the cumulative
+    distribution (inverse transform sampling): one random number per row rather than one per
+    vocabulary entry. A batch of greedy rows draws nothing."""
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
 
     def truncate(scaled):
@@ -93,10 +96,18 @@ def choose_tokens(
         nucleus = jnp.take_along_axis(ordered, (inside - 1)[:, None], axis=-1)
         return jnp.where(scaled < jnp.maximum(kth, nucleus), -jnp.inf, scaled)
 
-    needs_truncation = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
-    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    def draw(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        needs_truncation = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+        scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
+        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+        uniform = jax.vmap(lambda key: jax.random.uniform(key))(keys)
+        # in (0, total]: the first entry of the cdf at or past it has a probability above zero
+        target = (1.0 - uniform) * cdf[:, -1]
+        drawn = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), vocab - 1).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
 
 

@@ -58,6 +58,13 @@ def serve_command(
     max_rounds: Annotated[
         int, typer.Option(help="Tokens each sequence generates per engine step before new requests may join.", min=1)
     ] = 4,
+    precompile: Annotated[
+        bool,
+        typer.Option(
+            help="Compile every prompt-length and batch shape before listening, so that no request waits "
+            "on a compilation (a slower start); otherwise each shape compiles when a request first needs it."
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API.
 
@@ -78,6 +85,7 @@ def serve_command(
         max_queued=max_queued,
         max_seq_len=max_seq_len,
         max_rounds=max_rounds,
+        precompile=precompile,
     )
 
 

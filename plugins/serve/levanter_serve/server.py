@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 
 from levanter_core.errors import UserError
 
@@ -29,6 +30,7 @@ def serve(
     max_queued: int = 256,
     max_seq_len: int | None = None,
     max_rounds: int = 4,
+    precompile: bool = False,
 ) -> None:
     """Serve the model of ``source`` (a checkpoint, an import, a Hugging Face directory or hub
     name; ``tokenizer`` replaces its own) on ``host``:``port`` until SIGINT or SIGTERM.
@@ -39,7 +41,8 @@ def serve(
     ``max_seq_len`` tokens (default and at most the model's ``seq_len``). On a signal, uvicorn
     stops accepting connections and waits for the answers in progress, then the engine
     finishes whatever it still holds: every accepted request gets its whole answer. A second
-    signal stops at once."""
+    signal stops at once. ``precompile``: compile every shape the engine can meet before
+    listening (see :meth:`Engine.precompile`), rather than only the smallest."""
     import uvicorn
 
     from levanter_core.inference.engine import Engine
@@ -62,6 +65,11 @@ def serve(
             max_rounds=max_rounds,
         )
         app = create_app(engine, loaded, api_key=api_key, model_name=model_name)
+        if precompile:
+            started = time.perf_counter()
+            print("compiling every shape the engine can meet (--precompile)", flush=True)
+            count = engine.precompile()
+            print(f"compiled {count} programs in {time.perf_counter() - started:.1f} s", flush=True)
         warm_up(engine)
         listener.listen(2048)  # connections wait in the backlog from now on, until uvicorn accepts them
         name = model_name or loaded.name

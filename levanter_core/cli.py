@@ -184,6 +184,70 @@ def plugins(
         raise typer.Exit(code=1)
 
 
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def eval_command(
+    ctx: typer.Context,
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import, "
+            "or a Hugging Face model directory or hub name.",
+            metavar="SOURCE",
+        ),
+    ],
+    config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--config",
+            help="A training config whose validation sets (and their tags) to evaluate on, tokenized into its "
+            "cache as training would; dotted overrides after it apply (--data.cache_dir DIR).",
+        ),
+    ] = None,
+    data: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--data",
+            help="A file to evaluate on (repeat for several): .jsonl (a 'text' field), .txt (a document per "
+            "line), .json or .parquet, compressed or not; tokenized with the model's tokenizer.",
+            metavar="FILE",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the results as JSON: loss and bpb overall, per set and per tag.")
+    ] = False,
+    batch_size: Annotated[int, typer.Option(help="Sequences per evaluation batch.", min=1)] = 8,
+    max_batches: Annotated[
+        Optional[int], typer.Option(help="Evaluate at most this many batches of each set [default: all].", min=1)
+    ] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
+    cache_dir: Annotated[
+        Optional[str],
+        typer.Option(help="Keep the tokenized --data files here (reused next time) rather than in a temporary directory."),
+    ] = None,
+) -> None:
+    """Evaluate a model: loss and bits per byte on a config's validation sets or on files.
+
+    Every sequence of each set counts once (documents joined with the end-of-text token, cut
+    into sequences of the model's seq_len). Bits per byte divides the loss by the bytes of text
+    the predicted tokens stand for, so it compares models with different tokenizers.
+    """
+    import json as json_module
+
+    from levanter_core.evaluate import run_eval
+
+    overrides = list(ctx.args)
+    if overrides and not config:
+        raise UserError(f"unexpected arguments {' '.join(overrides)} (dotted overrides go with --config)")
+    report = run_eval(
+        source, config=config, overrides=overrides, data=data or (), tokenizer=tokenizer, batch_size=batch_size,
+        max_batches=max_batches, cache_dir=cache_dir, progress=sys.stderr.isatty(),
+    )  # fmt: skip
+    if as_json:
+        print(json_module.dumps(report.as_json(), indent=1))
+    else:
+        print(report.table())
+
+
 @app.command("import-hf")
 def import_hf(
     source: Annotated[

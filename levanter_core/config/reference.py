@@ -79,7 +79,12 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
             kind, default = typed
             reg = registry(kind)
             choices = ", ".join(reg.names()) or "none installed"
-            default_text = f"type {default}" if default else "required"
+            if default:
+                default_text = f"type {default}"
+            elif not field.is_required() and field.default_factory is None:
+                default_text = "none" if field.default in ((), [], None) else repr(field.default)
+            else:
+                default_text = "required"
             yield dotted, f"{kind} section", default_text, f"{doc} Types: {choices}."
             for entry in reg:
                 yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")

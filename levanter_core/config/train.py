@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
 
-from levanter_core.config.base import ConfigModel, Typed, accepted_only_as, typed_field_kind
+from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.data.config import DataSection, data_known_fields
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import TrainerConfig
+
+
+def _harness(value):
+    """Levanter's ``eval_harness`` section: the ``eval_harness`` evaluator's config, or None."""
+    from levanter_core.plugins import registry
+    from levanter_core.trainer.evaluators import EvaluatorConfig
+
+    if value is None or isinstance(value, EvaluatorConfig):
+        return value
+    if "eval_harness" not in registry("evaluator"):
+        raise ValueError(
+            "lm-eval-harness evaluation comes with the levanter-eval-harness plugin, which is not installed "
+            "(pip install levanter-eval-harness); remove eval_harness (or set it to null) to train without it"
+        )
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping (task_spec, max_examples, ...), got {value!r}")
+    return validate_section("evaluator", {"type": "eval_harness", **value})
+
+
+_HarnessSection = Annotated[
+    Any,
+    PlainValidator(_tagged(_harness, "evaluator", "eval_harness")),
+    PlainSerializer(lambda v: v.model_dump(mode="json", exclude={"type"}) if v is not None else None),
+    WithJsonSchema({"type": ["object", "null"], "description": "the eval_harness evaluator's section"}),
+]
 
 
 class TrainConfig(ConfigModel):
@@ -83,18 +108,24 @@ class TrainConfig(ConfigModel):
     """Data type of exported tensors (``float32``, ``bfloat16``, ``float16``). None: the
     parameters' own."""
 
-    eval_harness: dict | None = None
-    """lm-eval-harness tasks to run during training: provided by the ``levanter-eval-harness``
-    plugin (not part of the core); only null is accepted without it."""
+    evaluators: TypedList("evaluator") = ()  # type: ignore[valid-type]
+    """Evaluations that plugins provide, run during training (each item's ``type`` picks one; see
+    ``levanter plugins``); each runs every ``every`` steps (default: with the run's evaluation,
+    ``trainer.steps_per_eval``) and after the last step, its metrics sent to the trackers."""
+    eval_harness: _HarnessSection = None  # type: ignore[valid-type]
+    """lm-eval-harness tasks to run during training (Levanter's section: ``task_spec``,
+    ``max_examples``...), every ``eval_harness_steps``: the ``eval_harness`` evaluator of the
+    ``levanter-eval-harness`` plugin; without that plugin only null is accepted."""
     eval_harness_steps: int = Field(10000, ge=1)
     """How often ``eval_harness`` runs."""
 
-    _no_harness = accepted_only_as(
-        None,
-        "eval_harness",
-        why="lm-eval-harness evaluation comes with the levanter-eval-harness plugin, which is not installed; "
-        "remove eval_harness (or set it to null) to train without it",
-    )
+    def run_evaluators(self) -> list:
+        """``(config, every)`` of each evaluator to run, ``eval_harness`` last; ``every`` None
+        means at each of the run's evaluations."""
+        found = [(e, e.every) for e in self.evaluators]
+        if self.eval_harness is not None:
+            found.append((self.eval_harness, self.eval_harness.every or self.eval_harness_steps))
+        return found
 
     @field_validator("hf_save_dtype")
     @classmethod

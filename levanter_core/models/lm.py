@@ -231,6 +231,21 @@ def lm_eval_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=Non
     return next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
 
 
+def lm_eval_totals(model: LmHeadModel, batch: "LmExample | NamedArray", byte_lengths: jnp.ndarray, *, key=None):
+    """``[nats, tokens, bytes]`` of a batch, float32: the summed next-token cross-entropy over the
+    positions the loss counts, how many they are, and how many bytes of text their target tokens
+    stand for (``byte_lengths[token]``, see :mod:`levanter_core.data.token_bytes`). Summed over
+    batches, ``nats / tokens`` is the loss and ``nats / (ln 2 * bytes)`` the bits per byte."""
+    example = as_example(batch)
+    hidden = model.activations(example.tokens, key=key, **_attn_kwargs(example))
+    targets, mask = _targets_and_mask(example.tokens, example.loss_mask)
+    nats = _fused_cross_entropy(model, hidden, targets, mask)
+    target_bytes = hax.named(jnp.take(byte_lengths, targets.array, mode="clip"), targets.axes)
+    return jnp.stack(
+        [nats, hax.sum(mask).scalar(), hax.sum(mask * target_bytes.astype(jnp.float32)).scalar()]
+    ).astype(jnp.float32)
+
+
 def next_token_loss(
     model: LmHeadModel,
     input_ids: NamedArray,

@@ -75,6 +75,13 @@ def register_checkpointers(register: Register) -> None:
 
 
 @hookspec
+def register_evaluators(register: Register) -> None:
+    """Register evaluations to run during training. ``cls`` subclasses
+    :class:`levanter_core.trainer.evaluators.EvaluatorConfig`; selected by the ``type`` of each
+    item of ``evaluators`` (``eval_harness`` is the one Levanter's ``eval_harness`` section uses)."""
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add sub-commands to the ``levanter`` CLI. ``app`` is the root
     :class:`typer.Typer`; use ``@app.command()`` on your functions."""

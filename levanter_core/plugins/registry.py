@@ -45,6 +45,7 @@ KINDS: dict[str, Kind] = {
             "levanter_core.checkpoint.config:CheckpointerConfig",
             "trainer.checkpointer.type",
         ),
+        Kind("evaluator", "register_evaluators", "levanter_core.trainer.evaluators:EvaluatorConfig", "evaluators[].type"),
     )
 }
 

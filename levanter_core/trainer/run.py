@@ -714,6 +714,8 @@ class _TrainLoop:
         self.batches = config.trainer.batch_schedule
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_token = flops_per_token
+        self._evaluators = None  # built when first due
+        self._token_bytes = None  # bytes per token id, for bits per byte
         self.entropy_fn = None
         if config.log_entropy:
             from levanter_core.models.lm import lm_eval_entropy
@@ -723,45 +725,58 @@ class _TrainLoop:
         self.exporter = exporter
 
     def evaluate(self, model) -> dict[str, float]:
-        """``eval/loss`` over every validation set, and ``eval/<source>/loss`` for each
-        source of a mixture; empty without validation data."""
+        """Loss and bits per byte of every validation set, their averages, and those of each
+        tag (see :func:`levanter_core.trainer.evaluators.eval_metrics`); the entropy too with
+        ``log_entropy``. Empty without validation data."""
         from levanter_core.data.dataset import eval_batches
+        from levanter_core.trainer.evaluators import eval_metrics
 
         size, limit = self.trainer.plan.eval_batch_size, self.trainer.config.max_eval_batches
         rows = self.trainer.local_rows(self.trainer.EvalBatch)
-        losses, entropies, counts = {}, {}, {}
+        totals, entropies = {}, {}
         for name, dataset in self.data.validation.items():
-            counts[name] = 0
-
-            def counted(batches, name=name):
-                for batch in batches:
-                    counts[name] += 1
-                    yield batch
-
-            losses[name] = self.trainer.evaluate(model, counted(eval_batches(dataset, size, limit, rows=rows)))
+            batches = eval_batches(dataset, size, limit, rows=rows)
+            found = self.trainer.evaluate_totals(model, batches, self._byte_lengths(model))
+            if found is None:
+                continue
+            totals[name] = found
             if self.entropy_fn is not None:
                 batches = eval_batches(dataset, size, limit, rows=rows)
                 entropies[name] = self.trainer.evaluate(model, batches, fn=self.entropy_fn)
-        if not losses:
+        if not totals:
             return {}
-
-        def mean(values: dict[str, float], names) -> float:
-            # Every batch has the same size: the mean over all of them weighs each source by its batches.
-            return sum(values[n] * counts[n] for n in names) / sum(counts[n] for n in names)
-
-        metrics = {"eval/loss": mean(losses, losses)}
+        metrics = eval_metrics(totals, self._tags(), per_set=self.config.data.is_mixture)
         if entropies:
-            metrics["eval/entropy"] = mean(entropies, entropies)
-        if self.config.data.is_mixture:
-            metrics.update({f"eval/{name}/loss": loss for name, loss in losses.items()})
-            metrics.update({f"eval/{name}/entropy": value for name, value in entropies.items()})
-        for tag, names in self._tags().items():
-            names = [n for n in names if n in losses]
-            if names:
-                metrics[f"eval/{tag}/loss"] = mean(losses, names)
-                if entropies:
-                    metrics[f"eval/{tag}/entropy"] = mean(entropies, names)
+            # weighed by tokens, as the loss is
+            tokens = {name: totals[name][1] for name in entropies}
+
+            def mean(names):
+                return sum(entropies[n] * tokens[n] for n in names) / max(sum(tokens[n] for n in names), 1.0)
+
+            metrics["eval/entropy"] = mean(entropies)
+            if self.config.data.is_mixture:
+                metrics.update({f"eval/{name}/entropy": value for name, value in entropies.items()})
+            for tag, names in self._tags().items():
+                names = [n for n in names if n in entropies]
+                if names:
+                    metrics[f"eval/{tag}/entropy"] = mean(names)
         return metrics
+
+    def _byte_lengths(self, model):
+        """The bytes of text each token id stands for, on the device, for bits per byte (as long
+        as the model's vocabulary: ids past the tokenizer's stand for none)."""
+        if self._token_bytes is None:
+            import jax.numpy as jnp
+            import numpy as np
+
+            from levanter_core.data.token_bytes import token_byte_lengths
+
+            lengths = token_byte_lengths(self.data.tokenizer)
+            vocab = model.Vocab.size
+            padded = np.zeros(max(vocab, len(lengths)), np.int32)
+            padded[: len(lengths)] = lengths
+            self._token_bytes = jnp.asarray(padded)
+        return self._token_bytes
 
     def _tags(self) -> dict[str, list[str]]:
         """Each ``tags`` entry of the data sources, with the sources that carry it."""
@@ -885,7 +900,8 @@ class _TrainLoop:
                 exporting = self.exporter is not None and step % self.config.hf_save_steps == 0
                 samples = self.trainer.config.sample
                 sampling = samples is not None and (step % samples.interval == 0 or step == self.num_steps)
-                if evaluating or saving or drawing or exporting or sampling:
+                plugin_evals = self._evaluators_due(step, evaluating)
+                if evaluating or saving or drawing or exporting or sampling or plugin_evals:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
                 side_start = time.perf_counter()
@@ -899,6 +915,8 @@ class _TrainLoop:
                     pending["host"].update(evaluated)
                     if evaluated:
                         result.final_eval_loss = evaluated["eval/loss"]
+                for evaluator in plugin_evals:
+                    pending["host"].update(evaluator.evaluate(self.trainer.eval_model(state), step))
                 if exporting:
                     self.exporter.export(self.trainer.eval_model(state), step)
                 if saving:
@@ -917,10 +935,29 @@ class _TrainLoop:
             self.profile.stop()
             prefetch.close()
             bar.close()
+            for evaluator in self._evaluators or []:
+                evaluator.close()
         if throughput.step_times:
             times = sorted(throughput.step_times)
             result.tokens_per_second = self.tokens_per_step / times[len(times) // 2]
         return state
+
+    def _evaluators_due(self, step: int, evaluating: bool) -> list:
+        """The plugins' evaluators (``evaluators``, ``eval_harness``) to run after ``step``,
+        each built the first time it is needed."""
+        from levanter_core.trainer.evaluators import EvaluatorContext, due
+
+        plan = self.config.run_evaluators()
+        if not plan:
+            return []
+        if self._evaluators is None:
+            context = EvaluatorContext(self.data.tokenizer, self.trainer, self.run_dir, self.config.model.seq_len)
+            self._evaluators = [cfg.build(context) for cfg, _ in plan]
+        return [
+            evaluator
+            for evaluator, (_, every) in zip(self._evaluators, plan)
+            if (evaluating if every is None else due(step, every, self.num_steps))
+        ]
 
     def _read_batch(self, step: int):
         """Step ``step``'s batch (this process's rows of it): the sequences after those of the

@@ -211,6 +211,7 @@ class Trainer:
         self._flat_steps: list[tuple[Any, Callable]] = []  # (state structure, compiled step)
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
         self._eval_steps: dict[Callable, Callable] = {}
+        self._totals_step: Callable | None = None
         self._local_rows: dict[int, np.ndarray] = {}
 
     # -- state ---------------------------------------------------------------------------
@@ -478,6 +479,25 @@ class Trainer:
         if not losses:
             return None
         return float(np.mean([float(x) for x in losses]))
+
+    def evaluate_totals(self, model, batches: Iterator, byte_lengths) -> np.ndarray | None:
+        """``[nats, tokens, bytes]`` summed over ``batches`` (see
+        :func:`levanter_core.models.lm.lm_eval_totals`; ``byte_lengths`` per token id, a device
+        array); None if there are none. Sums accumulate in float64 on the host."""
+        from levanter_core.models.lm import lm_eval_totals
+
+        if self._totals_step is None:
+            self._totals_step = hax.named_jit(
+                lambda model, batch, lengths: lm_eval_totals(self.mp.cast_to_compute(model), batch, lengths),
+                axis_resources=self.compute_mapping,
+            )
+        parts = []
+        with hax.partitioning.set_mesh(self.mesh):
+            for batch in batches:
+                parts.append(self._totals_step(model, self.to_device(batch, self.EvalBatch), byte_lengths))
+        if not parts:
+            return None
+        return np.sum([np.asarray(p, np.float64) for p in parts], axis=0)
 
     def check_finite(self, loss: float, step: int) -> None:
         if math.isnan(loss) and self.config.crash_on_nan:

@@ -1,0 +1,218 @@
+"""Evaluation: loss and bits per byte per validation set, per tag, micro and macro; plugins'
+evaluators during training; ``levanter eval`` on a checkpoint."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from pydantic import Field
+
+import levanter_core.plugins as plugins
+from conftest import code_docs, metrics, run_config, write_jsonl
+from levanter_core.cli import main
+from levanter_core.config.train import load_train_config
+from levanter_core.plugins import hookimpl
+from levanter_core.trainer.evaluators import Evaluator, EvaluatorConfig, eval_metrics
+from levanter_core.trainer.run import run_training
+
+LN2 = math.log(2)
+
+
+def test_eval_metrics_by_hand():
+    totals = {"a": [10.0, 5.0, 20.0], "b": [6.0, 3.0, 3.0], "c": [4.0, 2.0, 0.0]}
+    m = eval_metrics(totals, {"both": ["a", "b"], "none": ["zzz"]}, per_set=True)
+    assert m["eval/loss"] == pytest.approx(20 / 10)  # every token: (10 + 6 + 4) / (5 + 3 + 2)
+    assert m["eval/bpb"] == pytest.approx(20 / (LN2 * 23))
+    assert m["eval/macro_loss"] == pytest.approx((2 + 2 + 2) / 3)
+    assert "eval/macro_bpb" not in m  # c stands for no bytes: it has no bits per byte
+    assert m["eval/a/bpb"] == pytest.approx(10 / (LN2 * 20)) and "eval/c/bpb" not in m
+    assert m["eval/both/loss"] == m["eval/both/micro_loss"] == pytest.approx(16 / 8)
+    assert m["eval/both/bpb"] == pytest.approx(16 / (LN2 * 23))
+    assert m["eval/both/macro_bpb"] == pytest.approx((10 / (LN2 * 20) + 6 / (LN2 * 3)) / 2)
+    assert not any(k.startswith("eval/none") for k in m)
+    assert "eval/a/loss" not in eval_metrics(totals, {}, per_set=False)
+
+
+def prose_docs(n):
+    return [{"text": f"The {i}th walk by the river was long, and the evening light was gold. " * 2} for i in range(n)]
+
+
+def tagged_data(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(exist_ok=True)
+    write_jsonl(data_dir / "code.jsonl", code_docs(60))
+    write_jsonl(data_dir / "code-val.jsonl", code_docs(12, offset=900))
+    write_jsonl(data_dir / "prose.jsonl", prose_docs(60))
+    write_jsonl(data_dir / "prose-val.jsonl", prose_docs(12))
+    sources = {
+        name: {
+            "train_urls": [str(data_dir / f"{name}.jsonl")],
+            "validation_urls": [str(data_dir / f"{name}-val.jsonl")],
+            "tags": tags,
+        }
+        for name, tags in (("code", ["python", "all_text"]), ("prose", ["english", "all_text"]))
+    }
+    return {"cache_dir": str(tmp_path / "cache"), "configs": sources, "train_weights": {"code": 1, "prose": 1}}
+
+
+STEPS_SEEN = []
+
+
+class ProbeEvaluator(Evaluator):
+    def __init__(self, config, context):
+        self.config, self.context = config, context
+
+    def evaluate(self, model, step):
+        STEPS_SEEN.append(step)
+        import jax
+
+        norm = sum(float((x**2).sum()) for x in jax.tree.leaves(model) if hasattr(x, "shape"))
+        return {f"{self.config.prefix}/param_norm": norm, f"{self.config.prefix}/seq_len": self.context.seq_len}
+
+
+class ProbeConfig(EvaluatorConfig):
+    prefix: str = "probe"
+    """Where its metrics go."""
+
+    def build(self, context):
+        return ProbeEvaluator(self, context)
+
+
+class HarnessStandIn(EvaluatorConfig):
+    """Registered as eval_harness: takes Levanter's section's fields."""
+
+    task_spec: list = Field(default_factory=list)
+    max_examples: int | None = None
+
+    def build(self, context):
+        return ProbeEvaluator(ProbeConfig(prefix="lm_eval"), context)
+
+
+class Probes:
+    @hookimpl
+    def register_evaluators(self, register):
+        register("probe", ProbeConfig)
+        register("eval_harness", HarnessStandIn)
+
+
+@pytest.fixture
+def probes():
+    plugins.reset()
+    plugins.register_plugin(Probes(), name="probes")
+    STEPS_SEEN.clear()
+    yield STEPS_SEEN
+    plugins.reset()
+
+
+def test_training_logs_bpb_per_set_and_tag_and_runs_plugin_evaluators(tmp_path, probes):
+    path = run_config(tmp_path, tagged_data(tmp_path), steps=6)
+    overrides = ["--evaluators", '[{"type": "probe", "every": 2}]', "--eval_harness", '{"task_spec": ["x"]}',
+                 "--eval_harness_steps", "4"]  # fmt: skip
+    config, _ = load_train_config(path, overrides)
+    assert [type(e).__name__ for e, _ in config.run_evaluators()] == ["ProbeConfig", "HarnessStandIn"]
+    run_training(config, progress=False)
+    # probe every 2 steps, the harness every 4 and after the last step
+    assert probes == [2, 4, 4, 6, 6]
+
+    records = metrics(tmp_path)
+    evals = [m for m in records if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [0, 3, 6]
+    for m in evals:
+        for prefix in ("eval", "eval/all_text"):
+            assert {f"{prefix}/loss", f"{prefix}/bpb", f"{prefix}/macro_loss", f"{prefix}/macro_bpb"} <= set(m)
+        for name in ("code", "prose", "python", "english"):
+            assert {f"eval/{name}/loss", f"eval/{name}/bpb"} <= set(m)
+        assert m["eval/python/loss"] == m["eval/code/loss"] and m["eval/english/bpb"] == m["eval/prose/bpb"]
+        assert m["eval/macro_loss"] == pytest.approx((m["eval/code/loss"] + m["eval/prose/loss"]) / 2)
+        # byte tokenizer: a token is a byte, but the end-of-text token stands for none
+        for name in ("code", "prose"):
+            assert m[f"eval/{name}/bpb"] > m[f"eval/{name}/loss"] / LN2
+    probe = {m["step"]: m for m in records if "probe/param_norm" in m}
+    assert sorted(probe) == [2, 4, 6] and probe[2]["probe/seq_len"] == 32
+    assert probe[2]["probe/param_norm"] != probe[6]["probe/param_norm"]
+    assert sorted(m["step"] for m in records if "lm_eval/param_norm" in m) == [4, 6]
+
+
+def test_eval_harness_without_its_plugin_says_what_to_install(tmp_path, fresh_plugins):
+    path = run_config(tmp_path, {"train_urls": [write_jsonl(tmp_path / "a.jsonl", code_docs(10))]})
+    from levanter_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="levanter-eval-harness plugin, which is not installed"):
+        load_train_config(path, ["--eval_harness", '{"task_spec": ["hellaswag"]}'])
+
+
+def expected_totals(docs: list[str], seq_len: int) -> tuple[int, int]:
+    """Predicted tokens and their bytes, by hand, for the byte tokenizer: the documents' UTF-8
+    bytes each followed by the end-of-text id (256), cut into whole sequences of seq_len; every
+    position but the last of a sequence predicts the next; the end-of-text id is no byte."""
+    stream = [b for d in docs for b in [*d.encode("utf-8"), 256]]
+    rows = len(stream) // seq_len
+    targets = [t for r in range(rows) for t in stream[r * seq_len + 1 : (r + 1) * seq_len]]
+    return len(targets), sum(t != 256 for t in targets)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny GPT-2 trained 4 steps on code; its checkpoint and validation files."""
+    tmp_path = tmp_path_factory.mktemp("eval-run")
+    train = write_jsonl(tmp_path / "train.jsonl", code_docs(40))
+    val = write_jsonl(tmp_path / "val.jsonl", code_docs(9, offset=500))
+    prose = write_jsonl(tmp_path / "prose.jsonl", prose_docs(5) + [{"text": "Ça coûte 5 € — naïve café"}])
+    path = run_config(tmp_path, {"train_urls": [train], "validation_urls": [val], "cache_dir": str(tmp_path / "cache")},
+                      steps=4, steps_per_eval=4, max_eval_batches=None)  # fmt: skip
+    config, _ = load_train_config(path)
+    result = run_training(config, progress=False)
+    return {"checkpoint": result.checkpoint, "config": path, "val": val, "prose": prose, "tmp": tmp_path}
+
+
+def run_eval(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", *args])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_levanter_eval_counts_bytes_as_by_hand(trained, capsys):
+    code, out, err = run_eval(capsys, trained["checkpoint"], "--data", trained["val"], "--data", trained["prose"],
+                              "--json", "--batch-size", "3")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    for name, file in (("val", trained["val"]), ("prose", trained["prose"])):
+        docs = [json.loads(line)["text"] for line in open(file)]
+        tokens, nbytes = expected_totals(docs, seq_len=32)
+        entry = report["eval_sets"][name]
+        assert (entry["tokens"], entry["bytes"]) == (tokens, nbytes)
+        assert entry["bpb"] == pytest.approx(entry["loss"] * tokens / nbytes / LN2)
+    sets = report["eval_sets"]
+    assert report["loss"] == pytest.approx(
+        sum(s["loss"] * s["tokens"] for s in sets.values()) / sum(s["tokens"] for s in sets.values())
+    )
+    assert report["macro_bpb"] == pytest.approx((sets["val"]["bpb"] + sets["prose"]["bpb"]) / 2)
+
+    code, table, _ = run_eval(capsys, trained["checkpoint"], "--data", trained["val"])
+    assert code == 0 and "bpb" in table.splitlines()[0] and f"{sets['val']['loss']:.4f}" in table
+
+
+def test_levanter_eval_on_a_configs_validation_set_matches_training(trained, capsys):
+    code, out, err = run_eval(capsys, trained["checkpoint"], "--config", trained["config"], "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    # the run's last evaluation saw the same sequences with the same weights
+    final = [m for m in metrics(trained["tmp"]) if "eval/loss" in m][-1]
+    assert final["step"] == 4
+    assert report["loss"] == pytest.approx(final["eval/loss"], rel=1e-5)
+    assert report["bpb"] == pytest.approx(final["eval/bpb"], rel=1e-5)
+    # and the file itself, given with --data, reads the same
+    code, out, _ = run_eval(capsys, trained["checkpoint"], "--data", trained["val"], "--json")
+    assert json.loads(out)["eval_sets"]["val"]["loss"] == pytest.approx(report["loss"], rel=1e-6)
+
+
+def test_levanter_eval_mistakes(trained, capsys, tmp_path):
+    code, _, err = run_eval(capsys, trained["checkpoint"])
+    assert code == 2 and "give --config CONFIG" in err
+    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "missing.jsonl: no such file" in err
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": "tiny"}])
+    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", short)
+    assert code == 2 and f"--data {short}: the complete cache holds 5 tokens, not one sequence of seq_len 32" in err

@@ -70,6 +70,12 @@ CONFIGS = _train_lm_configs()
 needs_reference = pytest.mark.skipif(not CONFIGS, reason=f"Levanter's configs are not at {REFERENCE}")
 
 
+def _harness_installed() -> bool:
+    from levanter_core.plugins import registry
+
+    return "eval_harness" in registry("evaluator")
+
+
 def _load(relative: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # trainer.wandb, optimizer.cooldown
@@ -84,6 +90,10 @@ def test_the_reference_set_has_58_train_lm_configs():
 @needs_reference
 @pytest.mark.parametrize("relative", CONFIGS or ["none"])
 def test_each_train_lm_config_loads(relative):
+    if LATER.get(relative) == "levanter-eval-harness" and _harness_installed():
+        config = _load(relative)  # the plugin is installed: its section loads
+        assert config.eval_harness is not None and config.run_evaluators()[-1][1] == config.eval_harness_steps
+        return
     if relative in LATER:
         with pytest.raises(ConfigError) as raised:
             _load(relative)

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
            plugins/models-mixtral plugins/models-olmo plugins/models-gpt-oss \
            plugins/models-deepseek plugins/data-hf \
-           plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve
+           plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness
 
 .PHONY: setup setup-test train test test-fast clean
 
@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt $(foreach p,$(P
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[test]" -e "plugins/serve[test]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[test]" -e "plugins/serve[test]" -e "plugins/eval-harness[test]"
 	@touch $@
 
 setup: $(VENV)/.installed

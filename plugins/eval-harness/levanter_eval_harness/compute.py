@@ -1,0 +1,204 @@
+"""Where scores are computed: on this process's devices, or on every process of a
+``jax.distributed`` run in step.
+
+lm-eval is not written for several processes that each hold part of a model: it decides on
+one process which requests to make. So process 0 runs lm-eval (through :class:`Scorer`) and
+every other process runs :func:`follow`: before each batch, process 0 broadcasts what comes
+next (a small header, then the batch's arrays), and every process feeds the same arrays to the
+same compiled function, each computing its part of the batch's rows. In a single process the
+broadcasts are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from levanter_core.models.lm import DEFAULT_BLOCK_LOGITS
+from levanter_eval_harness.scoring import Batch, continuation_scores
+
+logger = logging.getLogger(__name__)
+
+# What process 0 tells the others to do next (the first entry of each header).
+_STOP, _SCORE, _GATHER = 0, 1, 2
+_HEADER = 5  # op, rows, length, queries, width
+
+
+class Scorer:
+    """Scores :class:`~levanter_eval_harness.scoring.Batch` es with ``model``.
+
+    ``mesh`` and ``compute_mapping`` (a training run's) lay the batch's rows out along the
+    mapping's ``batch`` axes, as the trainer lays out its evaluation batches; without them the
+    model runs where its arrays are. ``cast`` (the trainer's ``mp.cast_to_compute``) is applied
+    to the model inside the compiled function."""
+
+    def __init__(self, model, *, mesh=None, compute_mapping=None, cast=None):
+        import haliax as hax
+        import jax
+
+        self.model = model
+        self.mesh = mesh
+        self.compute_mapping = dict(compute_mapping or {})
+        backend = jax.default_backend()
+        block = DEFAULT_BLOCK_LOGITS.get(backend, DEFAULT_BLOCK_LOGITS["gpu"])
+
+        def scores(model, tokens, row, start, targets, mask):
+            if cast is not None:
+                model = cast(model)
+            return continuation_scores(model, tokens, row, start, targets, mask, block_logits=block)
+
+        self._scores = hax.named_jit(scores, axis_resources=self.compute_mapping or None)
+        self.shapes: set[tuple[int, ...]] = set()
+        """The batch shapes compiled so far (rows, length, queries, width)."""
+
+    @property
+    def row_multiple(self) -> int:
+        """The number of rows of a batch must be a multiple of this (the devices the rows are
+        split over)."""
+        if self.mesh is None:
+            return 1
+        axes = self.compute_mapping.get("batch")
+        if axes is None:
+            return 1
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """The summed log-probability and the greedy flag of each of the batch's queries (in
+        :attr:`Batch.indices` order). With several processes, every process calls this with the
+        same batch."""
+        import haliax as hax
+        import jax
+        from haliax import Axis
+
+        tokens, row, start, targets, mask = batch.arrays()
+        self.shapes.add((*tokens.shape, *targets.shape))
+        axes = (Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1]))
+        if self.mesh is None:
+            named = hax.named(jax.numpy.asarray(tokens), axes)
+            logprob, greedy = self._scores(self.model, named, row, start, targets, mask)
+        else:
+            with hax.partitioning.set_mesh(self.mesh):
+                named = hax.named(self._put(tokens, sharded=True), axes)
+                logprob, greedy = self._scores(
+                    self.model, named, *(self._put(a, sharded=False) for a in (row, start, targets, mask))
+                )
+        n = len(batch.indices)
+        return _host(logprob)[:n].astype(np.float64), _host(greedy)[:n].astype(bool)
+
+    def _put(self, array: np.ndarray, *, sharded: bool):
+        """``array`` (the same in every process) as a global array on the mesh: rows split over
+        the batch's axes, or whole on every device."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        spec = PartitionSpec(self.compute_mapping.get("batch")) if sharded else PartitionSpec()
+        sharding = NamedSharding(self.mesh, spec)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def _host(x) -> np.ndarray:
+    """A (replicated) result as a numpy array in every process."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    return np.asarray(x.addressable_data(0))
+
+
+def multi_process() -> bool:
+    import jax
+
+    return jax.process_count() > 1
+
+
+class Leader:
+    """Process 0's side: tells the followers what to compute before computing it too."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+
+    def score(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        if multi_process():
+            _send(_SCORE, batch)
+        return self.scorer.run(batch)
+
+    def gather_model(self):
+        """The model's weights whole on this process (for generating, which process 0 does
+        alone); the followers take part in the gathering."""
+        if not multi_process():
+            return self.scorer.model
+        _send(_GATHER, None)
+        return _gathered(self.scorer.model)
+
+    def stop(self) -> None:
+        """Release the followers (they return from :func:`follow`)."""
+        if multi_process():
+            _send(_STOP, None)
+
+
+def follow(scorer: Scorer) -> int:
+    """A follower's loop: compute what process 0 asks for until it says stop. Returns how many
+    batches were scored."""
+    from jax.experimental import multihost_utils
+
+    done = 0
+    while True:
+        header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32)))
+        op = int(header[0])
+        if op == _STOP:
+            return done
+        if op == _GATHER:
+            _gathered(scorer.model)
+            continue
+        rows, length, queries, width = (int(v) for v in header[1:])
+        empty = (
+            np.zeros((rows, length), np.int32),
+            np.zeros(queries, np.int32),
+            np.zeros(queries, np.int32),
+            np.zeros((queries, width), np.int32),
+            np.zeros((queries, width), bool),
+        )
+        arrays = [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(empty)]
+        scorer.run(Batch([], *arrays))
+        done += 1
+
+
+def _send(op: int, batch: Batch | None) -> None:
+    from jax.experimental import multihost_utils
+
+    header = np.zeros(_HEADER, np.int32)
+    header[0] = op
+    if batch is not None:
+        header[1:] = (*batch.tokens.shape, *batch.targets.shape)
+    multihost_utils.broadcast_one_to_all(header)
+    if batch is not None:
+        multihost_utils.broadcast_one_to_all(batch.arrays())
+
+
+def _gathered(model):
+    """``model`` with every array whole on this process's first device (every process calls it)."""
+    import equinox as eqx
+    import jax
+    from jax.experimental import multihost_utils
+
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    local = multihost_utils.process_allgather(arrays, tiled=True)
+    device = jax.local_devices()[0]
+    return eqx.combine(jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), local), rest)
+
+
+def replicate(model, mesh):
+    """``model`` (whole on this process, the same in every process) as global arrays held whole
+    on every device of ``mesh``, so that a program over the mesh can use it."""
+    import equinox as eqx
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def put(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    return eqx.combine(jax.tree.map(put, arrays), rest)

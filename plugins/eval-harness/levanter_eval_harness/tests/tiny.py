@@ -1,0 +1,182 @@
+"""A tiny model and three local lm-eval tasks to evaluate it on, with nothing downloaded: a
+random ``transformers`` Llama with a byte-level BPE trained here, and tasks whose YAML and
+JSON-lines data sit in one include directory.
+
+* ``tiny_mc``: multiple choice (accuracy), some questions with one-token answers, some with
+  answers of several words;
+* ``tiny_gen``: generation until a stop string (exact match);
+* ``tiny_ppl``: rolling log-likelihood of whole texts, some longer than the context given to
+  the harness (word and byte perplexity, bits per byte).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+CONTEXT = 256
+"""The tiny model's context (``max_position_embeddings``)."""
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, how are you today?",
+    "language models predict the next token from the ones before it",
+    "a harness asks a model many questions and counts the right answers",
+    "question: what is the capital of france? answer: paris",
+]
+
+MC_DOCS = [
+    {"question": "the quick brown fox jumps over the", "choices": [" dog", " cat", " fox"], "answer": 0},
+    {"question": "hello world, how are", "choices": [" you", " we", " they"], "answer": 0},
+    {"question": "what is the capital of france?", "choices": [" paris", " rome", " london", " berlin"], "answer": 0},
+    {
+        "question": "a harness asks a model",
+        "choices": [" many questions and counts", " the lazy dog today", " nothing at all"],
+        "answer": 0,
+    },
+    {"question": "language models predict", "choices": [" the next token", " the weather", " colors"], "answer": 0},
+    {"question": "the lazy dog", "choices": [" jumps", " sleeps"], "answer": 1},
+    {"question": "how are you", "choices": [" today?", " tomorrow?", " now?"], "answer": 0},
+    {"question": "", "choices": [" hello world", " goodbye world"], "answer": 0},
+    # longer than the context the tests give the harness (64 tokens): cut from the left
+    {"question": "hello world! " * 20 + "the quick brown fox jumps over the", "choices": [" lazy dog", " cat"], "answer": 0},
+]
+
+GEN_DOCS = [
+    {"prompt": "the quick brown fox", "target": " jumps over the lazy dog"},
+    {"prompt": "hello world,", "target": " how are you today?"},
+    {"prompt": "question: what is the capital of france? answer:", "target": " paris"},
+    {"prompt": "language models predict the next token", "target": " from the ones before it"},
+    {"prompt": "a harness asks a model many", "target": " questions"},
+]
+
+PPL_DOCS = [
+    {"text": "the quick brown fox jumps over the lazy dog."},
+    {"text": " ".join(SENTENCES)},
+    {"text": "hello world! " * 30},
+    {"text": "a"},
+]
+
+MC_YAML = """\
+task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {train}
+    test: {test}
+training_split: train
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+GEN_YAML = """\
+task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {test}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["?", "\\n\\n"]
+  max_gen_toks: 16
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+PPL_YAML = """\
+task: tiny_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {test}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+"""
+
+
+def make_tiny_model(directory: str) -> str:
+    """A random two-layer Llama and its tokenizer (``tokenizer.json`` with a
+    ``tokenizer_config.json`` naming its end-of-text token), as a Hugging Face model directory."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from levanter_core.hf.parity import random_hf_model
+    from levanter_core.testing import train_bpe_tokenizer
+
+    os.makedirs(directory, exist_ok=True)
+    path = train_bpe_tokenizer(SENTENCES * 4, os.path.join(directory, "tokenizer.json"), vocab_size=300)
+    tokenizer = Tokenizer.from_file(path)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "bos_token": "<|endoftext|>",
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+        )
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    random_hf_model(config, seed=0).save_pretrained(directory)
+    return directory
+
+
+def _jsonl(path: str, docs: list[dict]) -> str:
+    with open(path, "w") as f:
+        for doc in docs:
+            f.write(json.dumps(doc) + "\n")
+    return path
+
+
+def make_tasks(directory: str) -> str:
+    """The three tasks' YAML and data in ``directory`` (an lm-eval include path)."""
+    os.makedirs(directory, exist_ok=True)
+    data = os.path.join(directory, "data")
+    os.makedirs(data, exist_ok=True)
+    mc_train = _jsonl(os.path.join(data, "mc_train.jsonl"), MC_DOCS[:3])
+    mc_test = _jsonl(os.path.join(data, "mc_test.jsonl"), MC_DOCS)
+    gen = _jsonl(os.path.join(data, "gen.jsonl"), GEN_DOCS)
+    ppl = _jsonl(os.path.join(data, "ppl.jsonl"), PPL_DOCS)
+    for name, text in [
+        ("tiny_mc.yaml", MC_YAML.format(train=mc_train, test=mc_test)),
+        ("tiny_gen.yaml", GEN_YAML.format(test=gen)),
+        ("tiny_ppl.yaml", PPL_YAML.format(test=ppl)),
+    ]:
+        with open(os.path.join(directory, name), "w") as f:
+            f.write(text)
+    return directory

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import Any, Sequence
 
 from levanter_core.errors import UserError
@@ -60,6 +61,9 @@ def evaluate(
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
+    # lm-eval bootstraps standard errors in a pool of forked processes unless told not to;
+    # forking a process that runs JAX's threads can deadlock the children.
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
     prepared = prepared or prepare_tasks(run)
     manager, tasks = prepared.manager, prepared.tasks
     tracker = EvaluationTracker(output_path=output_path) if output_path else None

@@ -66,7 +66,7 @@ class LevanterLM(TemplateLM):
         if tokenizer is None:
             raise UserError("the model has no tokenizer: give one (--tokenizer)")
         self.model = model
-        self.tokenizer = tokenizer
+        self._tok = tokenizer
         self.name = name
         seq_len = int(model.config.seq_len)
         self._max_length = int(max_length or seq_len)
@@ -86,6 +86,7 @@ class LevanterLM(TemplateLM):
         self._eot = int(eos)
         self._eos_ids = tuple(sorted({self._eot, *map(int, eos_ids)}))
         self._bos = _single_token_id(tokenizer, tokenizer.bos_token)
+        self.tokenizer = _TokenizerView(tokenizer, self._eot, self._bos)
         self._engine = None
         self.stats = {"loglikelihood_batches": 0, "queries": 0}
 
@@ -114,14 +115,14 @@ class LevanterLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return self.tokenizer.name.replace("/", "__")
+        return self._tok.name.replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if not chat_template:
             return None
         from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE
 
-        return self.tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE
+        return self._tok.chat_template or BUILTIN_CHAT_TEMPLATE
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the tokenizer's chat template (or the built-in one).
@@ -130,8 +131,8 @@ class LevanterLM(TemplateLM):
         from levanter_core.data.formats import render_chat_prompt
 
         if add_generation_prompt or not chat_history or chat_history[-1].get("role") != "assistant":
-            return render_chat_prompt(chat_history, self.tokenizer, where="the task's conversation")
-        prompt = render_chat_prompt(chat_history[:-1], self.tokenizer, where="the task's conversation")
+            return render_chat_prompt(chat_history, self._tok, where="the task's conversation")
+        prompt = render_chat_prompt(chat_history[:-1], self._tok, where="the task's conversation")
         return prompt + chat_history[-1]["content"]
 
     def get_model_info(self) -> dict:
@@ -146,15 +147,15 @@ class LevanterLM(TemplateLM):
         """The ids of ``string``; with ``add_special_tokens`` None, the tokenizer adds its own
         special tokens unless the text already starts with the beginning-of-text token."""
         if add_special_tokens is None:
-            add_special_tokens = not string.startswith(self.tokenizer.decode([self.prefix_token_id]))
-        ((ids, _),) = self.tokenizer.encode_with_offsets([string], add_special_tokens=add_special_tokens)
+            add_special_tokens = not string.startswith(self._tok.decode([self.prefix_token_id]))
+        ((ids, _),) = self._tok.encode_with_offsets([string], add_special_tokens=add_special_tokens)
         ids = [int(i) for i in ids]
         if left_truncate_len:
             ids = ids[-left_truncate_len:]
         return ids
 
     def tok_decode(self, tokens) -> str:
-        return self.tokenizer.decode(tokens)
+        return self._tok.decode(tokens)
 
     # -- log-likelihoods ---------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
@@ -216,7 +217,7 @@ class LevanterLM(TemplateLM):
         task's ``until`` strings or the end-of-text token."""
         from levanter_core.inference.sampling import SamplingParams
 
-        eos_text = self.tokenizer.decode([self.eot_token_id])
+        eos_text = self._tok.decode([self.eot_token_id])
         prepared = []
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = normalize_gen_kwargs(self._with_defaults(gen_kwargs), self.max_gen_toks)
@@ -272,7 +273,7 @@ class LevanterLM(TemplateLM):
             model = self.leader.gather_model()
             self._engine = Engine(
                 model,
-                tokenizer=self.tokenizer,
+                tokenizer=self._tok,
                 eos_ids=self._eos_ids,
                 max_seqs=self.batch_size,
                 max_seq_len=self.max_length,
@@ -292,3 +293,18 @@ def _single_token_id(tokenizer, text: str | None) -> int | None:
         return None
     ((ids, _),) = tokenizer.encode_with_offsets([text], add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None
+
+
+class _TokenizerView:
+    """Our tokenizer, with the attributes lm-eval records in its results (the special tokens and
+    their ids; the padding token is the end-of-text token, as lm-eval's ``hf`` backend makes it
+    for tokenizers without one)."""
+
+    def __init__(self, tokenizer, eos_id: int, bos_id: int | None):
+        self._tokenizer = tokenizer
+        self.eos_token_id = self.pad_token_id = eos_id
+        self.bos_token_id = bos_id
+        self.pad_token = tokenizer.decode([eos_id])
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)

@@ -62,12 +62,15 @@ def load_tasks(specs: Sequence[TaskSpec], manager) -> list:
     seen: dict[str, TaskSpec] = {}
     for spec in specs:
         name = spec if isinstance(spec, str) else spec["task"]
+        inline = isinstance(spec, dict) and _inline(spec)
         try:
-            loaded = manager.load([spec])
+            loaded = manager.load([spec if inline else name])
         except UserError:
             raise
         except Exception as e:
             raise UserError(f"task {name!r} could not be loaded: {_why(e)}") from None
+        if isinstance(spec, dict):
+            _override(loaded["tasks"].values(), spec, inline)
         top = [g for g in loaded["groups"].values() if not _is_child(g, loaded["groups"].values())]
         items = top or list(loaded["tasks"].values())
         alias = spec.get("task_alias") if isinstance(spec, dict) else None
@@ -84,6 +87,24 @@ def load_tasks(specs: Sequence[TaskSpec], manager) -> list:
             seen[key] = spec
             built.append(item)
     return built
+
+
+_NOT_TASK_SETTINGS = ("task", "task_alias", "additional_stop_strings")
+
+
+def _override(tasks, spec: dict, inline: bool) -> None:
+    """Apply a task spec's settings to the registered tasks it names (an inline definition has
+    them already), and its ``additional_stop_strings`` to their generation settings."""
+    for task in tasks:
+        if not inline:
+            for key, value in spec.items():
+                if key not in _NOT_TASK_SETTINGS:
+                    task.set_config(key=key, value=value)
+        extra = spec.get("additional_stop_strings")
+        if extra and task.get_config("output_type") == "generate_until":
+            until = (task.get_config("generation_kwargs") or {}).get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            task.set_config(key="generation_kwargs", value={"until": until + [s for s in extra if s not in until]}, update=True)
 
 
 def _is_child(group, groups) -> bool:

@@ -98,7 +98,12 @@ class Probes:
 
 @pytest.fixture
 def probes():
-    plugins.reset()
+    # no entry-point plugins (levanter-eval-harness, if installed, registers eval_harness too): GPT-2
+    # and these stand-ins only
+    import levanter_model_gpt2.plugin
+
+    plugins.reset(autoload=False)
+    plugins.register_plugin(levanter_model_gpt2.plugin)
     plugins.register_plugin(Probes(), name="probes")
     STEPS_SEEN.clear()
     yield STEPS_SEEN

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Sequence
 
-from levanter_core.errors import ConfigError
+from levanter_core.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,6 @@ def _run(
     import jmp
 
     from levanter_core import distributed as dist
-    from levanter_core.models.source import load_model_source
     from levanter_core.trainer.mesh import make_mesh
     from levanter_eval_harness.compute import Leader, Scorer, follow, replicate
     from levanter_eval_harness.harness import evaluate, prepare_tasks
@@ -152,11 +151,13 @@ def _run(
                 raise
             failed = e
 
-    loaded = load_model_source(source, tokenizer=tokenizer)
+    loaded = _load(source, tokenizer)
     policy = jmp.get_policy(trainer.mp) if cast else None
     model = loaded.model
     mesh = compute_mapping = None
-    if jax.process_count() > 1:
+    if jax.device_count() > 1:
+        # Each batch's rows are split over every device (of every process), which hold the
+        # weights whole.
         mesh = make_mesh(trainer)
         compute_mapping = trainer.compute_axis_mapping()
         model = replicate(model, mesh)
@@ -187,6 +188,25 @@ def _run(
         lm.close()
     _report(results, output_path, out)
     return results
+
+
+def _load(source: str, tokenizer: str | None):
+    import jax
+
+    from levanter_core.models.source import load_model_source
+
+    try:
+        return load_model_source(source, tokenizer=tokenizer)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.device_count() > 1 and "AbstractMesh" in str(e):
+            # Haliax's state-dict loader cannot place a Hugging Face checkpoint's tensors on
+            # several devices with this JAX; our checkpoints load through another path.
+            raise UserError(
+                f"{source}: a Hugging Face model cannot be loaded directly when JAX sees several devices "
+                f"({jax.device_count()}); import it first (`levanter import-hf {source} DIR`, on one "
+                "device, e.g. with JAX_PLATFORMS=cpu) and evaluate DIR"
+            ) from None
+        raise
 
 
 def _report(results: dict, output_path: str, out) -> None:

@@ -99,10 +99,12 @@ class Scorer:
 
 
 def _host(x) -> np.ndarray:
-    """A (replicated) result as a numpy array in every process."""
+    """A result as a numpy array in every process (every process must call this)."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
-    return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def multi_process() -> bool:
@@ -187,18 +189,23 @@ def _gathered(model):
     return eqx.combine(jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), local), rest)
 
 
+
+
 def replicate(model, mesh):
-    """``model`` (whole on this process, the same in every process) as global arrays held whole
-    on every device of ``mesh``, so that a program over the mesh can use it."""
+    """``model``, as process 0 has it, as global arrays held whole on every device of ``mesh``,
+    so that a program over the mesh can use it. (A model loaded in each process of a
+    multi-process run may have its arrays on one process's device; process 0's values are
+    broadcast to the others.)"""
     import equinox as eqx
     import jax
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = NamedSharding(mesh, PartitionSpec())
-
-    def put(x):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
     arrays, rest = eqx.partition(model, eqx.is_array)
-    return eqx.combine(jax.tree.map(put, arrays), rest)
+    leaves, structure = jax.tree.flatten(arrays)
+    host = [np.asarray(x) if x.is_fully_addressable else np.zeros(x.shape, x.dtype) for x in leaves]
+    if multi_process():
+        host = [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(host)]
+    placed = [jax.make_array_from_callback(h.shape, sharding, lambda index, h=h: h[index]) for h in host]
+    return eqx.combine(jax.tree.unflatten(structure, placed), rest)

@@ -88,7 +88,7 @@ def run_command(
 
     run = HarnessRun(
         tasks=task_specs,
-        include_path=list(include_path or []),
+        include_path=list(include_path or []) or (harness.include_path if harness else None),
         num_fewshot=num_fewshot,
         limit=(harness.max_examples if harness else None) if limit is None else (int(limit) if limit >= 1 else limit),
         apply_chat_template=apply_chat_template

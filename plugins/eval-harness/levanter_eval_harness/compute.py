@@ -40,6 +40,7 @@ class Scorer:
         self.model = model
         self.mesh = mesh
         self.compute_mapping = dict(compute_mapping or {})
+        self.cast = cast
         backend = jax.default_backend()
         block = DEFAULT_BLOCK_LOGITS.get(backend, DEFAULT_BLOCK_LOGITS["gpu"])
 
@@ -125,12 +126,15 @@ class Leader:
         return self.scorer.run(batch)
 
     def gather_model(self):
-        """The model's weights whole on this process (for generating, which process 0 does
-        alone); the followers take part in the gathering."""
-        if not multi_process():
-            return self.scorer.model
-        _send(_GATHER, None)
-        return _gathered(self.scorer.model)
+        """The model whole on one device of this process (for generating, which process 0 does
+        alone), in the compute precision; the followers take part in the gathering."""
+        if self.scorer.mesh is None:
+            model = self.scorer.model
+        else:
+            if multi_process():
+                _send(_GATHER, None)
+            model = _gathered(self.scorer.model)
+        return model if self.scorer.cast is None else self.scorer.cast(model)
 
     def stop(self) -> None:
         """Release the followers (they return from :func:`follow`)."""

@@ -63,6 +63,8 @@ class HarnessConfig(EvaluatorConfig):
     generation_kwargs: dict[str, Any] = Field(default_factory=lambda: dict(GENERATION_DEFAULTS))
     """Defaults for generation tasks (a task's own settings win): ``max_gen_toks``,
     ``temperature`` (0: greedy), ``seed``, and ``n``, which must be 1."""
+    include_path: str | list[str] | None = None
+    """Directories of task YAML of your own, as ``--include-path`` (not in Levanter)."""
     batch_size: PositiveInt | None = None
     """Distinct inputs per log-likelihood batch and sequences generated together; None: the
     trainer's evaluation batch size (``trainer.per_device_eval_parallelism`` times the devices)."""
@@ -94,12 +96,13 @@ class HarnessConfig(EvaluatorConfig):
             )
         return {**GENERATION_DEFAULTS, **kwargs}
 
-    def harness_run(self, *, limit_samples: bool = True):
+    def harness_run(self):
         """The :class:`~levanter_eval_harness.harness.HarnessRun` of this config."""
         from levanter_eval_harness.harness import HarnessRun
 
         return HarnessRun(
             tasks=list(self.task_spec),
+            include_path=self.include_path,
             limit=self.max_examples,
             apply_chat_template=self.apply_chat_template,
             fewshot_as_multiturn=self.fewshot_as_multiturn,

@@ -53,11 +53,17 @@ def prepare_tasks(run: HarnessRun) -> PreparedTasks:
 
 
 def evaluate(
-    lm, run: HarnessRun, *, model_name: str, output_path: str | None = None, prepared: PreparedTasks | None = None
+    lm,
+    run: HarnessRun,
+    *,
+    model_name: str,
+    output_path: str | None = None,
+    prepared: PreparedTasks | None = None,
+    max_samples: int | None = None,
 ) -> dict:
     """lm-eval's results (its ``simple_evaluate`` output, ``samples`` included with
     ``log_samples``) of ``lm`` on ``run``'s tasks (``prepared``: already loaded); written under
-    ``output_path`` when given."""
+    ``output_path`` when given, with at most ``max_samples`` samples of each task (None: all)."""
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
@@ -93,6 +99,8 @@ def evaluate(
         if "unsafe" in str(e).lower():
             raise UserError(f"{e} (--confirm-run-unsafe-code; confirm_run_unsafe_code in a config)") from None
         raise
+    if max_samples is not None and "samples" in results:
+        results["samples"] = {task: found[:max_samples] for task, found in results["samples"].items()}
     if tracker is not None:
         samples = results.pop("samples", None) if run.log_samples else None
         tracker.save_results_aggregated(results=results, samples=samples)
@@ -104,12 +112,15 @@ def evaluate(
     return results
 
 
+_NOT_METRICS = ("alias", "sample_len")  # lm-eval's entries of a task's results that measure nothing
+
+
 def averages(results: dict) -> dict[str, float]:
     """Levanter's averages over the tasks that have samples: ``macro_avg_<metric>`` (the mean
     over tasks) and ``micro_avg_<metric>`` (weighted by each task's number of samples)."""
     metrics: set[str] = set()
     for values in results.get("results", {}).values():
-        metrics.update(k for k in values if "stderr" not in k and k != "alias")
+        metrics.update(k for k in values if "stderr" not in k and k not in _NOT_METRICS)
     out = {}
     counts = results.get("n-samples", {})
     for metric in sorted(metrics):
@@ -135,7 +146,7 @@ def tracker_metrics(results: dict, prefix: str = "lm_eval") -> dict[str, float]:
     out: dict[str, float] = {}
     for task, values in results.get("results", {}).items():
         for metric, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or metric in _NOT_METRICS:
                 continue
             out[f"{prefix}/{task}/{metric.removesuffix(',none')}"] = float(value)
     for name, value in averages(results).items():

@@ -30,6 +30,29 @@ def _samples(out_dir, task: str) -> dict[int, dict]:
     return {record["doc_id"]: record for record in map(json.loads, path.read_text().splitlines())}
 
 
+def _run_together(tmp_path, commands: list[list[str]], timeout: float = 400) -> None:
+    """Run one command per process (each given its process id already) until all exit 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")  # fmt: skip
+    procs, logs = [], []
+    for rank, command in enumerate(commands):
+        log = open(tmp_path / f"process-{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([*LEVANTER, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    outputs = "\n".join((tmp_path / f"process-{r}.log").read_text()[-3000:] for r in range(len(commands)))
+    assert codes == [0] * len(commands), outputs
+
+
 def test_two_processes_give_the_results_of_one(model_dir, tasks_dir, tmp_path, capsys):
     # An import: a Hugging Face directory cannot be loaded straight onto several devices (see the README).
     imported = tmp_path / "imported"
@@ -45,27 +68,11 @@ def test_two_processes_give_the_results_of_one(model_dir, tasks_dir, tmp_path, c
     capsys.readouterr()
 
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")  # fmt: skip
-    procs, logs = [], []
-    for rank in range(2):
-        log = open(tmp_path / f"process-{rank}.log", "w")
-        logs.append(log)
-        command = [*LEVANTER, "eval-harness", str(imported), *common, "--output-path", str(tmp_path / f"two-{rank}"),
-                   "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(rank)]  # fmt: skip
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    outputs = "\n".join((tmp_path / f"process-{r}.log").read_text()[-3000:] for r in range(2))
-    assert codes == [0, 0], outputs
+    _run_together(tmp_path, [
+        ["eval-harness", str(imported), *common, "--output-path", str(tmp_path / f"two-{rank}"),
+         "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(rank)]
+        for rank in range(2)
+    ])  # fmt: skip
     assert not (tmp_path / "two-1").exists()  # only process 0 writes
 
     one, two = tmp_path / "one", tmp_path / "two-0"
@@ -81,3 +88,58 @@ def test_two_processes_give_the_results_of_one(model_dir, tasks_dir, tmp_path, c
     results_two = json.loads(next(two.glob("*/results_*.json")).read_text())["results"]
     assert results_two["tiny_mc"]["acc,none"] == results_one["tiny_mc"]["acc,none"]
     assert results_two["tiny_gen"] == results_one["tiny_gen"]
+
+
+TRAIN = """
+data:
+  train_urls: [{data}]
+  tokenizer: {model_dir}
+  cache_dir: {cache}
+model: {{type: llama, seq_len: 64, hidden_dim: 64, intermediate_dim: 128, num_layers: 2, num_heads: 4, num_kv_heads: 2}}
+trainer:
+  mp: p=f32
+  train_batch_size: 4
+  num_train_steps: 2
+  steps_per_eval: 1000
+  log_dir: {logs}
+  tracker: {{type: json}}
+  checkpointer: {{base_path: {ckpt}}}
+  ray: {{auto_start_cluster: false}}
+optimizer: {{learning_rate: 0.01}}
+eval_harness:
+  task_spec: [tiny_mc, tiny_ppl, tiny_gen]
+  max_examples: 3
+  include_path: {tasks_dir}
+  generation_kwargs: {{max_gen_toks: 8}}
+eval_harness_steps: 2
+"""
+
+
+def test_a_two_process_training_run_logs_the_harness_metrics_of_a_one_process_run(model_dir, tasks_dir, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"the quick brown fox jumps over the lazy dog {i}"}) + "\n" for i in range(64)))
+    config = tmp_path / "run.yaml"
+    config.write_text(TRAIN.format(data=data, model_dir=model_dir, cache=tmp_path / "cache", logs=tmp_path / "logs",
+                                   ckpt=tmp_path / "ckpt", tasks_dir=tasks_dir))  # fmt: skip
+    with pytest.raises(SystemExit) as done:
+        main(["train", str(config), "--no-progress", "--trainer.id", "one", "--trainer.checkpointer.base_path", str(tmp_path / "ckpt1")])
+    assert done.value.code == 0
+    capsys.readouterr()
+    port = _free_port()
+    _run_together(tmp_path, [
+        ["train", str(config), "--no-progress", "--trainer.id", "two",
+         "--trainer.distributed.coordinator_address", f"localhost:{port}",
+         "--trainer.distributed.num_processes", "2", "--trainer.distributed.process_id", str(rank)]
+        for rank in range(2)
+    ])  # fmt: skip
+
+    def harness_metrics(run_id):
+        lines = (tmp_path / "logs" / run_id / "metrics.jsonl").read_text().splitlines()
+        (last,) = [m for m in map(json.loads, lines) if m["step"] == 2]
+        return {k: v for k, v in last.items() if k.startswith("lm_eval/")}
+
+    one, two = harness_metrics("one"), harness_metrics("two")
+    assert {"lm_eval/tiny_mc/acc", "lm_eval/tiny_ppl/byte_perplexity", "lm_eval/tiny_gen/exact_match"} <= set(one)
+    assert set(two) == set(one)
+    for name, value in one.items():
+        assert two[name] == pytest.approx(value, rel=1e-5), name

@@ -88,7 +88,6 @@ class LevanterLM(TemplateLM):
         self._bos = _single_token_id(tokenizer, tokenizer.bos_token)
         self.tokenizer = _TokenizerView(tokenizer, self._eot, self._bos)
         self._engine = None
-        self.stats = {"loglikelihood_batches": 0, "queries": 0}
 
     # -- what lm-eval reads --------------------------------------------------------------------
     @property
@@ -185,8 +184,6 @@ class LevanterLM(TemplateLM):
                 for i, lp, g in zip(batch.indices, logprob, greedy):
                     results[i] = (float(lp), bool(g))
                 progress.update(len(batch.indices))
-        self.stats["loglikelihood_batches"] += len(batches)
-        self.stats["queries"] += len(queries)
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

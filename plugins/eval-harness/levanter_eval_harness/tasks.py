@@ -119,13 +119,12 @@ def _rename(item, lm_eval_name: str, our_name: str) -> None:
 
     if isinstance(item, Group):
         item.name = _renamed(item.name, lm_eval_name, our_name)
-        if item._config is not None:
-            item._config.group = item.name
-        children = list(item)
-        for child in children:
+        config = getattr(item, "_config", None)  # a configured group reports the name it was given
+        if config is not None:
+            config.group = item.name
+        for key in list(item.child_names):  # children are held under their names: re-add them
+            child = item.pop(key)
             _rename(child, lm_eval_name, our_name)
-        item._children.clear()
-        for child in children:
             item.add(child)
     else:
         item.config.task = _renamed(item.config.task, lm_eval_name, our_name)

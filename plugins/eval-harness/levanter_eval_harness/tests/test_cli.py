@@ -96,6 +96,16 @@ def test_a_task_spec_alias_runs_one_task_twice_with_its_own_fewshot(model_dir, t
     assert context.count("\n\n") == 2  # two solved examples before the question
 
 
+def test_an_alias_renames_a_group_and_its_tasks_and_settings_reach_them(manager):
+    from levanter_eval_harness.tasks import load_tasks
+
+    (group,) = load_tasks([{"task": "tiny_group", "task_alias": "tiny_group_1shot", "num_fewshot": 1}], manager)
+    assert group.name == "tiny_group_1shot"
+    tasks = {t.task_name: t for t in group.get_all_tasks()}
+    assert sorted(tasks) == ["tiny_mc_1shot", "tiny_ppl_1shot"] == sorted(group.child_names)
+    assert tasks["tiny_mc_1shot"].get_config("num_fewshot") == 1
+
+
 def test_installed_as_a_command_and_an_evaluator():
     ours = listed_plugin("levanter-eval-harness")
     assert ours["error"] is None

@@ -92,3 +92,27 @@ def test_rolling_perplexity_equals_the_hf_backend(hf_results, our_results):
         theirs_value = hf_results["results"]["tiny_ppl"][metric]
         assert math.isclose(ours_value, theirs_value, rel_tol=1e-5), (metric, ours_value, theirs_value)
 
+
+
+def test_chat_prompts_with_fewshot_turns_equal_the_hf_backend(loaded, model_dir, manager):
+    """With the chat template, few-shot examples as turns: the same prompts, the same scores."""
+    import lm_eval
+
+    from levanter_eval_harness.harness import HarnessRun, PreparedTasks, evaluate
+    from levanter_eval_harness.lm import LevanterLM
+    from levanter_eval_harness.tasks import load_tasks
+
+    settings = dict(num_fewshot=2, limit=4, apply_chat_template=True, fewshot_as_multiturn=True)
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={model_dir},dtype=float32,max_length={MAX_LENGTH}", tasks=["tiny_mc"],
+        device="cpu", batch_size=4, log_samples=True, bootstrap_iters=0, task_manager=manager, **settings,
+    )  # fmt: skip
+    lm = LevanterLM(loaded.model, loaded.tokenizer, max_length=MAX_LENGTH, batch_size=4)
+    run = HarnessRun(tasks=["tiny_mc"], log_samples=True, bootstrap_iters=0, **settings)
+    ours = evaluate(lm, run, model_name=model_dir, prepared=PreparedTasks(manager, load_tasks(["tiny_mc"], manager)))
+    for doc_id, sample in _by_doc(theirs, "tiny_mc").items():
+        mine = _by_doc(ours, "tiny_mc")[doc_id]
+        assert mine["arguments"] == sample["arguments"]
+        assert "<|assistant|>" in sample["arguments"][0][0]  # (context, continuation) of its first choice
+        for theirs_resp, our_resp in zip(sample["resps"], mine["resps"]):
+            assert abs(float(our_resp[0][0]) - float(theirs_resp[0][0])) <= 1e-4

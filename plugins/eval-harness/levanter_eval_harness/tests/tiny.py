@@ -6,7 +6,8 @@ JSON-lines data sit in one include directory.
   answers of several words;
 * ``tiny_gen``: generation until a stop string (exact match);
 * ``tiny_ppl``: rolling log-likelihood of whole texts, some longer than the context given to
-  the harness (word and byte perplexity, bits per byte).
+  the harness (word and byte perplexity, bits per byte);
+* ``tiny_group``: a group of ``tiny_mc`` and ``tiny_ppl``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ SENTENCES = [
     "a harness asks a model many questions and counts the right answers",
     "question: what is the capital of france? answer: paris",
 ]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 MC_DOCS = [
     {"question": "the quick brown fox jumps over the", "choices": [" dog", " cat", " fox"], "answer": 0},
@@ -118,9 +124,19 @@ metric_list:
 """
 
 
+GROUP_YAML = """\
+group: tiny_group
+task: [tiny_mc, tiny_ppl]
+aggregate_metric_list:
+  - metric: acc
+    weight_by_size: true
+"""
+
+
 def make_tiny_model(directory: str) -> str:
     """A random two-layer Llama and its tokenizer (``tokenizer.json`` with a
-    ``tokenizer_config.json`` naming its end-of-text token), as a Hugging Face model directory."""
+    ``tokenizer_config.json`` naming its end-of-text token and giving a chat template), as a
+    Hugging Face model directory."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -138,6 +154,7 @@ def make_tiny_model(directory: str) -> str:
                 "eos_token": "<|endoftext|>",
                 "bos_token": "<|endoftext|>",
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             f,
         )
@@ -176,6 +193,7 @@ def make_tasks(directory: str) -> str:
         ("tiny_mc.yaml", MC_YAML.format(train=mc_train, test=mc_test)),
         ("tiny_gen.yaml", GEN_YAML.format(test=gen)),
         ("tiny_ppl.yaml", PPL_YAML.format(test=ppl)),
+        ("tiny_group.yaml", GROUP_YAML),
     ]:
         with open(os.path.join(directory, name), "w") as f:
             f.write(text)

@@ -15,13 +15,14 @@ import logging
 
 import numpy as np
 
+from levanter_core.inference import decoding
 from levanter_core.models.lm import DEFAULT_BLOCK_LOGITS
-from levanter_eval_harness.scoring import Batch, continuation_scores
+from levanter_eval_harness.scoring import Batch, continuation_scores, prefixed_scores
 
 logger = logging.getLogger(__name__)
 
 # What process 0 tells the others to do next (the first entry of each header).
-_STOP, _SCORE, _GATHER = 0, 1, 2
+_STOP, _SCORE, _GATHER, _SCORE_PREFIXED = 0, 1, 2, 3
 _HEADER = 5  # op, rows, length, queries, width
 
 
@@ -44,14 +45,21 @@ class Scorer:
         backend = jax.default_backend()
         block = DEFAULT_BLOCK_LOGITS.get(backend, DEFAULT_BLOCK_LOGITS["gpu"])
 
-        def scores(model, tokens, row, start, targets, mask):
+        def scores(model, tokens, row, start, targets, mask, suffix=None):
             if cast is not None:
                 model = cast(model)
-            return continuation_scores(model, tokens, row, start, targets, mask, block_logits=block)
+            if suffix is None:
+                return continuation_scores(model, tokens, row, start, targets, mask, block_logits=block)
+            return prefixed_scores(model, tokens, row, start, targets, mask, suffix, block_logits=block)
 
         self._scores = hax.named_jit(scores, axis_resources=self.compute_mapping or None)
         self.shapes: set[tuple[int, ...]] = set()
         """The batch shapes compiled so far (rows, length, queries, width)."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether batches may share prefixes: the model has a key/value cache."""
+        return decoding.has_cache(self.model)
 
     @property
     def row_multiple(self) -> int:
@@ -73,18 +81,16 @@ class Scorer:
         import jax
         from haliax import Axis
 
-        tokens, row, start, targets, mask = batch.arrays()
-        self.shapes.add((*tokens.shape, *targets.shape))
+        tokens, *rest = batch.arrays()
+        self.shapes.add((batch.suffix is not None, *tokens.shape, *batch.targets.shape))
         axes = (Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1]))
         if self.mesh is None:
             named = hax.named(jax.numpy.asarray(tokens), axes)
-            logprob, greedy = self._scores(self.model, named, row, start, targets, mask)
+            logprob, greedy = self._scores(self.model, named, *rest)
         else:
             with hax.partitioning.set_mesh(self.mesh):
                 named = hax.named(self._put(tokens, sharded=True), axes)
-                logprob, greedy = self._scores(
-                    self.model, named, *(self._put(a, sharded=False) for a in (row, start, targets, mask))
-                )
+                logprob, greedy = self._scores(self.model, named, *(self._put(a, sharded=False) for a in rest))
         n = len(batch.indices)
         return _host(logprob)[:n].astype(np.float64), _host(greedy)[:n].astype(bool)
 
@@ -122,7 +128,7 @@ class Leader:
 
     def score(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         if multi_process():
-            _send(_SCORE, batch)
+            _send(_SCORE if batch.suffix is None else _SCORE_PREFIXED, batch)
         return self.scorer.run(batch)
 
     def gather_model(self):
@@ -164,6 +170,8 @@ def follow(scorer: Scorer) -> int:
             np.zeros((queries, width), np.int32),
             np.zeros((queries, width), bool),
         )
+        if op == _SCORE_PREFIXED:
+            empty += (np.zeros((queries, width), np.int32),)
         arrays = [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(empty)]
         scorer.run(Batch([], *arrays))
         done += 1

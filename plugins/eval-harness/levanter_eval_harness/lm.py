@@ -177,7 +177,7 @@ class LevanterLM(TemplateLM):
     def score(self, queries: Sequence[Query], *, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
         """``(log-probability, is greedy)`` of each query."""
         results: list[tuple[float, bool] | None] = [None] * len(queries)
-        batches = plan_batches(queries, self.batch_size, self.max_length)
+        batches = plan_batches(queries, self.batch_size, self.max_length, share_prefixes=self.leader.scorer.shares_prefixes)
         with tqdm(total=len(queries), disable=disable_tqdm, desc="Scoring") as progress:
             for batch in batches:
                 logprob, greedy = self.leader.score(batch)

@@ -7,10 +7,17 @@ tokens and whether each of them is the model's most likely one (lm-eval's ``is_g
 
 Queries are sorted longest first and cut into batches of ``rows`` distinct inputs; queries
 whose inputs are identical (the choices of a multiple-choice question whose answers are one
-token long, say) share a row, so the model runs over that input once. A batch's arrays are
-padded to powers of two (input length, continuation length, number of queries), so that each
-shape compiles once. Logits are computed only at the scored positions, a block of positions
-at a time, in float32.
+token long, say) share a row, so the model runs over that input once.
+
+For a model with a key/value cache, queries that share a *prefix* (everything before the
+first scored position: the context of a multiple-choice question, whatever its answers) share
+more: the model runs over each distinct prefix once, filling a cache, and then over each
+query's remaining tokens (its answer) from a copy of its prefix's cache row. A multiple-choice
+question with four answers then costs one pass over its context instead of four.
+
+A batch's arrays are padded to powers of two (lengths, number of queries), so that each shape
+compiles once. Logits are computed only at the scored positions, a block of positions at a
+time, in float32.
 """
 
 from __future__ import annotations
@@ -61,9 +68,14 @@ class Batch:
     """``[queries, width]`` int32 target ids."""
     mask: np.ndarray
     """``[queries, width]`` bool: which targets are real (the rest is padding)."""
+    suffix: np.ndarray | None = None
+    """With shared prefixes: ``[queries, width]`` int32, each query's tokens from its first
+    scored position on; ``tokens`` then holds the prefixes, and ``start`` is where each
+    query's suffix begins (its prefix's length)."""
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self.tokens, self.row, self.start, self.targets, self.mask
+        shared = () if self.suffix is None else (self.suffix,)
+        return self.tokens, self.row, self.start, self.targets, self.mask, *shared
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -71,8 +83,12 @@ def bucket(n: int, smallest: int, largest: int) -> int:
     return min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
-def plan_batches(queries: Sequence[Query], rows: int, max_length: int) -> list[Batch]:
-    """``queries`` in batches of at most ``rows`` distinct inputs, longest inputs first."""
+def plan_batches(
+    queries: Sequence[Query], rows: int, max_length: int, *, share_prefixes: bool = False
+) -> list[Batch]:
+    """``queries`` in batches of at most ``rows`` distinct inputs (``share_prefixes``: distinct
+    prefixes, for a model with a cache), longest first. A batch of prefixes that no two queries
+    share is planned as one of whole inputs."""
     for i, q in enumerate(queries):
         if not q.targets:
             raise ValueError(f"query {i} has no tokens to score")
@@ -80,16 +96,35 @@ def plan_batches(queries: Sequence[Query], rows: int, max_length: int) -> list[B
             raise ValueError(f"query {i} has {len(q.tokens)} input tokens, more than the context ({max_length})")
         if q.start < 0 or q.start + len(q.targets) > len(q.tokens):
             raise ValueError(f"query {i}: its targets do not fit its input")
-    order = sorted(range(len(queries)), key=lambda i: (-len(queries[i].tokens), queries[i].tokens))
-    groups: list[list[list[int]]] = []  # batches of rows of query indices
+        if share_prefixes and q.start + len(q.targets) != len(q.tokens):
+            raise ValueError(f"query {i}: with shared prefixes, the targets must be scored up to the input's end")
+    if share_prefixes:
+        prefix = [q.tokens[: q.start] for q in queries]
+        groups = _group(range(len(queries)), prefix, lambda i: (-len(queries[i].tokens), queries[i].tokens), rows)
+        # A batch whose prefixes nobody shares (rolling windows) runs as whole inputs: cheaper.
+        return [
+            _pad(queries, group, rows, max_length)
+            if len(group) == sum(map(len, group))
+            else _pad_prefixed(queries, group, rows, max_length)
+            for group in groups
+        ]
+    groups = _group(range(len(queries)), [q.tokens for q in queries], lambda i: queries[i].tokens, rows)
+    return [_pad(queries, group, rows, max_length) for group in groups]
+
+
+def _group(indices, keys, then, rows: int) -> list[list[list[int]]]:
+    """``indices`` sorted by (longest ``keys`` first, ``then``) and cut into batches of at most
+    ``rows`` rows, each row the indices of one distinct key."""
+    order = sorted(indices, key=lambda i: (-len(keys[i]), keys[i], then(i)))
+    groups: list[list[list[int]]] = []
     for i in order:
-        if groups and groups[-1] and queries[groups[-1][-1][0]].tokens == queries[i].tokens:
+        if groups and groups[-1] and keys[groups[-1][-1][0]] == keys[i]:
             groups[-1][-1].append(i)
         elif groups and len(groups[-1]) < rows:
             groups[-1].append([i])
         else:
             groups.append([[i]])
-    return [_pad(queries, group, rows, max_length) for group in groups]
+    return groups
 
 
 def _pad(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
@@ -116,23 +151,96 @@ def _pad(queries: Sequence[Query], group: list[list[int]], rows: int, max_length
     return Batch(indices, tokens, row, start, targets, mask)
 
 
+def _pad_prefixed(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
+    longest = max(queries[r[0]].start for r in group)
+    length = bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
+    indices = [i for r in group for i in r]
+    width = bucket(max(len(queries[i].targets) for i in indices), 1, max_length)
+    count = bucket(len(indices), 1, 1 << 30)
+    prefixes = np.zeros((rows, length), np.int32)
+    row = np.zeros(count, np.int32)
+    start = np.zeros(count, np.int32)
+    suffix = np.zeros((count, width), np.int32)
+    targets = np.zeros((count, width), np.int32)
+    mask = np.zeros((count, width), bool)
+    k = 0
+    for r, members in enumerate(group):
+        first = queries[members[0]]
+        prefixes[r, : first.start] = first.tokens[: first.start]
+        for i in members:
+            q = queries[i]
+            row[k], start[k] = r, q.start
+            suffix[k, : len(q.targets)] = q.tokens[q.start :]
+            targets[k, : len(q.targets)] = q.targets
+            mask[k, : len(q.targets)] = True
+            k += 1
+    return Batch(indices, prefixes, row, start, targets, mask, suffix)
+
+
 def continuation_scores(model, tokens, row, start, targets, mask, *, block_logits: int):
     """Per query, the summed log-probability of its targets and whether every one of them is
     the most likely token at its position: two arrays ``[queries]`` (float32, bool). ``tokens``
     is a named array ``(batch, position)``; the rest are plain arrays as in :class:`Batch`.
     At most ``block_logits`` logits exist at a time."""
+    import jax.numpy as jnp
+
+    Embed = model.config.Embed.name
+    hidden = model.activations(tokens).rearrange(("batch", "position", Embed)).array
+    length, width = hidden.shape[1], targets.shape[1]
+    positions = jnp.clip(start[:, None] + jnp.arange(width)[None, :], 0, length - 1)
+    picked = hidden[row[:, None], positions]  # [queries, width, embed]
+    return _scores(model, picked, targets, mask, block_logits)
+
+
+def prefixed_scores(model, prefixes, row, start, targets, mask, suffix, *, block_logits: int):
+    """:func:`continuation_scores` of a batch with shared prefixes (``prefixes`` a named array
+    ``(batch, position)``, ``suffix`` ``[queries, width]``): each prefix runs through the model
+    into a key/value cache once; each query's suffix then runs from its prefix's cache row."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    from levanter_core.inference import decoding
+
+    Rows, Pos = prefixes.axes
+    width = suffix.shape[1]
+    KeyPos = Axis("key_position", Pos.size + width)
+    cache = decoding.init_cache(model, Rows, KeyPos)
+    positions = hax.broadcast_to(hax.arange(Pos), (Rows, Pos))
+    _, cache = decoding.decode(model, prefixes, positions, cache, key_len=Pos.size)
+    cache = _take_rows(cache, hax.named(jnp.asarray(row), "batch"))
+    Queries, Width = Axis("batch", suffix.shape[0]), Axis("position", width)
+    where = hax.named(jnp.asarray(start)[:, None] + jnp.arange(width)[None, :], (Queries, Width))
+    hidden, _ = decoding.decode(model, hax.named(jnp.asarray(suffix), (Queries, Width)), where, cache, key_len=KeyPos.size)
+    picked = hidden.rearrange(("batch", "position", model.config.Embed.name)).array
+    return _scores(model, picked, targets, mask, block_logits)
+
+
+def _take_rows(cache, index):
+    """``cache`` with row ``index[i]`` as its row ``i`` (every named array with a ``batch`` axis)."""
+    import haliax as hax
+    import jax
+
+    def take(x):
+        if isinstance(x, hax.NamedArray) and x.has_axis("batch"):
+            return hax.take(x, "batch", index)
+        return x
+
+    return jax.tree.map(take, cache, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+
+
+def _scores(model, picked, targets, mask, block_logits: int):
+    """Per query, the summed log-probability of its targets and whether each is the most likely
+    token, from the final hidden states ``picked`` ``[queries, width, embed]`` at the scored
+    positions."""
     import jax
     import jax.numpy as jnp
 
     from levanter_core.models.lm import soft_cap
 
-    Embed = model.config.Embed.name
-    hidden = model.activations(tokens).rearrange(("batch", "position", Embed)).array
-    head = model.get_lm_head().rearrange((Embed, model.Vocab.name)).array
+    head = model.get_lm_head().rearrange((model.config.Embed.name, model.Vocab.name)).array
     cap = getattr(model.config, "final_logit_soft_cap", None)
-    length, width = hidden.shape[1], targets.shape[1]
-    positions = jnp.clip(start[:, None] + jnp.arange(width)[None, :], 0, length - 1)
-    picked = hidden[row[:, None], positions]  # [queries, width, embed]
+    width = targets.shape[1]
     count = picked.shape[0] * width
     flat_h = picked.reshape(count, -1)
     flat_t = targets.reshape(count)

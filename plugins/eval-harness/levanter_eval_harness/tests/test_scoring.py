@@ -1,5 +1,6 @@
-"""Batching log-likelihood queries: few compiled shapes, one row per distinct input, and a score
-that does not depend on what else is in the batch."""
+"""Batching log-likelihood queries: few compiled shapes, one row per distinct input (one pass
+per distinct context, for a model with a cache), and a score that does not depend on what else
+is in the batch or on how it was batched."""
 
 from __future__ import annotations
 
@@ -59,3 +60,36 @@ def test_scores_do_not_depend_on_the_batch(loaded):
 def test_an_empty_continuation_is_refused():
     with pytest.raises(ValueError, match="no tokens to score"):
         plan_batches([Query((1, 2), 1, ())], rows=2, max_length=8)
+
+
+def _score_all(scorer, batches, count):
+    out = [None] * count
+    for batch in batches:
+        for i, lp, g in zip(batch.indices, *scorer.run(batch)):
+            out[i] = (float(lp), bool(g))
+    return out
+
+
+def test_shared_contexts_run_once_and_score_as_whole_inputs(loaded):
+    from levanter_eval_harness.compute import Scorer
+
+    rng = np.random.default_rng(1)
+    vocab = loaded.Vocab.size
+    queries = []
+    for length in (1, 6, 20, 45):  # a one-token context (an empty one, in lm-eval) among them
+        context = [int(t) for t in rng.integers(1, vocab, size=length)]
+        for answer_length in (1, 3, 8):
+            queries.append(Query.of_pair(context, [int(t) for t in rng.integers(1, vocab, size=answer_length)], 64))
+    shared = plan_batches(queries, rows=4, max_length=64, share_prefixes=True)
+    assert all(b.suffix is not None for b in shared)
+    assert sum(len({tuple(r) for r in b.tokens[b.row[: len(b.indices)]]}) for b in shared) == 4  # one per context
+    scorer = Scorer(loaded.model)
+    assert scorer.shares_prefixes
+    plain = _score_all(scorer, plan_batches(queries, rows=4, max_length=64), len(queries))
+    for (lp, greedy), (lp2, greedy2) in zip(plain, _score_all(scorer, shared, len(queries))):
+        assert abs(lp - lp2) <= 1e-4 and greedy == greedy2
+
+
+def test_prefixes_nobody_shares_run_as_whole_inputs():
+    windows = [Query.of_pair([1 + i, 2, 3], [4, 5, 6], 64) for i in range(3)]
+    assert all(b.suffix is None for b in plan_batches(windows, rows=4, max_length=64, share_prefixes=True))

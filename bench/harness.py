@@ -8,10 +8,12 @@ float32. The requests are lm-eval ``loglikelihood`` requests of two kinds, like 
 that make up most of a harness run:
 
 * ``multi-token``: multiple choice with four answers of several tokens after a shared context
-  (HellaSwag, ARC, PIQA...): ``--questions`` contexts of 40 to 400 tokens of Python source;
+  (HellaSwag, ARC, PIQA...): ``--questions`` contexts of 40 to 400 tokens of Python source; we
+  run each context once for its four answers (a key/value cache), lm-eval's ``hf`` backend
+  four times;
 * ``one-token``: four one-token answers (`` A`` ... `` D``) after a context (MMLU): the four
   requests of a question share their input, which both sides notice (lm-eval's
-  ``logits_cache``, our shared rows).
+  ``logits_cache``, our shared contexts).
 
 Both sides get the same batch size (``--batch-size``, distinct inputs per batch). Each figure
 is the median of ``--repeats`` timed runs; ours is run once before (it compiles its batch

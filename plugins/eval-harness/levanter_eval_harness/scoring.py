@@ -31,6 +31,9 @@ import numpy as np
 SMALLEST_LENGTH = 16
 """The shortest input length bucket (shorter inputs are padded to it)."""
 
+SHARED_QUERIES = 4
+"""With shared prefixes, at most this many queries per row of a batch, on average."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Query:
@@ -100,7 +103,12 @@ def plan_batches(
             raise ValueError(f"query {i}: with shared prefixes, the targets must be scored up to the input's end")
     if share_prefixes:
         prefix = [q.tokens[: q.start] for q in queries]
-        groups = _group(range(len(queries)), prefix, lambda i: (-len(queries[i].tokens), queries[i].tokens), rows)
+        # Each query of a batch gets a copy of its prefix's cache row: at most SHARED_QUERIES
+        # times as many queries as rows keeps that memory to a few batches' caches.
+        groups = _group(
+            range(len(queries)), prefix, lambda i: (-len(queries[i].tokens), queries[i].tokens), rows,
+            max_queries=SHARED_QUERIES * rows,
+        )  # fmt: skip
         # A batch whose prefixes nobody shares (rolling windows) runs as whole inputs: cheaper.
         return [
             _pad(queries, group, rows, max_length)
@@ -112,13 +120,15 @@ def plan_batches(
     return [_pad(queries, group, rows, max_length) for group in groups]
 
 
-def _group(indices, keys, then, rows: int) -> list[list[list[int]]]:
+def _group(indices, keys, then, rows: int, max_queries: int | None = None) -> list[list[list[int]]]:
     """``indices`` sorted by (longest ``keys`` first, ``then``) and cut into batches of at most
-    ``rows`` rows, each row the indices of one distinct key."""
+    ``rows`` rows (and ``max_queries`` indices), each row the indices of one distinct key."""
     order = sorted(indices, key=lambda i: (-len(keys[i]), keys[i], then(i)))
     groups: list[list[list[int]]] = []
     for i in order:
-        if groups and groups[-1] and keys[groups[-1][-1][0]] == keys[i]:
+        if groups and max_queries is not None and sum(map(len, groups[-1])) >= max_queries:
+            groups.append([[i]])
+        elif groups and groups[-1] and keys[groups[-1][-1][0]] == keys[i]:
             groups[-1][-1].append(i)
         elif groups and len(groups[-1]) < rows:
             groups[-1].append([i])

@@ -139,10 +139,13 @@ def test_an_unknown_task_exits_2_with_close_names(model_dir, tasks_dir, capsys, 
     assert not list(tmp_path.iterdir())
 
 
-def test_a_source_that_is_no_model_exits_2(tasks_dir, capsys, tmp_path):
-    code, _, err = harness(capsys, str(tmp_path), "--tasks", "tiny_mc", "--include-path", tasks_dir,
+@pytest.mark.parametrize("missing", [False, True])
+def test_a_source_that_is_no_model_exits_2(tasks_dir, capsys, tmp_path, missing):
+    source = str(tmp_path / "nowhere") if missing else str(tmp_path)
+    code, _, err = harness(capsys, source, "--tasks", "tiny_mc", "--include-path", tasks_dir,
                            "--output-path", str(tmp_path / "out"))  # fmt: skip
-    assert code == 2 and "neither one of our checkpoints" in err and "Traceback" not in err
+    assert code == 2 and "Traceback" not in err
+    assert ("is not a local directory" if missing else "neither one of our checkpoints") in err
 
 
 def test_a_missing_include_path_exits_2(model_dir, capsys, tmp_path):

@@ -15,8 +15,8 @@ more: the model runs over each distinct prefix once, filling a cache, and then o
 query's remaining tokens (its answer) from a copy of its prefix's cache row. A multiple-choice
 question with four answers then costs one pass over its context instead of four.
 
-A batch's arrays are padded to powers of two (lengths, number of queries), so that each shape
-compiles once. Logits are computed only at the scored positions, a block of positions at a
+A batch's arrays are padded to a few sizes (lengths to powers of two and halfway between,
+numbers of queries to powers of two), so that each shape compiles once. Logits are computed only at the scored positions, a block of positions at a
 time, in float32.
 """
 
@@ -86,6 +86,18 @@ def bucket(n: int, smallest: int, largest: int) -> int:
     return min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
+def length_bucket(n: int, smallest: int, largest: int) -> int:
+    """The input length ``n`` is padded to: a power of two or one and a half times one
+    (16, 24, 32, 48, 64, 96...), at least ``smallest``, at most ``largest``. Inputs fill their
+    bucket to 83% on average instead of 75% for powers of two alone: less computation spent on
+    padding, for twice as many shapes to compile."""
+    power = bucket(n, smallest, largest)
+    three_quarters = power * 3 // 4
+    if power >= 4 * 2 and n <= three_quarters and three_quarters >= smallest:
+        return three_quarters
+    return power
+
+
 def plan_batches(
     queries: Sequence[Query], rows: int, max_length: int, *, share_prefixes: bool = False
 ) -> list[Batch]:
@@ -109,10 +121,12 @@ def plan_batches(
             range(len(queries)), prefix, lambda i: (-len(queries[i].tokens), queries[i].tokens), rows,
             max_queries=SHARED_QUERIES * rows,
         )  # fmt: skip
-        # A batch whose prefixes nobody shares (rolling windows) runs as whole inputs: cheaper.
+        # A batch where sharing prefixes saves nothing over sharing whole inputs (rolling
+        # windows; one-token answers, whose queries of a prefix have one input) runs as whole
+        # inputs: no cache to fill and copy.
         return [
             _pad(queries, group, rows, max_length)
-            if len(group) == sum(map(len, group))
+            if all(len({queries[i].tokens for i in members}) == 1 for members in group)
             else _pad_prefixed(queries, group, rows, max_length)
             for group in groups
         ]
@@ -139,7 +153,7 @@ def _group(indices, keys, then, rows: int, max_queries: int | None = None) -> li
 
 def _pad(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
     longest = max(len(queries[r[0]].tokens) for r in group)
-    length = bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
+    length = length_bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
     indices = [i for r in group for i in r]
     width = bucket(max(len(queries[i].targets) for i in indices), 1, length)
     count = bucket(len(indices), 1, 1 << 30)
@@ -163,7 +177,7 @@ def _pad(queries: Sequence[Query], group: list[list[int]], rows: int, max_length
 
 def _pad_prefixed(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
     longest = max(queries[r[0]].start for r in group)
-    length = bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
+    length = length_bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
     indices = [i for r in group for i in r]
     width = bucket(max(len(queries[i].targets) for i in indices), 1, max_length)
     count = bucket(len(indices), 1, 1 << 30)

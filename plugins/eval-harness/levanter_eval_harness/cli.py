@@ -49,7 +49,7 @@ def run_command(
     max_gen_toks: int | None = None,
     tokenizer: str | None = None,
     seed: int | None = None,
-    bootstrap_iters: int = 100000,
+    bootstrap_iters: int | None = None,
     confirm_run_unsafe_code: bool = False,
     config: str | None = None,
     coordinator_address: str | None = None,
@@ -98,7 +98,7 @@ def run_command(
         if fewshot_as_multiturn is not None
         else (bool(harness.fewshot_as_multiturn or main.fewshot_as_multiturn) if harness else None),
         log_samples=log_samples or bool(harness and (harness.log_samples or harness.sample_logging.should_log())),
-        bootstrap_iters=bootstrap_iters,
+        bootstrap_iters=bootstrap_iters if bootstrap_iters is not None else (harness.bootstrap_iters if harness else 100000),
         confirm_run_unsafe_code=confirm_run_unsafe_code or bool(harness and harness.confirm_run_unsafe_code),
         gen_kwargs=None,
         seed=seed,
@@ -120,6 +120,7 @@ def run_command(
         max_length=max_length or (harness.max_eval_length if harness else None),
         max_gen_toks=max_gen_toks,
         generation_defaults=harness.generation_defaults() if harness else {},
+        max_samples=harness.max_samples() if harness and not log_samples else None,
         cast=main is not None,
         out=out,
     )
@@ -127,7 +128,7 @@ def run_command(
 
 def _run(
     source, run, *, trainer, distributed, tokenizer, output_path, batch_size, max_length, max_gen_toks,
-    generation_defaults, cast, out,
+    generation_defaults, max_samples, cast, out,
 ):  # fmt: skip
     import jax
     import jmp
@@ -182,7 +183,7 @@ def _run(
         leader=leader,
     )
     try:
-        results = evaluate(lm, run, model_name=source, output_path=output_path, prepared=prepared)
+        results = evaluate(lm, run, model_name=source, output_path=output_path, prepared=prepared, max_samples=max_samples)
     finally:
         leader.stop()
         lm.close()

@@ -111,6 +111,12 @@ class HarnessConfig(EvaluatorConfig):
             confirm_run_unsafe_code=self.confirm_run_unsafe_code,
         )
 
+    def max_samples(self) -> int | None:
+        """Samples of each task to write (None: all of them, when any are written)."""
+        if self.log_samples or self.sample_logging.log_all:
+            return None
+        return self.sample_logging.max_samples_per_benchmark
+
     def generation_defaults(self) -> dict[str, Any]:
         """What a generation request's own settings fill in (``max_gen_toks`` is the model's
         default length instead): sampling settings for requests that choose neither

@@ -78,8 +78,13 @@ def eval_harness_command(
         typer.Option(help="One seed for lm-eval's random choices (few-shot examples...); default: lm-eval's own."),
     ] = None,
     bootstrap_iters: Annotated[
-        int, typer.Option(help="Bootstrap iterations for standard errors (0: none).", min=0)
-    ] = 100000,
+        Optional[int],
+        typer.Option(
+            help="Bootstrap iterations for standard errors (0: none) [default: 100000, as lm_eval; a --config's "
+            "eval_harness.bootstrap_iters, 0 in Levanter].",
+            min=0,
+        ),
+    ] = None,
     confirm_run_unsafe_code: Annotated[
         bool,
         typer.Option("--confirm-run-unsafe-code", help="Allow tasks that execute code the model writes."),

@@ -83,8 +83,6 @@ class HarnessEvaluator(Evaluator):
         local = "://" not in run_dir
         if not local:
             logger.warning("eval_harness: the run directory %s is not local; lm-eval's files are not written", run_dir)
-        samples = config.sample_logging
-        cap = None if config.log_samples or samples.log_all else samples.max_samples_per_benchmark
         try:
             prepared = PreparedTasks(self.manager, load_tasks(self.run.tasks, self.manager))
             results = evaluate(
@@ -93,7 +91,7 @@ class HarnessEvaluator(Evaluator):
                 model_name=f"step-{step}",
                 output_path=os.path.join(run_dir, "lm_eval") if local else None,
                 prepared=prepared,
-                max_samples=cap,
+                max_samples=config.max_samples(),
             )
         finally:
             lm.close()

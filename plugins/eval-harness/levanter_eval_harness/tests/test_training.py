@@ -88,7 +88,7 @@ eval_harness:
   task_spec: [tiny_mc, tiny_ppl, tiny_gen]
   max_examples: 4
   include_path: {tasks_dir}
-  log_samples: true
+  sample_logging: {{max_samples_per_benchmark: 2}}
   generation_kwargs: {{max_gen_toks: 8}}
 eval_harness_steps: 2
 """)
@@ -105,7 +105,8 @@ def test_a_training_run_logs_what_the_command_gives_for_the_same_weights(model_d
     (at_2,) = [m for m in logged if m["step"] == 2]
     assert not any(k.startswith("lm_eval/") for m in logged if m["step"] == 1 for k in m)
     (results_file,) = (run_dir / "lm_eval" / "step-2").glob("results_*.json")
-    assert list((run_dir / "lm_eval" / "step-2").glob("samples_tiny_mc_*.jsonl"))
+    (samples,) = (run_dir / "lm_eval" / "step-2").glob("samples_tiny_mc_*.jsonl")
+    assert len(samples.read_text().splitlines()) == 2  # sample_logging.max_samples_per_benchmark
 
     with pytest.raises(SystemExit) as done:
         main(["eval-harness", model_dir, "--tasks", "tiny_mc,tiny_ppl,tiny_gen", "--include-path", tasks_dir,

@@ -171,11 +171,11 @@ def test_precompiled_engines_compile_nothing_while_serving(model):
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     engine = Engine(model, max_seqs=3, max_seq_len=40, max_rounds=2, max_prefill_seqs=2)
-    # rows 1, 2 x prompt lengths 16, 32, 40; keys 16, 32, 40
-    assert engine.precompile() == 9
+    # (rows 1, 2 x prompt lengths 16, 32, 40; keys 16, 32, 40) x greedy or sampling
+    assert engine.precompile() == 18  # greedy and sampling programs each
     compiled.clear()
-    work = [([(5 * i + j) % 61 for j in range(1 + 3 * i)], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
-            for i in range(9)]  # fmt: skip
+    work = [([(5 * i + j) % 61 for j in range(1 + 3 * i)],
+             SamplingParams(max_new_tokens=4 + i, temperature=0.7 * (i % 2), seed=i)) for i in range(9)]  # fmt: skip
     try:
         with engine:
             got = [r.result().tokens for r in [engine.submit(p, params) for p, params in work]]

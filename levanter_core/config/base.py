@@ -154,6 +154,12 @@ def TypedList(kind: str, default_type: str | None = None) -> Any:
     ]
 
 
+def fixed_type(field: Any) -> bool:
+    """Whether a :func:`typed_field_kind` field takes its default type only (Levanter's
+    ``eval_harness``: always the ``eval_harness`` evaluator)."""
+    return any(getattr(getattr(meta, "func", None), "__levanter_fixed__", False) for meta in getattr(field, "metadata", ()))
+
+
 def typed_field_kind(field: Any) -> tuple[str, str | None] | None:
     """``(kind, default type)`` if the pydantic ``field`` is :func:`Typed`/:func:`TypedList`."""
     for meta in getattr(field, "metadata", ()):

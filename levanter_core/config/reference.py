@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from levanter_core.config.base import ConfigModel, typed_field_kind
+from levanter_core.config.base import ConfigModel, fixed_type, typed_field_kind
 
 
 def _type_name(annotation: Any) -> str:
@@ -85,6 +85,13 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
                 default_text = "none" if field.default in ((), [], None) else repr(field.default)
             else:
                 default_text = "required"
+            if fixed_type(field):  # one type only: its fields, without [type=...]
+                yield dotted, f"{default} section", "null", doc
+                if default in reg:
+                    for row in iter_fields(reg.get(default).config_cls, f"{dotted}."):
+                        if row[0] != f"{dotted}.type":
+                            yield row
+                continue
             yield dotted, f"{kind} section", default_text, f"{doc} Types: {choices}."
             for entry in reg:
                 yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")

@@ -31,6 +31,8 @@ def _harness(value):
     return validate_section("evaluator", {"type": "eval_harness", **value})
 
 
+_harness.__levanter_fixed__ = True  # (the config reference lists the eval_harness evaluator's fields only)
+
 _HarnessSection = Annotated[
     Any,
     PlainValidator(_tagged(_harness, "evaluator", "eval_harness")),

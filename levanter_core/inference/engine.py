@@ -208,13 +208,13 @@ class Engine:
             raise RuntimeError("precompile() must come before the engine's first request")
         if self._cache is None:
             self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
-        tops = (0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)
+        variants = [(top_n, sample) for top_n in ((0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)) for sample in (False, True)]
         def buckets(smallest, largest, most):
             return sorted({_bucket(n, smallest, largest) for n in range(1, most + 1)})
 
         seq_len = self.max_seq_len
         count = 0
-        for top_n in tops:
+        for top_n, sample in variants:
             for rows in buckets(1, self.max_prefill_seqs, self.max_prefill_seqs):
                 params = self._params([], rows)
                 ones = np.ones(rows, np.int32)
@@ -223,18 +223,19 @@ class Engine:
                     tokens = np.zeros((rows, length), np.int32)
                     self._cache, *_ = _prefill(
                         self._cache, self.model, tokens, ones, past_the_end, *params,
-                        key_positions=self._KeyPos, top_n=top_n,
+                        key_positions=self._KeyPos, top_n=top_n, sample=sample,
                     )  # fmt: skip
-                    self.stats.compiles.add(("prefill", rows, length, top_n))
+                    self.stats.compiles.add(("prefill", rows, length, top_n, sample))
                     count += 1
             params = self._params([], self.max_seqs)
             # writes position 0 of every row, which a request's prefill writes before anything reads it
             zeros = np.zeros(self.max_seqs, np.int32)
             for key_len in buckets(self.min_prefill, seq_len, seq_len - 1 + self.max_rounds):
                 self._cache, *_ = _decode(
-                    self._cache, self.model, zeros, zeros, *params, key_len=key_len, rounds=self.max_rounds, top_n=top_n
-                )
-                self.stats.compiles.add(("decode", key_len, top_n))
+                    self._cache, self.model, zeros, zeros, *params,
+                    key_len=key_len, rounds=self.max_rounds, top_n=top_n, sample=sample,
+                )  # fmt: skip
+                self.stats.compiles.add(("decode", key_len, top_n, sample))
                 count += 1
         jax.block_until_ready(self._cache)
         return count
@@ -394,13 +395,14 @@ class Engine:
             lengths[i] = len(request.prompt)
             slots[i] = slot
         params = self._params([r for _, r in admitted], rows)
-        top_n = self._top_n(r for _, r in admitted)
-        self.stats.compiles.add(("prefill", rows, length, top_n))
+        top_n, sample = self._top_n(r for _, r in admitted), _sampling(r for _, r in admitted)
+        self.stats.compiles.add(("prefill", rows, length, top_n, sample))
         self._cache, new_tokens, logprobs, top_ids, top_lps = _prefill(
-            self._cache, self.model, tokens, lengths, slots, *params, key_positions=self._KeyPos, top_n=top_n
-        )
+            self._cache, self.model, tokens, lengths, slots, *params,
+            key_positions=self._KeyPos, top_n=top_n, sample=sample,
+        )  # fmt: skip
         new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
-        top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
+        top_ids, top_lps = _host(top_ids, rows), _host(top_lps, rows)
         self.stats.prefill_tokens += int(lengths[: len(admitted)].sum())
         self.stats.prefill_seconds += time.perf_counter() - started
         for i, (slot, request) in enumerate(admitted):
@@ -417,13 +419,14 @@ class Engine:
             tokens[i], positions[i] = slot.token, slot.position
         key_len = _bucket(int(positions.max()) + rounds, self.min_prefill, self.max_seq_len)
         params = self._params([s.request if s else None for s in self._slots], self.max_seqs)
-        top_n = self._top_n(s.request for _, s in live)
-        self.stats.compiles.add(("decode", key_len, top_n))
+        top_n, sample = self._top_n(s.request for _, s in live), _sampling(s.request for _, s in live)
+        self.stats.compiles.add(("decode", key_len, top_n, sample))
         self._cache, out_tokens, out_logprobs, top_ids, top_lps = _decode(
-            self._cache, self.model, tokens, positions, *params, key_len=key_len, rounds=rounds, top_n=top_n
-        )
+            self._cache, self.model, tokens, positions, *params,
+            key_len=key_len, rounds=rounds, top_n=top_n, sample=sample,
+        )  # fmt: skip
         out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
-        top_ids, top_lps = np.asarray(top_ids), np.asarray(top_lps)
+        top_ids, top_lps = _host(top_ids, self.max_seqs, rounds), _host(top_lps, self.max_seqs, rounds)
         self.stats.decode_steps += rounds
         self.stats.decode_seconds += time.perf_counter() - started
         for i, slot in live:
@@ -547,9 +550,21 @@ class Engine:
         self._deliver(request, completion.text, 0, completion)
 
 
+def _sampling(requests) -> bool:
+    """Whether a step draws random numbers: a greedy batch runs a program that draws none."""
+    return any(r.params.temperature > 0 for r in requests)
+
+
+def _host(values, *shape):
+    """A compiled step's alternatives on the host; an empty ``[*shape, 0]`` array when it computed none."""
+    return np.zeros((*shape, 0)) if values is None else np.asarray(values)
+
+
 # -- the compiled steps ------------------------------------------------------------------------------
 @hax.named_jit(donate_args=(True,) + (False,) * 9)
-def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions, top_n):
+def _prefill(
+    cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions, top_n, sample
+):
     """Prompts ``tokens`` ``[rows, length]`` (``lengths`` long) through the model into a fresh
     cache whose rows go to ``slots`` of ``cache``; the first generated token of each, its
     log-probability, and the ``top_n`` most likely tokens and their log-probabilities."""
@@ -562,13 +577,15 @@ def _prefill(cache, model, tokens, lengths, slots, temperature, top_k, top_p, se
     last = hax.named(hidden.array[jnp.arange(Batch.size), lengths - 1], (Batch, *hidden.axes[2:]))
     logits = decoding.next_token_logits(model, last).rearrange((Batch.name, ...)).array
     keys = token_keys(seeds, samples, lengths)
-    new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys)
-    top_ids, top_lps = top_tokens(logits, top_n)
+    new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys, sample=sample)
+    top_ids, top_lps = top_tokens(logits, top_n) if top_n else (None, None)  # no zero-sized buffers
     return cache.insert(slots, fresh), new, logprobs, top_ids, top_lps
 
 
 @hax.named_jit(donate_args=(True,) + (False,) * 8)
-def _decode(cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds, top_n):
+def _decode(
+    cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds, top_n, sample
+):
     """``rounds`` decoding steps of every row: each feeds its last token at its position and
     chooses the next. Returns the cache, the chosen tokens and log-probabilities ``[rows, rounds]``,
     and the ``top_n`` most likely tokens and their log-probabilities ``[rows, rounds, top_n]``."""
@@ -580,18 +597,16 @@ def _decode(cache, model, tokens, positions, temperature, top_k, top_p, seeds, s
         where = hax.named(positions[:, None], (Batch, One))
         hidden, cache = decoding.decode(model, ids, where, cache, key_len=key_len)
         logits = decoding.next_token_logits(model, hidden["position", 0]).rearrange((Batch.name, ...)).array
-        new, logprobs = choose_tokens(logits, temperature, top_k, top_p, token_keys(seeds, samples, positions + 1))
-        chosen = (new, logprobs, *top_tokens(logits, top_n))
+        keys = token_keys(seeds, samples, positions + 1)
+        new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys, sample=sample)
+        chosen = (new, logprobs, *top_tokens(logits, top_n)) if top_n else (new, logprobs)
         out = tuple(o.at[:, i].set(c) for o, c in zip(out, chosen))
         return cache, new, positions + 1, out
 
     rows = Batch.size
-    out = (
-        jnp.zeros((rows, rounds), jnp.int32),
-        jnp.zeros((rows, rounds), jnp.float32),
-        jnp.zeros((rows, rounds, top_n), jnp.int32),
-        jnp.zeros((rows, rounds, top_n), jnp.float32),
-    )
+    out = (jnp.zeros((rows, rounds), jnp.int32), jnp.zeros((rows, rounds), jnp.float32))
+    if top_n:  # (no zero-sized buffers when nobody asked for alternatives)
+        out += (jnp.zeros((rows, rounds, top_n), jnp.int32), jnp.zeros((rows, rounds, top_n), jnp.float32))
     tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
     cache, _, _, out = jax.lax.fori_loop(0, rounds, step, (cache, tokens, positions, out))
-    return (cache, *out)
+    return (cache, *out) if top_n else (cache, *out, None, None)

@@ -71,17 +71,24 @@ def token_keys(seeds: jax.Array, samples: jax.Array, positions: jax.Array) -> ja
 
 
 def choose_tokens(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    *,
+    sample: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """The next token of each row of ``logits`` ``[rows, vocab]`` (float32) and its log-probability
     under the model (before temperature and truncation). ``temperature``, ``top_k`` and ``top_p``
-    are per row (see :class:`SamplingParams`); ``keys`` one PRNG key per row.
-
-    A sampled row draws one uniform number and takes the token where it falls in the cumulative
-    distribution (inverse transform sampling): one random number per row rather than one per
-    vocabulary entry. A batch of greedy rows draws nothing."""
+    are per row (see :class:`SamplingParams`); ``keys`` one PRNG key per row. ``sample`` False (a
+    static switch): every row is greedy, and nothing is drawn."""
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1)
+    if not sample:  # every row is greedy (known when the program is traced): no random draws
+        tokens = greedy.astype(jnp.int32)
+        return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     vocab = logits.shape[-1]
 
     def truncate(scaled):
@@ -96,26 +103,15 @@ def choose_tokens(
         nucleus = jnp.take_along_axis(ordered, (inside - 1)[:, None], axis=-1)
         return jnp.where(scaled < jnp.maximum(kth, nucleus), -jnp.inf, scaled)
 
-    def draw(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        needs_truncation = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-        scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
-        cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
-        uniform = jax.vmap(lambda key: jax.random.uniform(key))(keys)
-        # in (0, total]: the first entry of the cdf at or past it has a probability above zero
-        target = (1.0 - uniform) * cdf[:, -1]
-        drawn = jnp.minimum(jnp.sum(cdf < target[:, None], axis=-1), vocab - 1).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
-
-    tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+    needs_truncation = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, scaled)
+    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
 
 
 def top_tokens(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """The ``n`` most likely tokens of each row of ``logits`` ``[rows, vocab]`` and their
-    log-probabilities, most likely first (``[rows, n]`` each; ``n`` may be 0)."""
-    if n == 0:
-        rows = logits.shape[0]
-        return jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+    log-probabilities, most likely first (``[rows, n]`` each; ``n`` at least 1)."""
     log_probs, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), n)
     return ids.astype(jnp.int32), log_probs

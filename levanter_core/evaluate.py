@@ -145,10 +145,7 @@ def evaluate_sets(model, sets: Sequence[EvalSet], tokenizer, *, batch_size: int,
     from levanter_core.data.token_bytes import token_byte_lengths
     from levanter_core.models.lm import LmExample, lm_eval_totals
 
-    lengths = token_byte_lengths(tokenizer)
-    padded = np.zeros(max(model.Vocab.size, len(lengths)), np.int32)
-    padded[: len(lengths)] = lengths
-    lengths = jnp.asarray(padded)
+    lengths = jnp.asarray(token_byte_lengths(tokenizer, model.Vocab.size))
     step = hax.named_jit(lm_eval_totals)
     totals = {}
     for s in sets:

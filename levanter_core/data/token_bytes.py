@@ -27,9 +27,17 @@ from levanter_core.data.tokenizer import ByteTokenizer, Tokenizer
 _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
-def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+def token_byte_lengths(tokenizer: Tokenizer, vocab_size: int | None = None) -> np.ndarray:
     """An int32 array ``[vocab_size]``: the bytes of text each token id stands for (see the
-    module docstring)."""
+    module docstring). ``vocab_size`` (a model's vocabulary, often padded past the tokenizer's):
+    at least this long, ids the tokenizer does not have standing for no bytes."""
+    lengths = _lengths(tokenizer)
+    if vocab_size is not None and vocab_size > len(lengths):
+        lengths = np.concatenate([lengths, np.zeros(vocab_size - len(lengths), np.int32)])
+    return lengths
+
+
+def _lengths(tokenizer: Tokenizer) -> np.ndarray:
     if isinstance(tokenizer, ByteTokenizer):
         lengths = np.ones(tokenizer.vocab_size, np.int32)
         lengths[tokenizer.eos_id] = 0

@@ -767,15 +767,10 @@ class _TrainLoop:
         as the model's vocabulary: ids past the tokenizer's stand for none)."""
         if self._token_bytes is None:
             import jax.numpy as jnp
-            import numpy as np
 
             from levanter_core.data.token_bytes import token_byte_lengths
 
-            lengths = token_byte_lengths(self.data.tokenizer)
-            vocab = model.Vocab.size
-            padded = np.zeros(max(vocab, len(lengths)), np.int32)
-            padded[: len(lengths)] = lengths
-            self._token_bytes = jnp.asarray(padded)
+            self._token_bytes = jnp.asarray(token_byte_lengths(self.data.tokenizer, model.Vocab.size))
         return self._token_bytes
 
     def _tags(self) -> dict[str, list[str]]:

@@ -35,8 +35,9 @@ train: setup
 bench: setup
 	$(BIN)/python bench/suite.py --out bench/last-suite.json
 
+# A worker that dies fails the run at once (xdist's replacement worker can wait forever).
 test: setup-test
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -q
 
 test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -18,6 +18,16 @@ import typer.core
 
 from levanter_core.errors import LevanterError, UserError
 
+SOURCE_HELP = (
+    "One of our checkpoints (a step-N directory or a run's checkpoint directory), an import "
+    "(`levanter import-hf`), or a Hugging Face model directory or hub name."
+)
+"""The help of a command's SOURCE argument: a model to load, as
+:func:`levanter_core.models.source.load_model_source` reads it (plugins' commands use it too)."""
+
+SOURCE_HELP_WITH_CONFIG = SOURCE_HELP + " May be left out with --config."
+""":data:`SOURCE_HELP`, for a command whose ``--config`` may name the model instead."""
+
 app = typer.Typer(
     name="levanter",
     help="Train language models in JAX. Architectures, trackers, data sources, optimizers and "
@@ -190,8 +200,7 @@ def eval_command(
     source: Annotated[
         str,
         typer.Argument(
-            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import, "
-            "or a Hugging Face model directory or hub name.",
+            help=SOURCE_HELP,
             metavar="SOURCE",
         ),
     ],
@@ -320,8 +329,7 @@ def sample(
     source: Annotated[
         Optional[str],
         typer.Argument(
-            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import, "
-            "or a Hugging Face model directory or hub name. May be left out with --config.",
+            help=SOURCE_HELP_WITH_CONFIG,
             metavar="SOURCE",
         ),
     ] = None,

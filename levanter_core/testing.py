@@ -94,6 +94,47 @@ def train_bpe_tokenizer(
     return path
 
 
+def tiny_hf_llama(
+    directory: str,
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    context: int = 256,
+    tokenizer_config: dict | None = None,
+) -> str:
+    """A random two-layer ``transformers`` Llama (hidden size 64, two key-value heads) with a
+    byte-level BPE trained on ``texts``, saved as a Hugging Face model directory: a model to
+    serve, sample or evaluate in tests with nothing downloaded. Its end-of-text token
+    ``<|endoftext|>`` is also its beginning-of-text token; ``context`` is its
+    ``max_position_embeddings``; ``tokenizer_config`` (``tokenizer_config.json``) is written
+    when given. Returns ``directory``."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from levanter_core.hf.parity import random_hf_model
+
+    os.makedirs(directory, exist_ok=True)
+    path = train_bpe_tokenizer(texts, os.path.join(directory, "tokenizer.json"), vocab_size=vocab_size)
+    tokenizer = Tokenizer.from_file(path)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    if tokenizer_config is not None:
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    random_hf_model(config, seed=0).save_pretrained(directory)
+    return directory
+
+
 def listed_plugin(distribution: str) -> dict:
     """What ``levanter plugins --json`` says about ``distribution`` (its hooks, types and error),
     run in a subprocess as a user would, with this interpreter: a plugin's discovery test."""

@@ -3,6 +3,9 @@ evaluators during training; ``levanter eval`` on a checkpoint."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.cli import main
 from levanter_core.config.train import load_train_config
 from levanter_core.plugins import hookimpl
+from levanter_core.testing import tiny_hf_llama
 from levanter_core.trainer.evaluators import Evaluator, EvaluatorConfig, eval_metrics
 from levanter_core.trainer.run import run_training
 
@@ -89,10 +93,20 @@ class HarnessStandIn(EvaluatorConfig):
         return ProbeEvaluator(ProbeConfig(prefix="lm_eval"), context)
 
 
+class Unbuildable(EvaluatorConfig):
+    """An evaluator whose task does not exist."""
+
+    def build(self, context):
+        from levanter_core.errors import UserError
+
+        raise UserError("evaluators[0]: no task named nonsense")
+
+
 class Probes:
     @hookimpl
     def register_evaluators(self, register):
         register("probe", ProbeConfig)
+        register("unbuildable", Unbuildable)
         register("eval_harness", HarnessStandIn)
 
 
@@ -137,6 +151,18 @@ def test_training_logs_bpb_per_set_and_tag_and_runs_plugin_evaluators(tmp_path, 
     assert sorted(probe) == [2, 4, 6] and probe[2]["probe/seq_len"] == 32
     assert probe[2]["probe/param_norm"] != probe[6]["probe/param_norm"]
     assert sorted(m["step"] for m in records if "lm_eval/param_norm" in m) == [4, 6]
+
+
+def test_an_evaluator_that_cannot_be_built_stops_the_run_before_its_first_step(tmp_path, probes):
+    from levanter_core.errors import UserError
+
+    data = {"train_urls": [write_jsonl(tmp_path / "a.jsonl", code_docs(10))], "cache_dir": str(tmp_path / "cache")}
+    config, _ = load_train_config(run_config(tmp_path, data, steps=4), ["--evaluators", '[{"type": "unbuildable", "every": 2}]'])
+    with pytest.raises(UserError, match="no task named nonsense"):
+        run_training(config, progress=False)
+    log = tmp_path / "logs" / "pipe" / "metrics.jsonl"
+    assert not log.exists() or not [m for m in metrics(tmp_path) if m.get("step", 0) >= 1]
+    assert not list((tmp_path / "ckpt").glob("*/step-*"))
 
 
 def test_eval_harness_without_its_plugin_says_what_to_install(tmp_path, fresh_plugins):
@@ -221,3 +247,20 @@ def test_levanter_eval_mistakes(trained, capsys, tmp_path):
     short = write_jsonl(tmp_path / "short.jsonl", [{"text": "tiny"}])
     code, _, err = run_eval(capsys, trained["checkpoint"], "--data", short)
     assert code == 2 and f"--data {short}: the complete cache holds 5 tokens, not one sequence of seq_len 32" in err
+
+
+@pytest.mark.slow
+def test_levanter_eval_of_a_hugging_face_model_reads_the_same_on_two_devices(tmp_path, capsys):
+    docs = prose_docs(30)
+    model = tiny_hf_llama(str(tmp_path / "model"), [d["text"] for d in docs], vocab_size=300)
+    data = write_jsonl(tmp_path / "prose.jsonl", docs)
+    code, out, err = run_eval(capsys, model, "--data", data, "--json")
+    assert code == 0, err
+    one = json.loads(out)
+    # JAX fixes its device count when it starts: the two devices live in a subprocess
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-c", "from levanter_core.cli import main; main()", "eval", model, "--data", data, "--json"]
+    two = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads(two.stdout)["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert one["eval_sets"]["prose"]["tokens"] > 256  # more than one sequence of the model's context

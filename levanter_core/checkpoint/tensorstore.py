@@ -208,7 +208,7 @@ def load_checkpoint(template: Any, path: str, *, subtree: str | None = None, all
 
     ``template`` is a pytree like the one saved, whose array leaves are arrays or
     ``jax.ShapeDtypeStruct``\\ s; each loaded array gets its template's sharding (the first
-    device when it has none). Leaves that are not arrays are taken from ``template``.
+    device of this process when it has none). Leaves that are not arrays are taken from ``template``.
     Raises :class:`CheckpointError`, before reading any data, when names, shapes or dtypes
     differ, and :class:`DamagedCheckpointError` when the marker or the metadata is damaged or
     an array cannot be read in full.
@@ -484,7 +484,9 @@ def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[s
     """Read each ``name -> (template leaf, stored description)``; every failure is reported at once."""
 
     async def read(template: Any, stored: dict) -> jax.Array:
-        sharding = getattr(template, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # a template without a sharding loads whole on this process's first device (with several
+        # processes, global device 0 belongs to process 0 alone)
+        sharding = getattr(template, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.eval_shape(jax.random.key_data, template) if _is_key(template) else template
         spec = _zarr_spec(
             checkpoint,

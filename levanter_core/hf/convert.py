@@ -133,6 +133,10 @@ def from_hf_state_dict(template: Any, state_dict: dict[str, Any]) -> Any:
     stack (``hnn.BlockSeq``) need not implement ``from_state_dict`` themselves: Haliax's
     ``BlockSeq`` calls that method on each layer, which a plain ``eqx.Module`` lacks."""
     model = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, template)
+    if jax.device_count() > 1 and jax.sharding.get_abstract_mesh().empty:
+        # Haliax shards host arrays over the current mesh when several devices exist, and
+        # there is none outside training (levanter eval, serve, sample): place them whole.
+        state_dict = {name: jnp.asarray(value) for name, value in state_dict.items()}
     flat = flatten_modules_for_export(model)
     loaded = from_state_dict(_loadable_stacks(flat), state_dict)
     return unflatten_modules_from_export(loaded, model)

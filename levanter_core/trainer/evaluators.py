@@ -72,7 +72,9 @@ class EvaluatorConfig(TypedConfig, abc.ABC):
 
     @abc.abstractmethod
     def build(self, context: EvaluatorContext) -> Evaluator:
-        """Make the evaluator of this config for the run described by ``context``."""
+        """Make the evaluator of this config for the run described by ``context``; called once,
+        before the run's first step (a :class:`~levanter_core.errors.UserError` raised here stops
+        the run before it trains)."""
 
 
 def due(step: int, every: int, last_step: int) -> bool:

@@ -714,7 +714,7 @@ class _TrainLoop:
         self.batches = config.trainer.batch_schedule
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_token = flops_per_token
-        self._evaluators = None  # built when first due
+        self._evaluators: list = []  # the plugins' evaluators, built when the loop starts
         self._token_bytes = None  # bytes per token id, for bits per byte
         self.entropy_fn = None
         if config.log_entropy:
@@ -841,6 +841,9 @@ class _TrainLoop:
         # The first batches are read (waiting for the cache where needed) while the step compiles.
         prefetch = Prefetcher(self._read_batch, start, self.num_steps)
         try:
+            # A plugin's evaluator that cannot be built (an unknown task, say) stops the run
+            # before the first step, not when it is first due.
+            self._build_evaluators()
             first_size = self.batches.size_at(start)
             self.trainer.compile_ahead(state, self.data.train.template(first_size), first_size)
             if start == 0:
@@ -850,6 +853,7 @@ class _TrainLoop:
                     self.tracker.log(initial, step=0)
         except BaseException:
             prefetch.close()
+            self._close_evaluators()
             raise
         throughput = Throughput(self.tokens_per_step)
         self.throughput = throughput
@@ -930,27 +934,34 @@ class _TrainLoop:
             self.profile.stop()
             prefetch.close()
             bar.close()
-            for evaluator in self._evaluators or []:
-                evaluator.close()
+            self._close_evaluators()
         if throughput.step_times:
             times = sorted(throughput.step_times)
             result.tokens_per_second = self.tokens_per_step / times[len(times) // 2]
         return state
 
-    def _evaluators_due(self, step: int, evaluating: bool) -> list:
-        """The plugins' evaluators (``evaluators``, ``eval_harness``) to run after ``step``,
-        each built the first time it is needed."""
-        from levanter_core.trainer.evaluators import EvaluatorContext, due
+    def _build_evaluators(self) -> None:
+        """Build the plugins' evaluators (``evaluators``, ``eval_harness``) of the config."""
+        from levanter_core.trainer.evaluators import EvaluatorContext
 
         plan = self.config.run_evaluators()
-        if not plan:
-            return []
-        if self._evaluators is None:
+        if plan:
             context = EvaluatorContext(self.data.tokenizer, self.trainer, self.run_dir, self.config.model.seq_len)
-            self._evaluators = [cfg.build(context) for cfg, _ in plan]
+            for cfg, _ in plan:
+                self._evaluators.append(cfg.build(context))
+
+    def _close_evaluators(self) -> None:
+        for evaluator in self._evaluators:
+            evaluator.close()
+        self._evaluators = []
+
+    def _evaluators_due(self, step: int, evaluating: bool) -> list:
+        """The plugins' evaluators to run after ``step``."""
+        from levanter_core.trainer.evaluators import due
+
         return [
             evaluator
-            for evaluator, (_, every) in zip(self._evaluators, plan)
+            for evaluator, (_, every) in zip(self._evaluators, self.config.run_evaluators())
             if (evaluating if every is None else due(step, every, self.num_steps))
         ]
 

@@ -134,6 +134,7 @@ def _run(
     import jmp
 
     from levanter_core import distributed as dist
+    from levanter_core.models.source import load_model_source
     from levanter_core.trainer.mesh import make_mesh
     from levanter_eval_harness.compute import Leader, Scorer, follow, replicate
     from levanter_eval_harness.harness import evaluate, prepare_tasks
@@ -152,7 +153,7 @@ def _run(
                 raise
             failed = e
 
-    loaded = _load(source, tokenizer)
+    loaded = load_model_source(source, tokenizer=tokenizer)
     policy = jmp.get_policy(trainer.mp) if cast else None
     model = loaded.model
     mesh = compute_mapping = None
@@ -189,25 +190,6 @@ def _run(
         lm.close()
     _report(results, output_path, out)
     return results
-
-
-def _load(source: str, tokenizer: str | None):
-    import jax
-
-    from levanter_core.models.source import load_model_source
-
-    try:
-        return load_model_source(source, tokenizer=tokenizer)
-    except jax.errors.JaxRuntimeError as e:
-        if jax.device_count() > 1 and "AbstractMesh" in str(e):
-            # Haliax's state-dict loader cannot place a Hugging Face checkpoint's tensors on
-            # several devices with this JAX; our checkpoints load through another path.
-            raise UserError(
-                f"{source}: a Hugging Face model cannot be loaded directly when JAX sees several devices "
-                f"({jax.device_count()}); import it first (`levanter import-hf {source} DIR`, on one "
-                "device, e.g. with JAX_PLATFORMS=cpu) and evaluate DIR"
-            ) from None
-        raise
 
 
 def _report(results: dict, output_path: str, out) -> None:

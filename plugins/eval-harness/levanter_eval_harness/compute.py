@@ -201,23 +201,16 @@ def _gathered(model):
     return eqx.combine(jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), local), rest)
 
 
-
-
 def replicate(model, mesh):
-    """``model``, as process 0 has it, as global arrays held whole on every device of ``mesh``,
-    so that a program over the mesh can use it. (A model loaded in each process of a
-    multi-process run may have its arrays on one process's device; process 0's values are
-    broadcast to the others.)"""
+    """``model`` (loaded by every process onto its own first device) as global arrays held
+    whole on every device of ``mesh``, so that a program over the mesh can use it."""
     import equinox as eqx
     import jax
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec
 
     sharding = NamedSharding(mesh, PartitionSpec())
     arrays, rest = eqx.partition(model, eqx.is_array)
     leaves, structure = jax.tree.flatten(arrays)
-    host = [np.asarray(x) if x.is_fully_addressable else np.zeros(x.shape, x.dtype) for x in leaves]
-    if multi_process():
-        host = [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(host)]
+    host = [np.asarray(x) for x in leaves]
     placed = [jax.make_array_from_callback(h.shape, sharding, lambda index, h=h: h[index]) for h in host]
     return eqx.combine(jax.tree.unflatten(structure, placed), rest)

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from levanter_core.cli import SOURCE_HELP_WITH_CONFIG
 from levanter_core.plugins import hookimpl
 
 
@@ -18,8 +19,7 @@ def eval_harness_command(
     source: Annotated[
         Optional[str],
         typer.Argument(
-            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import, "
-            "or a Hugging Face model directory or hub name. May be left out with --config.",
+            help=SOURCE_HELP_WITH_CONFIG,
             metavar="SOURCE",
         ),
     ] = None,

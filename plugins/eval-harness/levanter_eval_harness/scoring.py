@@ -127,7 +127,7 @@ def plan_batches(
         return [
             _pad(queries, group, rows, max_length)
             if all(len({queries[i].tokens for i in members}) == 1 for members in group)
-            else _pad_prefixed(queries, group, rows, max_length)
+            else _pad(queries, group, rows, max_length, prefixed=True)
             for group in groups
         ]
     groups = _group(range(len(queries)), [q.tokens for q in queries], lambda i: queries[i].tokens, rows)
@@ -151,54 +151,36 @@ def _group(indices, keys, then, rows: int, max_queries: int | None = None) -> li
     return groups
 
 
-def _pad(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
-    longest = max(len(queries[r[0]].tokens) for r in group)
+def _pad(
+    queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int, *, prefixed: bool = False
+) -> Batch:
+    """The arrays of one batch. Each row holds the input its queries share, whole, or with
+    ``prefixed`` only the prefix before their scored tokens (which go to ``suffix``)."""
+    shared = (lambda q: q.tokens[: q.start]) if prefixed else (lambda q: q.tokens)
+    longest = max(len(shared(queries[r[0]])) for r in group)
     length = length_bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
     indices = [i for r in group for i in r]
-    width = bucket(max(len(queries[i].targets) for i in indices), 1, length)
+    width = bucket(max(len(queries[i].targets) for i in indices), 1, max_length if prefixed else length)
     count = bucket(len(indices), 1, 1 << 30)
     tokens = np.zeros((rows, length), np.int32)
     row = np.zeros(count, np.int32)
     start = np.zeros(count, np.int32)
     targets = np.zeros((count, width), np.int32)
     mask = np.zeros((count, width), bool)
+    suffix = np.zeros((count, width), np.int32) if prefixed else None
     k = 0
     for r, members in enumerate(group):
-        first = queries[members[0]].tokens
+        first = shared(queries[members[0]])
         tokens[r, : len(first)] = first
         for i in members:
             q = queries[i]
             row[k], start[k] = r, q.start
             targets[k, : len(q.targets)] = q.targets
             mask[k, : len(q.targets)] = True
+            if suffix is not None:
+                suffix[k, : len(q.targets)] = q.tokens[q.start :]
             k += 1
-    return Batch(indices, tokens, row, start, targets, mask)
-
-
-def _pad_prefixed(queries: Sequence[Query], group: list[list[int]], rows: int, max_length: int) -> Batch:
-    longest = max(queries[r[0]].start for r in group)
-    length = length_bucket(longest, min(SMALLEST_LENGTH, max_length), max_length)
-    indices = [i for r in group for i in r]
-    width = bucket(max(len(queries[i].targets) for i in indices), 1, max_length)
-    count = bucket(len(indices), 1, 1 << 30)
-    prefixes = np.zeros((rows, length), np.int32)
-    row = np.zeros(count, np.int32)
-    start = np.zeros(count, np.int32)
-    suffix = np.zeros((count, width), np.int32)
-    targets = np.zeros((count, width), np.int32)
-    mask = np.zeros((count, width), bool)
-    k = 0
-    for r, members in enumerate(group):
-        first = queries[members[0]]
-        prefixes[r, : first.start] = first.tokens[: first.start]
-        for i in members:
-            q = queries[i]
-            row[k], start[k] = r, q.start
-            suffix[k, : len(q.targets)] = q.tokens[q.start :]
-            targets[k, : len(q.targets)] = q.targets
-            mask[k, : len(q.targets)] = True
-            k += 1
-    return Batch(indices, prefixes, row, start, targets, mask, suffix)
+    return Batch(indices, tokens, row, start, targets, mask, suffix)
 
 
 def continuation_scores(model, tokens, row, start, targets, mask, *, block_logits: int):

@@ -38,7 +38,8 @@ class HarnessEvaluator(Evaluator):
         self.max_length = min(config.max_eval_length or context.seq_len, context.seq_len)
         self.run = config.harness_run()
         self.leader = jax.process_index() == 0
-        # Tasks are looked up now (an unknown task stops the run at its first evaluation, not later).
+        # Tasks are looked up now: the evaluator is built as the run starts, so an unknown task
+        # stops it before its first step.
         self.manager = None
         if self.leader:
             from levanter_eval_harness.tasks import check_task_names

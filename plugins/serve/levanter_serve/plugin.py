@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from levanter_core.cli import SOURCE_HELP
 from levanter_core.plugins import hookimpl
 from levanter_serve.server import DEFAULT_HOST, DEFAULT_PORT
 
@@ -17,8 +18,7 @@ def serve_command(
     source: Annotated[
         str,
         typer.Argument(
-            help="One of our checkpoints (a step-N directory or a run's checkpoint directory), an import "
-            "(`levanter import-hf`), a Hugging Face model directory, or a hub name.",
+            help=SOURCE_HELP,
             metavar="SOURCE",
         ),
     ],

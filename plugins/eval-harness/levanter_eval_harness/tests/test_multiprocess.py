@@ -54,22 +54,17 @@ def _run_together(tmp_path, commands: list[list[str]], timeout: float = 400) -> 
 
 
 def test_two_processes_give_the_results_of_one(model_dir, tasks_dir, tmp_path, capsys):
-    # An import: a Hugging Face directory cannot be loaded straight onto several devices (see the README).
-    imported = tmp_path / "imported"
-    with pytest.raises(SystemExit) as done:
-        main(["import-hf", model_dir, str(imported)])
-    assert done.value.code == 0
     common = ["--tasks", "tiny_mc,tiny_gen", "--include-path", tasks_dir, "--limit", "4", "--log-samples",
               "--max-length", "64", "--bootstrap-iters", "0", "--batch-size", "4"]  # fmt: skip
 
     with pytest.raises(SystemExit) as done:
-        main(["eval-harness", str(imported), *common, "--output-path", str(tmp_path / "one")])
+        main(["eval-harness", model_dir, *common, "--output-path", str(tmp_path / "one")])
     assert done.value.code == 0
     capsys.readouterr()
 
     port = _free_port()
     _run_together(tmp_path, [
-        ["eval-harness", str(imported), *common, "--output-path", str(tmp_path / f"two-{rank}"),
+        ["eval-harness", model_dir, *common, "--output-path", str(tmp_path / f"two-{rank}"),
          "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(rank)]
         for rank in range(2)
     ])  # fmt: skip

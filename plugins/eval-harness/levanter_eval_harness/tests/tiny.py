@@ -137,40 +137,16 @@ def make_tiny_model(directory: str) -> str:
     """A random two-layer Llama and its tokenizer (``tokenizer.json`` with a
     ``tokenizer_config.json`` naming its end-of-text token and giving a chat template), as a
     Hugging Face model directory."""
-    import transformers
-    from tokenizers import Tokenizer
+    from levanter_core.testing import tiny_hf_llama
 
-    from levanter_core.hf.parity import random_hf_model
-    from levanter_core.testing import train_bpe_tokenizer
-
-    os.makedirs(directory, exist_ok=True)
-    path = train_bpe_tokenizer(SENTENCES * 4, os.path.join(directory, "tokenizer.json"), vocab_size=300)
-    tokenizer = Tokenizer.from_file(path)
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|endoftext|>",
-                "bos_token": "<|endoftext|>",
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHAT_TEMPLATE,
-            },
-            f,
-        )
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
-    random_hf_model(config, seed=0).save_pretrained(directory)
-    return directory
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return tiny_hf_llama(directory, SENTENCES * 4, vocab_size=300, context=CONTEXT, tokenizer_config=tokenizer_config)
 
 
 def _jsonl(path: str, docs: list[dict]) -> str:

@@ -4,7 +4,6 @@ byte-level BPE trained here on a few sentences."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -22,29 +21,9 @@ SENTENCES = [
 
 def make_tiny_model(directory: str) -> str:
     """A random two-layer Llama and its tokenizer.json, saved as a Hugging Face model directory."""
-    import transformers
-    from tokenizers import Tokenizer
+    from levanter_core.testing import tiny_hf_llama
 
-    from levanter_core.hf.parity import random_hf_model
-    from levanter_core.testing import train_bpe_tokenizer
-
-    os.makedirs(directory, exist_ok=True)
-    path = train_bpe_tokenizer(SENTENCES * 4, os.path.join(directory, "tokenizer.json"), vocab_size=320)
-    tokenizer = Tokenizer.from_file(path)
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    config = transformers.LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        bos_token_id=eos,
-        eos_token_id=eos,
-    )
-    random_hf_model(config).save_pretrained(directory)
-    return directory
+    return tiny_hf_llama(directory, SENTENCES * 4, vocab_size=320, context=CONTEXT)
 
 
 class ServerThread:

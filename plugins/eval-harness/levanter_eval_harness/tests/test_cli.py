@@ -140,6 +140,27 @@ def test_an_unknown_task_exits_2_with_close_names(model_dir, tasks_dir, capsys, 
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_a_registry_task_reads_its_data_from_the_datasets_cache_offline(model_dir, tmp_path, capsys, monkeypatch):
+    import datasets
+
+    from levanter_eval_harness.tests.tiny import cache_hub_dataset
+
+    # lm-eval's own lambada_openai, by name: its data (EleutherAI/lambada_openai) as a first
+    # online run would have left it in the datasets cache
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?", "a harness asks a model"]
+    cache = str(tmp_path / "datasets-cache")
+    cache_hub_dataset(cache, "EleutherAI/lambada_openai", "default", "test", [{"text": t} for t in texts])
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    code, out, err = harness(capsys, model_dir, "--tasks", "lambada_openai", "--output-path", str(tmp_path / "out"),
+                             "--max-length", "64", "--bootstrap-iters", "0")  # fmt: skip
+    assert code == 0, err
+    assert "lambada_openai perplexity:" in out and "lambada_openai acc:" in out
+    results = json.loads(next((tmp_path / "out").glob("*/results_*.json")).read_text())
+    assert results["n-samples"]["lambada_openai"] == {"original": 3, "effective": 3}
+    assert 0 < results["results"]["lambada_openai"]["perplexity,none"] < float("inf")
+
+
 @pytest.mark.parametrize("missing", [False, True])
 def test_a_source_that_is_no_model_exits_2(tasks_dir, capsys, tmp_path, missing):
     source = str(tmp_path / "nowhere") if missing else str(tmp_path)

@@ -149,6 +149,28 @@ def make_tiny_model(directory: str) -> str:
     return tiny_hf_llama(directory, SENTENCES * 4, vocab_size=300, context=CONTEXT, tokenizer_config=tokenizer_config)
 
 
+def cache_hub_dataset(cache_dir: str, repo_id: str, config_name: str, split: str, docs: list[dict]) -> None:
+    """Put ``docs`` where ``datasets`` finds the hub dataset ``repo_id`` (its configuration
+    ``config_name``, split ``split``) when it cannot reach the hub: a prepared copy in the
+    datasets cache ``cache_dir``, laid out as a first, online ``load_dataset`` leaves it."""
+    import glob
+    import shutil
+    import tempfile
+
+    import datasets
+
+    with tempfile.TemporaryDirectory() as scratch:
+        source = _jsonl(os.path.join(scratch, f"{split}.jsonl"), docs)
+        datasets.load_dataset("json", data_files={split: source}, cache_dir=scratch)
+        (prepared,) = [p for p in glob.glob(os.path.join(scratch, "json", "*", "*", "*")) if os.path.isdir(p)]
+        namespace, name = repo_id.split("/")
+        target = os.path.join(cache_dir, f"{namespace}___{name}", config_name, "0.0.0", os.path.basename(prepared))
+        shutil.copytree(prepared, target)
+    for file in os.listdir(target):  # the arrow files are named after the dataset
+        if file.startswith("json-"):
+            os.rename(os.path.join(target, file), os.path.join(target, f"{name}-{file[len('json-'):]}"))
+
+
 def _jsonl(path: str, docs: list[dict]) -> str:
     with open(path, "w") as f:
         for doc in docs:

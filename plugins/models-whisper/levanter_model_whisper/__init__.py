@@ -1,0 +1,1 @@
+"""Whisper (speech recognition) for levanter-core."""

@@ -1,0 +1,353 @@
+"""Whisper against Hugging Face's ``WhisperForConditionalGeneration``: import and export (stacked
+and unrolled layers, tiny and whisper-tiny shapes), the CLI round trip, Levanter's config,
+incremental decoding, the refusals, and discovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from levanter_core.errors import CheckpointError, ConfigError, UserError
+from levanter_core.testing import listed_plugin
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+LEVANTER_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs"
+
+# Encoder and decoder differ in heads and feed-forward widths, so that mixing them up fails;
+# the special tokens lie inside the tiny vocabulary (transformers' defaults, 50256..., do not).
+TINY = dict(
+    vocab_size=96,
+    num_mel_bins=8,
+    d_model=32,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_layers=2,
+    decoder_attention_heads=2,
+    decoder_ffn_dim=48,
+    max_source_positions=16,
+    max_target_positions=24,
+    pad_token_id=95,
+    bos_token_id=95,
+    eos_token_id=95,
+    decoder_start_token_id=94,
+    begin_suppress_tokens=[95],
+)
+
+WHISPER_TINY = dict(  # the shapes of openai/whisper-tiny's config.json
+    vocab_size=51865,
+    num_mel_bins=80,
+    d_model=384,
+    encoder_layers=4,
+    encoder_attention_heads=6,
+    encoder_ffn_dim=1536,
+    decoder_layers=4,
+    decoder_attention_heads=6,
+    decoder_ffn_dim=1536,
+    max_source_positions=1500,
+    max_target_positions=448,
+)
+
+# config.json keys that are the file's, the runtime's or generation's, not the model's
+NOT_THE_MODEL = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"}
+GENERATION = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "begin_suppress_tokens"}
+
+
+def random_whisper(hf_config, *, seed: int = 0, noise: float = 0.1):
+    """A ``transformers`` Whisper of ``hf_config`` in eval mode, every parameter (the fixed encoder
+    positions, norms and biases included) perturbed so that none is what a bug could hide behind."""
+    torch.manual_seed(seed)
+    model = transformers.WhisperForConditionalGeneration._from_config(
+        hf_config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return model.eval()
+
+
+def inputs(hf_config, *, batch: int = 2, tokens: int = 12, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((batch, hf_config.num_mel_bins, 2 * hf_config.max_source_positions))
+    ids = rng.integers(0, hf_config.vocab_size, size=(batch, tokens))
+    return features.astype(np.float32), ids
+
+
+def hf_logits(model, features, ids) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_features=torch.as_tensor(features), decoder_input_ids=torch.as_tensor(ids))
+    return out.logits.float().numpy()
+
+
+def named_inputs(features, ids):
+    import haliax as hax
+    import jax.numpy as jnp
+
+    return (
+        hax.named(jnp.asarray(features), ("batch", "mels", "frames")),
+        hax.named(jnp.asarray(ids, dtype=jnp.int32), ("batch", "position")),
+    )
+
+
+def our_logits(model, features, ids) -> np.ndarray:
+    import equinox as eqx
+
+    logits = eqx.filter_jit(lambda m, f, t: m(f, t))(model, *named_inputs(features, ids))
+    return np.asarray(logits.rearrange(("batch", "position", "vocab")).array)
+
+
+def _differences(before: dict, after: dict, ignored=frozenset()) -> dict:
+    keys = (before.keys() | after.keys()) - NOT_THE_MODEL - set(ignored)
+    return {k: (before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)}
+
+
+def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shard_bytes: int = 64 * 1024) -> dict:
+    """Import a random ``transformers`` Whisper as ``levanter import-hf`` does (or, unrolled, as a
+    run with ``scan_layers: false`` loads and saves it), compare logits; export it, reload the
+    export in ``transformers`` and compare again; translate the config to ours and back."""
+    import jax
+    from haliax import Axis
+
+    from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
+    from levanter_core.config.base import validate_section
+    from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model, read_hf_config
+
+    source, imported, exported = (str(workdir / d) for d in ("hf", "imported", "exported"))
+    theirs = random_whisper(hf_config)
+    theirs.save_pretrained(source)
+    features, ids = inputs(hf_config)
+    expected = hf_logits(theirs, features, ids)
+
+    if scan_layers:
+        import_hf(source, imported)
+        stored = read_metadata(imported)["metadata"]
+        config = validate_section("model", stored["config"]["model"])
+        Vocab = Axis("vocab", stored["vocab_size"])
+        template = jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
+        ours = load_checkpoint(template, imported, subtree="model")
+    else:
+        unrolled = config_from_hf(read_hf_config(source)).model_copy(update={"scan_layers": False})
+        loaded = load_hf_model(source, config=unrolled)
+        config, Vocab, ours = loaded.config, loaded.Vocab, loaded.model
+        metadata = {"config": {"model": config.model_dump(mode="json")}, "vocab_size": Vocab.size, "hf_config": loaded.hf_config}
+        write_checkpoint({"model": ours}, imported, step=0, metadata=metadata)
+    import_diff = float(np.max(np.abs(our_logits(ours, features, ids) - expected)))
+
+    export_hf(imported, exported, max_shard_bytes=max_shard_bytes)
+    reloaded = transformers.WhisperForConditionalGeneration.from_pretrained(exported, attn_implementation="eager").eval()
+    export_diff = float(np.max(np.abs(hf_logits(reloaded, features, ids) - expected)))
+
+    before = transformers.WhisperConfig.from_pretrained(source).to_dict()
+    translated = transformers.WhisperConfig(**config.to_hf_config(Vocab.size)).to_dict()
+    after_export = transformers.WhisperConfig.from_pretrained(exported).to_dict()
+    return {
+        "import": import_diff,
+        "export": export_diff,
+        "translated": _differences(before, translated, ignored=GENERATION),
+        "exported": _differences(before, after_export),
+        "shards": len([f for f in os.listdir(exported) if f.endswith(".safetensors")]),
+        "config": config,
+    }
+
+
+VARIANTS = {"gelu": {}, "relu": {"activation_function": "relu"}}
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_whisper_matches_transformers_both_ways(variant, scan_layers, tmp_path):
+    report = check_parity(transformers.WhisperConfig(**TINY, **VARIANTS[variant]), tmp_path, scan_layers=scan_layers)
+    print(f"tiny {variant} scan_layers={scan_layers}: import {report['import']:.2e}, export {report['export']:.2e}")
+    assert report["import"] <= 1e-4, report["import"]
+    assert report["export"] <= 1e-4, report["export"]
+    assert report["translated"] == {} and report["exported"] == {}
+    assert report["shards"] > 1
+    assert report["config"].scan_layers is scan_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
+def test_whisper_tiny_shapes_match_transformers_both_ways(scan_layers, tmp_path):
+    """openai/whisper-tiny's shapes (random weights: nothing is downloaded), 30 s of frames."""
+    hf_config = transformers.WhisperConfig(**WHISPER_TINY)
+    report = check_parity(hf_config, tmp_path, scan_layers=scan_layers, max_shard_bytes=2**26)
+    print(f"whisper-tiny shapes scan_layers={scan_layers}: import {report['import']:.2e}, export {report['export']:.2e}")
+    assert report["import"] <= 1e-4 and report["export"] <= 1e-4
+    assert report["translated"] == {} and report["exported"] == {}
+    # our defaults are whisper-tiny's
+    defaults = report["config"].model_validate({"type": "whisper", "scan_layers": scan_layers})
+    assert report["config"] == defaults
+
+
+def test_import_and_export_through_the_cli(tmp_path, capsys):
+    from levanter_core.cli import main
+
+    hf_config = transformers.WhisperConfig(**TINY)
+    theirs = random_whisper(hf_config, seed=3)
+    theirs.save_pretrained(tmp_path / "hf")
+    for args in (["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")],
+                 ["export-hf", str(tmp_path / "ours"), str(tmp_path / "back")]):  # fmt: skip
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 0, capsys.readouterr().err
+    with open(tmp_path / "back" / "config.json") as f:
+        written = json.load(f)
+    assert written["architectures"] == ["WhisperForConditionalGeneration"] and written["model_type"] == "whisper"
+    assert written["decoder_start_token_id"] == 94  # kept from the imported config.json
+    back = transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    features, ids = inputs(hf_config, seed=5)
+    np.testing.assert_allclose(hf_logits(back, features, ids), hf_logits(theirs, features, ids), atol=1e-4, rtol=0)
+
+
+def _tiny_model(**overrides):
+    import jax
+    from haliax import Axis
+
+    from levanter_model_whisper.whisper import WhisperConfig
+
+    fields = dict(
+        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, decoder_layers=3,
+        decoder_attention_heads=2, decoder_ffn_dim=48, num_mel_bins=8, max_source_positions=16, seq_len=24,
+    )  # fmt: skip
+    config = WhisperConfig(**{**fields, **overrides})
+    return config.build(Axis("vocab", 40), key=jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
+def test_decoding_token_by_token_gives_the_logits_of_the_whole_transcript(scan_layers):
+    """The incremental path (cross-attention keys computed once, a key/value cache for the
+    decoder) computes what ``decode`` does over the whole sequence."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    model = _tiny_model(scan_layers=scan_layers)
+    features, ids = inputs(transformers.WhisperConfig(**TINY), tokens=7, seed=1)
+    features, tokens = named_inputs(features, ids % 40)
+    states = model.encode(features)
+    whole = model.decode(tokens, states).rearrange(("batch", "position", "vocab")).array
+
+    cache = model.init_decoder_cache(states, Axis("key_position", 24))
+    steps = []
+    for t in range(7):
+        token = tokens["position", t : t + 1]
+        positions = hax.named(jnp.full((2, 1), t, dtype=jnp.int32), ("batch", "position"))
+        hidden, cache = model.decode_step(token, positions, cache, key_len=t + 1)
+        logits = hax.dot(hidden, model.get_lm_head(), axis="embed")
+        steps.append(logits.rearrange(("batch", "position", "vocab")).array)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-5, rtol=0)
+
+
+def test_encoder_takes_shorter_spectrograms_and_refuses_longer_ones():
+    import haliax as hax
+    import jax
+    from haliax import Axis
+
+    model = _tiny_model()
+    short = hax.random.normal(jax.random.PRNGKey(0), (Axis("batch", 1), Axis("mels", 8), Axis("frames", 20)))
+    assert model.encode(short).resolve_axis("source_position").size == 10
+    long = hax.random.normal(jax.random.PRNGKey(0), (Axis("batch", 1), Axis("mels", 8), Axis("frames", 34)))
+    with pytest.raises(ValueError, match=r"34 frames; the encoder takes at most 32"):
+        model.encode(long)
+
+
+def test_the_text_only_language_model_interface_refuses_by_name():
+    """The next-token trainer, evaluation and the text engine reach these; each says why."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    from levanter_core.inference.engine import Engine
+
+    model = _tiny_model()
+    ids = hax.named(jnp.zeros((1, 4), dtype=jnp.int32), ("batch", "position"))
+    with pytest.raises(ConfigError, match=r"model.type 'whisper' is a speech-recognition encoder-decoder"):
+        model.activations(ids)
+    with pytest.raises(UserError, match=r"cannot be trained, evaluated or sampled as a next-token language model"):
+        Engine(model, max_seqs=2).start()
+    with pytest.raises(ConfigError, match=r"model.vocab_size is 32, but the vocabulary has 40 tokens"):
+        _tiny_model(vocab_size=32)
+    del Axis
+
+
+@pytest.mark.slow
+def test_levanter_train_stops_with_a_message_not_a_traceback(tmp_path):
+    """`levanter train` with `model: {type: whisper}` and text data: the next-token objective
+    reaches the model, which refuses by name; exit status 2."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(40)))
+    config = {
+        "data": {"tokenizer": "byte", "train_urls": [str(tmp_path / "data.jsonl")], "cache_dir": str(tmp_path / "cache")},
+        "model": {"type": "whisper", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+                  "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+                  "decoder_ffn_dim": 32, "num_mel_bins": 8, "max_source_positions": 8, "max_length": 32},
+        "trainer": {"id": "w", "train_batch_size": 2, "num_train_steps": 2, "log_dir": str(tmp_path / "logs"),
+                    "checkpointer": {"base_path": str(tmp_path / "ckpt")}, "require_accelerator": False},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [sys.executable, "-c", "from levanter_core.cli import main; main()", "train", str(tmp_path / "run.yaml")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "model.type 'whisper' is a speech-recognition encoder-decoder" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unsupported_settings_are_refused_by_name():
+    from levanter_core.hf.bridge import config_from_hf
+
+    base = transformers.WhisperConfig(**TINY).to_dict()
+    for key, value, message in [
+        ("dropout", 0.1, "dropout: 0.1 is not supported"),
+        ("apply_spec_augment", True, "apply_spec_augment: true is not supported"),
+        ("architectures", ["WhisperForAudioClassification"], "architectures ['WhisperForAudioClassification']"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            config_from_hf({**base, key: value})
+    config = config_from_hf(base)
+    with pytest.raises(ValueError, match="layer_norm_epsilon 0.001 has no Hugging Face Whisper equivalent"):
+        config.model_copy(update={"layer_norm_epsilon": 1e-3}).to_hf_config(96)
+
+
+@pytest.mark.skipif(not LEVANTER_CONFIGS.is_dir(), reason=f"Levanter's configs are not at {LEVANTER_CONFIGS}")
+def test_levanter_whisper_configs_model_sections_load():
+    import yaml
+
+    from levanter_core.config.base import validate_section
+
+    found = sorted(LEVANTER_CONFIGS.rglob("*whisper*.yaml"))
+    assert found
+    for path in found:
+        section = yaml.safe_load(path.read_text())["model"]
+        config = validate_section("model", section)
+        assert config.type == "whisper"
+        # what the file leaves out is whisper-tiny's
+        assert (config.d_model, config.encoder_layers, config.num_mel_bins, config.seq_len) == (384, 4, 80, 448)
+    librispeech = validate_section("model", yaml.safe_load((LEVANTER_CONFIGS / "config" / "whisper_tiny_librispeech.yaml").read_text())["model"])
+    assert librispeech.vocab_size == 32  # the wav2vec2 tokenizer's
+
+
+def test_levanter_field_names_are_accepted():
+    from levanter_core.config.base import validate_section
+
+    config = validate_section("model", {"type": "whisper", "max_length": 128, "num_mels": 128, "hidden_dim": 768})
+    assert (config.seq_len, config.num_mel_bins, config.d_model) == (128, 128, 768)
+    with pytest.raises(Exception, match="d_model \\(384\\) must be divisible by decoder_attention_heads \\(5\\)"):
+        validate_section("model", {"type": "whisper", "decoder_attention_heads": 5})
+
+
+def test_discovered_through_its_entry_point():
+    ours = listed_plugin("levanter-model-whisper")
+    assert ours["error"] is None and ours["types"] == {"model": ["whisper"]}

@@ -77,13 +77,15 @@ def resample(audio: np.ndarray, orig_rate: int, new_rate: int = SAMPLE_RATE) -> 
 
 
 def _label(source, where: str | None) -> str:
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        name = "audio bytes"
-    elif isinstance(source, (str, os.PathLike)):
+    if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        name = "bytes"
     else:
-        name = getattr(source, "name", None) or "audio stream"
-    return f"{where}: audio {name}" if where else str(name)
+        name = str(getattr(source, "name", None) or "stream")
+    if where:
+        return f"{where}: audio {name}"
+    return name if isinstance(source, (str, os.PathLike)) else f"audio {name}"
 
 
 class _open:

@@ -186,6 +186,9 @@ def make_speech_corpus(
         raise UserError(f"fmt must be one of {', '.join(formats)}, got {fmt!r}")
     if not sentences:
         raise UserError("make_speech_corpus needs at least one sentence")
+    blank = [index for index, sentence in enumerate(sentences) if not sentence or not sentence.strip()]
+    if blank:
+        raise UserError(f"sentences {', '.join(map(str, blank))} (counting from 0) are empty")
     import soundfile
 
     voices = [voice] if isinstance(voice, str) else list(voice)
@@ -201,3 +204,42 @@ def make_speech_corpus(
     manifest = directory / manifest_name
     manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(manifest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m levanter_audio.synth DIRECTORY [--sentences FILE] [--fmt flac]
+    [--voice V ...]``: write a corpus and print its manifest's path (for set-up scripts)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m levanter_audio.synth",
+        description="Speak sentences with eSpeak NG into 16 kHz audio files and a JSON-lines manifest.",
+    )
+    parser.add_argument("directory", help="where the audio files and manifest.jsonl go")
+    parser.add_argument("--sentences", required=True, help="a text file, one sentence per non-blank line")
+    parser.add_argument("--fmt", choices=["wav", "flac"], default="wav")
+    parser.add_argument("--voice", action="append", help=f"repeat to alternate voices (default {DEFAULT_VOICE})")
+    parser.add_argument("--words-per-minute", type=int, default=175)
+    parser.add_argument("--manifest-name", default="manifest.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.sentences, encoding="utf-8") as f:
+            sentences = [line.strip() for line in f if line.strip()]
+        manifest = make_speech_corpus(
+            args.directory,
+            sentences,
+            fmt=args.fmt,
+            voice=args.voice or DEFAULT_VOICE,
+            words_per_minute=args.words_per_minute,
+            manifest_name=args.manifest_name,
+        )
+    except (UserError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(manifest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

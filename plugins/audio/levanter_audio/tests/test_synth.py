@@ -73,3 +73,16 @@ def test_corpus_files_and_manifest(tmp_path, fmt):
     assert np.abs(audio - expected).max() <= 1 / 32768 + 1e-7  # 16-bit files
     with pytest.raises(UserError, match="fmt must be one of wav, flac"):
         make_speech_corpus(tmp_path / "x", sentences, fmt="mp4")
+
+
+def test_command_line(tmp_path, capsys):
+    from levanter_audio.synth import main
+
+    (tmp_path / "sentences.txt").write_text("Good morning.\n\nGood night.\n")
+    assert main([str(tmp_path / "out"), "--sentences", str(tmp_path / "sentences.txt"), "--fmt", "flac"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    assert [json.loads(line)["text"] for line in open(manifest)] == ["Good morning.", "Good night."]
+    assert main([str(tmp_path / "out"), "--sentences", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"sentences 1 \(counting from 0\) are empty"):
+        make_speech_corpus(tmp_path / "x", ["fine", " "])

@@ -80,3 +80,19 @@ def test_zero_samples_and_directories_are_errors(tmp_path):
     soundfile.write(tmp_path / "nan.wav", np.full((10, 1), np.nan, np.float32), 16000, subtype="FLOAT")
     with pytest.raises(DataError, match="NaN or infinite"):
         load_audio(tmp_path / "nan.wav")
+
+
+def test_unreadable_path_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError, match=r"file/a.wav: cannot read the file \(Not a directory\)"):
+        load_audio(tmp_path / "file" / "a.wav")
+
+
+def test_fsspec_urls(tmp_path):
+    import fsspec
+
+    with fsspec.open("memory://audio-tests/a.flac", "wb") as f:
+        f.write(_wav_bytes("FLAC"))
+    assert abs(len(load_audio("memory://audio-tests/a.flac")) - 16000) <= 1
+    with pytest.raises(DataError, match="memory://audio-tests/b.flac: no such file"):
+        load_audio("memory://audio-tests/b.flac")

@@ -86,3 +86,13 @@ def test_bad_lines_name_the_manifest_and_line(corpus, tmp_path, line, message):
 def test_missing_manifest(tmp_path):
     with pytest.raises(DataError, match="train.jsonl: no such file"):
         list(read_manifest(tmp_path / "train.jsonl"))
+
+
+def test_manifest_on_an_object_store(corpus):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/speech/clips/0.flac", open(corpus.replace("manifest.jsonl", "00000.flac"), "rb").read())
+    fs.pipe("/speech/train.jsonl", b'{"audio": "clips/0.flac", "text": "remote"}\n')
+    [utterance] = read_manifest("memory://speech/train.jsonl")
+    assert utterance.text == "remote" and len(utterance.audio) > 8000

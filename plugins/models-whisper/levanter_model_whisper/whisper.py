@@ -204,6 +204,29 @@ class WhisperConfig(LmConfig, HfMapped):
             )
         return WhisperModel.init(Vocab, self, key=key)
 
+    def flops_per_token(self, vocab_size: int) -> float:
+        """Training FLOPs per transcript token (three forward passes' worth), for MFU: each example
+        is ``2 * max_source_positions`` frames of audio and ``seq_len`` tokens, and the encoder's
+        work on the audio is shared among those tokens.
+
+        Counting 2 FLOPs per multiply-add, with ``d = d_model``, ``S = max_source_positions``,
+        ``T = seq_len``, ``M = num_mel_bins`` and ``V = vocab_size``::
+
+            encoder = 2 * (2S * 3 * M * d + S * 3 * d * d)                  # the two convolutions
+                    + encoder_layers * S * (2 * (4d^2 + 2 d * encoder_ffn_dim) + 4 S d)
+            cross_kv = decoder_layers * S * 2 * 2d^2                         # keys and values of the states
+            decoder = decoder_layers * (2 * (6d^2 + 2 d * decoder_ffn_dim) + 4 T d + 4 S d) + 2 d V
+            forward = decoder + (encoder + cross_kv) / T
+
+        Attention counts the full square, masked half included, as the other families do."""
+        d, S, T, M = self.d_model, self.max_source_positions, self.seq_len, self.num_mel_bins
+        encoder = 2 * (2 * S * 3 * M * d + S * 3 * d * d)
+        encoder += self.encoder_layers * S * (2 * (4 * d * d + 2 * d * self.encoder_ffn_dim) + 4 * S * d)
+        cross_kv = self.decoder_layers * S * 2 * 2 * d * d
+        decoder = self.decoder_layers * (2 * (6 * d * d + 2 * d * self.decoder_ffn_dim) + 4 * T * d + 4 * S * d)
+        decoder += 2 * d * vocab_size
+        return 3.0 * (decoder + (encoder + cross_kv) / T)
+
     # -- Hugging Face ----------------------------------------------------------------------------
     @classmethod
     def hf_fields(cls, hf: dict) -> dict:

@@ -206,6 +206,19 @@ def test_import_and_export_through_the_cli(tmp_path, capsys):
     np.testing.assert_allclose(hf_logits(back, features, ids), hf_logits(theirs, features, ids), atol=1e-4, rtol=0)
 
 
+def test_a_base_model_checkpoint_loads(tmp_path):
+    """``WhisperModel`` (no head) saves its tensors without the ``model.`` prefix; it loads as the
+    whole model, whose head is the token embeddings anyway."""
+    from levanter_core.hf.bridge import load_hf_model
+
+    hf_config = transformers.WhisperConfig(**TINY)
+    theirs = random_whisper(hf_config, seed=7)
+    theirs.model.save_pretrained(tmp_path / "base")
+    loaded = load_hf_model(str(tmp_path / "base"))
+    features, ids = inputs(hf_config, seed=7)
+    np.testing.assert_allclose(our_logits(loaded.model, features, ids), hf_logits(theirs, features, ids), atol=1e-4, rtol=0)
+
+
 def _tiny_model(**overrides):
     import jax
     from haliax import Axis
@@ -243,6 +256,57 @@ def test_decoding_token_by_token_gives_the_logits_of_the_whole_transcript(scan_l
         logits = hax.dot(hidden, model.get_lm_head(), axis="embed")
         steps.append(logits.rearrange(("batch", "position", "vocab")).array)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-5, rtol=0)
+
+
+def test_attention_backends_agree():
+    """``jax`` (cuDNN's fused kernel on GPU, what ``auto`` picks there) computes what ``reference`` does."""
+    features, ids = inputs(transformers.WhisperConfig(**TINY), seed=2)
+    ids = ids % 40
+    reference = our_logits(_tiny_model(attn_backend="reference"), features, ids)
+    fused = our_logits(_tiny_model(attn_backend="jax"), features, ids)
+    np.testing.assert_allclose(fused, reference, atol=1e-5, rtol=0)
+
+
+def test_gradients_reach_every_parameter_but_the_fixed_encoder_positions():
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+
+    model = _tiny_model()
+    features, ids = named_inputs(*inputs(transformers.WhisperConfig(**TINY), seed=4))
+    ids = ids % 40
+
+    def loss(m):
+        logits = m(features, ids)
+        return -hax.mean(hax.nn.log_softmax(logits, axis="vocab")["vocab", 0]).scalar()
+
+    grads = eqx.filter_grad(loss)(model)
+    encoder = grads.model.encoder
+    assert float(jnp.abs(encoder.embed_positions.weight.array).max()) == 0.0
+    for name, g in [("conv1", encoder.conv1.weight), ("decoder positions", grads.model.decoder.embed_positions.weight),
+                    ("cross-attention keys", grads.model.decoder.layers.stacked.encoder_attn.k_proj.weight)]:  # fmt: skip
+        assert float(jnp.abs(g.array).max()) > 0.0, name
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
+    assert half.encode(features).dtype == jnp.bfloat16  # float32 features into bfloat16 weights
+
+
+def test_flops_per_token_counts_what_xla_counts():
+    """A third of ``flops_per_token`` is the forward pass per transcript token: XLA's count of the
+    compiled (unrolled) forward is that plus the elementwise work (norms, softmax, GELU)."""
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    model = _tiny_model(d_model=64, encoder_ffn_dim=256, max_source_positions=64, seq_len=32, scan_layers=False)
+    c = model.config
+    features = hax.zeros((Axis("batch", 1), c.Mels, c.Frames))
+    tokens = hax.named(jnp.zeros((1, c.seq_len), dtype=jnp.int32), ("batch", "position"))
+    compiled = jax.jit(lambda m, f, t: m(f, t)).lower(model, features, tokens).compile()
+    xla = compiled.cost_analysis()["flops"] / c.seq_len
+    ours = c.flops_per_token(model.Vocab.size) / 3
+    assert 0.8 * xla <= ours <= xla, (ours, xla)
 
 
 def test_encoder_takes_shorter_spectrograms_and_refuses_longer_ones():

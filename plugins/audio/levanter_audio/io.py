@@ -59,7 +59,10 @@ def load_audio(
     if not np.isfinite(samples).all():
         raise DataError(f"{label}: holds NaN or infinite samples")
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
-    return resample(mono, rate, sampling_rate)
+    audio = resample(mono, rate, sampling_rate)
+    if audio.shape[0] == 0:
+        raise DataError(f"{label}: too short: {samples.shape[0]} samples at {rate} Hz are none at {sampling_rate} Hz")
+    return audio
 
 
 def resample(audio: np.ndarray, orig_rate: int, new_rate: int = SAMPLE_RATE) -> np.ndarray:

@@ -75,6 +75,9 @@ def test_zero_samples_and_directories_are_errors(tmp_path):
     soundfile.write(tmp_path / "zero.wav", np.zeros((0, 1), np.float32), 16000)
     with pytest.raises(DataError, match=r"zero.wav: holds no audio samples \(0 frames\)"):
         load_audio(tmp_path / "zero.wav")
+    soundfile.write(tmp_path / "blip.wav", np.full((1, 1), 0.5, np.float32), 48000)
+    with pytest.raises(DataError, match="blip.wav: too short: 1 samples at 48000 Hz are none at 16000 Hz"):
+        load_audio(tmp_path / "blip.wav")
     with pytest.raises(DataError, match="is a directory"):
         load_audio(tmp_path)
     soundfile.write(tmp_path / "nan.wav", np.full((10, 1), np.nan, np.float32), 16000, subtype="FLOAT")

@@ -146,6 +146,7 @@ def log_mel_spectrogram_jax(audio, *, n_mels: int = 80):
     samples long by :func:`pad_or_trim`: ``audio`` of shape ``(..., 480000)`` gives
     ``(..., n_mels, 3000)`` float32, each clip floored against its own maximum. Traceable
     (``jax.jit``); computed in float32, it agrees with the numpy version to about 1e-5."""
+    import jax
     import jax.numpy as jnp
 
     audio = jnp.asarray(audio, dtype=jnp.float32)
@@ -157,7 +158,10 @@ def log_mel_spectrogram_jax(audio, *, n_mels: int = 80):
     frames = signal[..., starts[:, None] + np.arange(N_FFT)[None, :]]
     spectrum = jnp.fft.rfft(frames * hann_window().astype(np.float32), axis=-1)
     power = jnp.real(spectrum) ** 2 + jnp.imag(spectrum) ** 2
-    log_mel = jnp.log10(jnp.maximum(power @ _filters(n_mels).astype(np.float32), LOG_FLOOR))
+    # Full float32 products: accelerators otherwise multiply float32 matrices in lower
+    # precision (TF32, bfloat16 passes), several times the 1e-4 this must stay within.
+    mel = jnp.matmul(power, _filters(n_mels).astype(np.float32), precision=jax.lax.Precision.HIGHEST)
+    log_mel = jnp.log10(jnp.maximum(mel, LOG_FLOOR))
     peak = jnp.max(log_mel, axis=(-2, -1), keepdims=True)
     log_mel = jnp.maximum(log_mel, peak - DYNAMIC_RANGE)
     return jnp.swapaxes((log_mel + 4.0) / 4.0, -1, -2)

@@ -138,7 +138,10 @@ def _from_array(array, rate, where: str, sampling_rate: int) -> np.ndarray:
         raise DataError(f"{where}: the audio 'sampling_rate' should be positive, found {rate}")
     if not np.isfinite(samples).all():
         raise DataError(f"{where}: the audio 'array' holds NaN or infinite samples")
-    return resample(samples, rate, sampling_rate)
+    audio = resample(samples, rate, sampling_rate)
+    if audio.size == 0:
+        raise DataError(f"{where}: the audio 'array' is too short to have a sample at {sampling_rate} Hz")
+    return audio
 
 
 def _directory(url: str) -> str:

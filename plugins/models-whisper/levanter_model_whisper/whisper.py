@@ -61,6 +61,10 @@ class WhisperConfig(LmConfig, HfMapped):
     """What ``initialize_from_hf: true`` loads without ``reference_checkpoint``: the checkpoint
     whose shapes the defaults are."""
 
+    objective: ClassVar[str] = "asr"
+    """The training objective (``register_objectives``) this model trains with: speech
+    recognition, from audio features and transcripts, not next-token prediction over text."""
+
     hf_architecture: ClassVar[str] = "WhisperForConditionalGeneration"
     hf_model_type: ClassVar[str] = "whisper"
     hf_keys: ClassVar[dict[str, HfKey]] = {

@@ -136,7 +136,11 @@ def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shar
         unrolled = config_from_hf(read_hf_config(source)).model_copy(update={"scan_layers": False})
         loaded = load_hf_model(source, config=unrolled)
         config, Vocab, ours = loaded.config, loaded.Vocab, loaded.model
-        metadata = {"config": {"model": config.model_dump(mode="json")}, "vocab_size": Vocab.size, "hf_config": loaded.hf_config}
+        metadata = {
+            "config": {"model": config.model_dump(mode="json")},
+            "vocab_size": Vocab.size,
+            "hf_config": loaded.hf_config,
+        }
         write_checkpoint({"model": ours}, imported, step=0, metadata=metadata)
     import_diff = float(np.max(np.abs(our_logits(ours, features, ids) - expected)))
 
@@ -326,7 +330,6 @@ def test_the_text_only_language_model_interface_refuses_by_name():
     """The next-token trainer, evaluation and the text engine reach these; each says why."""
     import haliax as hax
     import jax.numpy as jnp
-    from haliax import Axis
 
     from levanter_core.inference.engine import Engine
 
@@ -338,13 +341,13 @@ def test_the_text_only_language_model_interface_refuses_by_name():
         Engine(model, max_seqs=2).start()
     with pytest.raises(ConfigError, match=r"model.vocab_size is 32, but the vocabulary has 40 tokens"):
         _tiny_model(vocab_size=32)
-    del Axis
 
 
 @pytest.mark.slow
 def test_levanter_train_stops_with_a_message_not_a_traceback(tmp_path):
-    """`levanter train` with `model: {type: whisper}` and text data: the next-token objective
-    reaches the model, which refuses by name; exit status 2."""
+    """`levanter train` with `model: {type: whisper}` and text data, where no speech-recognition
+    objective is installed: the run stops naming the model type, with exit status 2 (the trainer
+    refuses a missing objective; without that check, the model refuses the next-token loss)."""
     import subprocess
     import sys
 
@@ -365,8 +368,7 @@ def test_levanter_train_stops_with_a_message_not_a_traceback(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "model.type 'whisper' is a speech-recognition encoder-decoder" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "model.type 'whisper'" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_unsupported_settings_are_refused_by_name():
@@ -399,8 +401,8 @@ def test_levanter_whisper_configs_model_sections_load():
         assert config.type == "whisper"
         # what the file leaves out is whisper-tiny's
         assert (config.d_model, config.encoder_layers, config.num_mel_bins, config.seq_len) == (384, 4, 80, 448)
-    librispeech = validate_section("model", yaml.safe_load((LEVANTER_CONFIGS / "config" / "whisper_tiny_librispeech.yaml").read_text())["model"])
-    assert librispeech.vocab_size == 32  # the wav2vec2 tokenizer's
+    librispeech = yaml.safe_load((LEVANTER_CONFIGS / "config" / "whisper_tiny_librispeech.yaml").read_text())
+    assert validate_section("model", librispeech["model"]).vocab_size == 32  # the wav2vec2 tokenizer's
 
 
 def test_levanter_field_names_are_accepted():

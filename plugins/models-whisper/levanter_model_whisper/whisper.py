@@ -434,6 +434,12 @@ class WhisperCache(eqx.Module):
     self_attn: KvCache
     cross_attn: KvCache
 
+    def insert(self, rows, other: "WhisperCache") -> "WhisperCache":
+        """The cache with ``other``'s rows (all of them: their tokens so far and their audio) put
+        at ``rows`` (an integer array), for an engine that starts a new transcription in a row
+        while the others go on. Both caches are for audio of the same length."""
+        return WhisperCache(self.self_attn.insert(rows, other.self_attn), self.cross_attn.insert(rows, other.cross_attn))
+
 
 class WhisperEncoder(eqx.Module):
     """Hugging Face's ``model.encoder``: the convolutional front end, the fixed positions, the

@@ -313,6 +313,38 @@ def test_flops_per_token_counts_what_xla_counts():
     assert 0.8 * xla <= ours <= xla, (ours, xla)
 
 
+def test_a_row_inserted_into_a_cache_decodes_as_on_its_own():
+    """A transcription started in one row of a shared cache (as a batching engine would) goes on
+    as it does in a cache of its own, whatever the other rows hold."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    model = _tiny_model()
+    features, ids = named_inputs(*inputs(transformers.WhisperConfig(**TINY), batch=2, tokens=4, seed=6))
+    ids = ids % 40
+    KeyPos = Axis("key_position", 8)
+
+    def run(cache, tokens, start):
+        n = tokens.resolve_axis("position").size
+        rows = tokens.resolve_axis("batch").size
+        positions = hax.named(jnp.broadcast_to(jnp.arange(start, start + n), (rows, n)), ("batch", "position"))
+        hidden, cache = model.decode_step(tokens, positions, cache, key_len=start + n)
+        return hax.dot(hidden, model.get_lm_head(), axis="embed").array, cache
+
+    second_audio = features["batch", 1:2]
+    alone, _ = run(model.init_decoder_cache(model.encode(second_audio), KeyPos), ids["batch", 1:2], 0)
+
+    shared = model.init_decoder_cache(model.encode(features), KeyPos)
+    _, shared = run(shared, ids, 0)  # both rows hold a transcription of their own
+    fresh = model.init_decoder_cache(model.encode(second_audio), KeyPos)
+    _, fresh = run(fresh, ids["batch", 1:2, "position", :2], 0)
+    shared = shared.insert(jnp.array([0]), fresh)  # row 0 now starts over with the second audio
+    rest = ids.array[1, 2:]
+    logits, _ = run(shared, hax.named(jnp.stack([rest, rest]), ("batch", "position")), 2)
+    np.testing.assert_allclose(logits[0], alone[0, 2:], atol=1e-5, rtol=0)
+
+
 def test_encoder_takes_shorter_spectrograms_and_refuses_longer_ones():
     import haliax as hax
     import jax

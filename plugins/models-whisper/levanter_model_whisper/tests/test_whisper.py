@@ -241,6 +241,7 @@ def _tiny_model(**overrides):
 def test_decoding_token_by_token_gives_the_logits_of_the_whole_transcript(scan_layers):
     """The incremental path (cross-attention keys computed once, a key/value cache for the
     decoder) computes what ``decode`` does over the whole sequence."""
+    import equinox as eqx
     import haliax as hax
     import jax.numpy as jnp
     from haliax import Axis
@@ -248,15 +249,19 @@ def test_decoding_token_by_token_gives_the_logits_of_the_whole_transcript(scan_l
     model = _tiny_model(scan_layers=scan_layers)
     features, ids = inputs(transformers.WhisperConfig(**TINY), tokens=7, seed=1)
     features, tokens = named_inputs(features, ids % 40)
-    states = model.encode(features)
-    whole = model.decode(tokens, states).rearrange(("batch", "position", "vocab")).array
+    states = eqx.filter_jit(lambda m, f: m.encode(f))(model, features)
+    whole = eqx.filter_jit(lambda m, t, s: m.decode(t, s))(model, tokens, states)
+    whole = whole.rearrange(("batch", "position", "vocab")).array
 
-    cache = model.init_decoder_cache(states, Axis("key_position", 24))
+    cache = eqx.filter_jit(lambda m, s: m.init_decoder_cache(s, Axis("key_position", 24)))(model, states)
+    # one compiled step for all: it reads the whole cache, whose later positions the causal
+    # mask must hide (they hold nothing yet)
+    step = eqx.filter_jit(lambda m, tok, pos, c: m.decode_step(tok, pos, c, key_len=24))
     steps = []
     for t in range(7):
         token = tokens["position", t : t + 1]
         positions = hax.named(jnp.full((2, 1), t, dtype=jnp.int32), ("batch", "position"))
-        hidden, cache = model.decode_step(token, positions, cache, key_len=t + 1)
+        hidden, cache = step(model, token, positions, cache)
         logits = hax.dot(hidden, model.get_lm_head(), axis="embed")
         steps.append(logits.rearrange(("batch", "position", "vocab")).array)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-5, rtol=0)

@@ -53,7 +53,7 @@ def test_gradient_accumulation_gives_the_full_batch_gradients(tmp_path):
     grads = {}
     for per_device in (-1, 2):
         trainer_cfg = config.trainer.model_copy(update={"per_device_parallelism": per_device})
-        trainer = Trainer(trainer_cfg, optimizer=None, loss_fn=lm_loss_and_metrics, mesh=mesh)
+        trainer = Trainer(trainer_cfg, None, lm_loss_and_metrics, mesh=mesh)
         assert trainer.plan.num_microbatches == (1 if per_device == -1 else 4)
         batch = hax.named(tokens, (trainer.Batch, config.model.Pos))
         (loss, _), g = jax.jit(trainer._loss_and_grad)(model, batch, jax.random.PRNGKey(2))
@@ -69,7 +69,7 @@ def test_batch_that_does_not_split_into_microbatches_is_a_config_error(tmp_path)
 
     config = tiny_config(tmp_path, per_device_parallelism=3)
     with pytest.raises(ConfigError, match="per_device_parallelism"):
-        Trainer(config.trainer, optimizer=None, loss_fn=lm_loss_and_metrics, mesh=make_mesh(config.trainer))
+        Trainer(config.trainer, None, lm_loss_and_metrics, mesh=make_mesh(config.trainer))
 
 
 def test_short_run_loss_falls_and_writes_the_run_directory(tmp_path):

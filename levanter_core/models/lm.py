@@ -56,6 +56,10 @@ saves the inputs of every sqrt(layers)-th layer only and recomputes the rest in 
 class LmConfig(TypedConfig, abc.ABC):
     """Base class of every model config (the ``model:`` section)."""
 
+    objective: ClassVar[str] = "lm"
+    """The training objective this model trains with (a name of the ``register_objectives``
+    hook, see :mod:`levanter_core.objective`): next-token prediction for language models."""
+
     seq_len: int = 1024
     """Length of the training sequences (the ``position`` axis)."""
 

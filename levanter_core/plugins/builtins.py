@@ -15,6 +15,11 @@ def register_trackers(register):
 
 
 @hookimpl
+def register_objectives(register):
+    register("lm", "levanter_core.objective:LmObjective")
+
+
+@hookimpl
 def register_checkpointers(register):
     register("tensorstore", "levanter_core.checkpoint.config:TensorStoreCheckpointerConfig")
 

@@ -82,6 +82,13 @@ def register_evaluators(register: Register) -> None:
 
 
 @hookspec
+def register_objectives(register: Register) -> None:
+    """Register training objectives. ``cls`` subclasses :class:`levanter_core.objective.Objective`
+    (what a batch holds, the loss, what evaluation sums); a model config selects one by name
+    with its ``objective`` class attribute (``lm``, built in, for every language model)."""
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add sub-commands to the ``levanter`` CLI. ``app`` is the root
     :class:`typer.Typer`; use ``@app.command()`` on your functions."""

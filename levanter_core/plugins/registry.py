@@ -46,6 +46,7 @@ KINDS: dict[str, Kind] = {
             "trainer.checkpointer.type",
         ),
         Kind("evaluator", "register_evaluators", "levanter_core.trainer.evaluators:EvaluatorConfig", "evaluators[].type"),
+        Kind("objective", "register_objectives", "levanter_core.objective:Objective", "the model type's objective"),
     )
 }
 

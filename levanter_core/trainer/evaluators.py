@@ -85,7 +85,8 @@ def due(step: int, every: int, last_step: int) -> bool:
 def eval_metrics(
     totals: Mapping[str, Sequence[float]], tags: Mapping[str, Sequence[str]], *, per_set: bool
 ) -> dict[str, float]:
-    """The metrics of a validation pass from each set's ``[nats, tokens, bytes]``:
+    """The metrics of a validation pass from each set's ``[nats, tokens, bytes]`` (or
+    ``[nats, tokens]``, which gives no bits per byte):
 
     * ``eval/loss`` and ``eval/bpb``: over every token (and byte) of every set (micro averages);
     * ``eval/macro_loss`` and ``eval/macro_bpb``: the mean of the sets' own (with several sets);
@@ -99,10 +100,10 @@ def eval_metrics(
         return t[0] / max(t[1], 1.0)
 
     def bpb(t):
-        return t[0] / (math.log(2) * t[2]) if t[2] > 0 else None
+        return t[0] / (math.log(2) * t[2]) if len(t) > 2 and t[2] > 0 else None
 
     def add(prefix: str, names: Sequence[str], *, micro_name: str | None = None) -> None:
-        summed = [sum(totals[n][i] for n in names) for i in range(3)]
+        summed = [sum(totals[n][i] for n in names) for i in range(len(totals[names[0]]))]
         metrics[f"{prefix}/loss"] = loss(summed)
         if micro_name:
             metrics[f"{prefix}/{micro_name}"] = metrics[f"{prefix}/loss"]

@@ -10,7 +10,6 @@ model and optimizer -> fresh or resumed state -> trackers -> train loop
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import importlib.metadata
 import json
@@ -335,10 +334,24 @@ class _Run:
     wall_start: float
 
 
+def _objective(config: TrainConfig, model_config):
+    """The training objective the model type names, built for this run."""
+    from levanter_core.plugins import registry
+
+    name = model_config.objective
+    try:
+        entry = registry("objective").get(name)
+    except KeyError as e:
+        raise ConfigError(
+            f"model.type {model_config.type!r} trains with the {name!r} objective: {e.args[0]} "
+            "(install the plugin that provides it)"
+        ) from None
+    return entry.config_cls.from_config(config)
+
+
 def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     import jax
 
-    from levanter_core.models.lm import lm_eval_loss, lm_loss_and_metrics
     from levanter_core.trainer.mesh import make_mesh
     from levanter_core.trainer.trainer import Trainer
 
@@ -349,10 +362,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build_for_trainer(num_steps)
-    loss_fn = lm_loss_and_metrics
-    if config.z_loss_weight:
-        loss_fn = functools.partial(lm_loss_and_metrics, z_loss_weight=config.z_loss_weight)
-    trainer = Trainer(trainer_cfg, optimizer, loss_fn, mesh=mesh, eval_loss_fn=lm_eval_loss)
+    trainer = Trainer(trainer_cfg, optimizer, _objective(config, model_config), mesh=mesh)
 
     def model_init(key):
         return model_config.build(Vocab, key=key)
@@ -715,7 +725,7 @@ class _TrainLoop:
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_token = flops_per_token
         self._evaluators: list = []  # the plugins' evaluators, built when the loop starts
-        self._token_bytes = None  # bytes per token id, for bits per byte
+        self._eval_constants_found: tuple | None = None  # the objective's, for evaluation
         self.entropy_fn = None
         if config.log_entropy:
             from levanter_core.models.lm import lm_eval_entropy
@@ -725,18 +735,18 @@ class _TrainLoop:
         self.exporter = exporter
 
     def evaluate(self, model) -> dict[str, float]:
-        """Loss and bits per byte of every validation set, their averages, and those of each
-        tag (see :func:`levanter_core.trainer.evaluators.eval_metrics`); the entropy too with
+        """The objective's metrics of every validation set, their averages, and those of each
+        tag (for language modelling loss and bits per byte, see
+        :func:`levanter_core.trainer.evaluators.eval_metrics`); the entropy too with
         ``log_entropy``. Empty without validation data."""
         from levanter_core.data.dataset import eval_batches
-        from levanter_core.trainer.evaluators import eval_metrics
 
         size, limit = self.trainer.plan.eval_batch_size, self.trainer.config.max_eval_batches
         rows = self.trainer.local_rows(self.trainer.EvalBatch)
         totals, entropies = {}, {}
         for name, dataset in self.data.validation.items():
             batches = eval_batches(dataset, size, limit, rows=rows)
-            found = self.trainer.evaluate_totals(model, batches, self._byte_lengths(model))
+            found = self.trainer.evaluate_totals(model, batches, *self._eval_constants(model))
             if found is None:
                 continue
             totals[name] = found
@@ -745,7 +755,7 @@ class _TrainLoop:
                 entropies[name] = self.trainer.evaluate(model, batches, fn=self.entropy_fn)
         if not totals:
             return {}
-        metrics = eval_metrics(totals, self._tags(), per_set=self.config.data.is_mixture)
+        metrics = self.trainer.objective.eval_metrics(totals, self._tags(), per_set=self.config.data.is_mixture)
         if entropies:
             # weighed by tokens, as the loss is
             tokens = {name: totals[name][1] for name in entropies}
@@ -762,16 +772,11 @@ class _TrainLoop:
                     metrics[f"eval/{tag}/entropy"] = mean(names)
         return metrics
 
-    def _byte_lengths(self, model):
-        """The bytes of text each token id stands for, on the device, for bits per byte (as long
-        as the model's vocabulary: ids past the tokenizer's stand for none)."""
-        if self._token_bytes is None:
-            import jax.numpy as jnp
-
-            from levanter_core.data.token_bytes import token_byte_lengths
-
-            self._token_bytes = jnp.asarray(token_byte_lengths(self.data.tokenizer, model.Vocab.size))
-        return self._token_bytes
+    def _eval_constants(self, model) -> tuple:
+        """What the objective's evaluation needs besides each batch (computed once)."""
+        if self._eval_constants_found is None:
+            self._eval_constants_found = self.trainer.objective.eval_constants(model, self.data.tokenizer)
+        return self._eval_constants_found
 
     def _tags(self) -> dict[str, list[str]]:
         """Each ``tags`` entry of the data sources, with the sources that carry it."""

@@ -19,6 +19,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import equinox as eqx
@@ -32,7 +33,7 @@ from haliax import Axis, NamedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_core.errors import ConfigError, LevanterError
-from levanter_core.models.lm import LmExample
+from levanter_core.objective import LmObjective, Objective
 from levanter_core.optim.skipstep import skipped_step
 from levanter_core.tracker.jit_log import collecting
 from levanter_core.trainer.config import TrainerConfig
@@ -44,8 +45,9 @@ logger = logging.getLogger(__name__)
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 """``loss_fn(model, example, *, key) -> (scalar, metrics)``: the mean loss of a batch (an
-:class:`LmExample`) and any scalars the model wants logged (see
-``levanter_core.models.lm.lm_loss_and_metrics``)."""
+:class:`~levanter_core.models.lm.LmExample`) and any scalars the model wants logged (see
+``levanter_core.models.lm.lm_loss_and_metrics``); given to :class:`Trainer` in place of an
+objective, it trains next-token prediction with that loss."""
 
 
 class NonFiniteLossError(LevanterError):
@@ -179,22 +181,38 @@ class Trainer:
         self,
         config: TrainerConfig,
         optimizer: optax.GradientTransformation,
-        loss_fn: LossFn,
+        objective: Objective | LossFn | None = None,
         *,
         mesh: Mesh,
         eval_loss_fn: Callable[..., jax.Array] | None = None,
+        loss_fn: LossFn | None = None,
     ):
-        """``optimizer.update`` is called with the step's loss as the keyword argument ``loss``
+        """``objective`` (:mod:`levanter_core.objective`) says what a batch holds, what the
+        step minimizes and what evaluation sums; a loss function in its place trains
+        next-token prediction with it (``eval_loss_fn(model, example, *, key) -> scalar`` is
+        then what evaluation reports, by default the loss function's first value).
+
+        ``optimizer.update`` is called with the step's loss as the keyword argument ``loss``
         when it accepts extra arguments (``optax.GradientTransformationExtraArgs``, as
         ``OptimizerConfig.build_for_trainer`` makes); a plain optax optimizer works too.
 
-        ``eval_loss_fn(model, example, *, key) -> scalar`` is what evaluation reports;
-        by default the first value of ``loss_fn``. (A model's auxiliary losses belong in
-        the training objective, not in the evaluation loss.)"""
+        ``loss_fn=``: the keyword this argument had before objectives existed (deprecated)."""
         self.config = config
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.eval_loss_fn = eval_loss_fn or (lambda model, batch, *, key: loss_fn(model, batch, key=key)[0])
+        if loss_fn is not None:
+            warnings.warn(
+                "Trainer(loss_fn=...) is deprecated: pass the loss function (or an objective) as the third argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if objective is not None:
+                raise TypeError("give an objective or loss_fn, not both")
+            objective = loss_fn
+        if objective is None:
+            raise TypeError("Trainer needs an objective (or a loss function)")
+        if not isinstance(objective, Objective):
+            objective = LmObjective(loss_fn=objective, eval_loss_fn=eval_loss_fn)
+        self.objective = objective
         self.mesh = mesh
         self.mp: jmp.Policy = jmp.get_policy(config.mp)
         self.compute_mapping = config.compute_axis_mapping()
@@ -293,17 +311,17 @@ class Trainer:
             _check_divisible(self.config, self.parameter_mapping, self.mesh, path, array)
 
     # -- compiled pieces -------------------------------------------------------------------
-    def _compute_loss(self, model, batch: LmExample, key) -> tuple[jax.Array, dict]:
+    def _compute_loss(self, model, batch, key) -> tuple[jax.Array, dict]:
         # What the loss computation logs with jit_log joins the model's metrics: averaged
         # over microbatches like them, and returned from the step like them.
         with collecting() as logged:
-            loss, metrics = self.loss_fn(self.mp.cast_to_compute(model), batch, key=key)
+            loss, metrics = self.objective.loss(self.mp.cast_to_compute(model), batch, key=key)
         return loss, {**metrics, **logged}
 
-    def _loss_and_grad(self, model, batch: LmExample, key):
+    def _loss_and_grad(self, model, batch, key):
         """``((loss, metrics), grads)``, averaged over the microbatches."""
         grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
-        Batch = getattr(batch, "tokens", batch).resolve_axis(self.config.batch_axis)  # an LmExample or token ids
+        Batch = self.objective.batch_axis(batch, self.config.batch_axis)
         plan = self.plans[Batch.size]
         n = plan.num_microbatches
         if n == 1:
@@ -337,7 +355,7 @@ class Trainer:
         (sums, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
         return jax.tree.map(lambda v: v / n, sums), jax.tree.map(lambda g: g / n, grad_sum)
 
-    def _step(self, state: TrainerState, batch: LmExample):
+    def _step(self, state: TrainerState, batch):
         key, next_key = jax.random.split(state.training_key)
         (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
         params = trainable(state.model)
@@ -365,8 +383,8 @@ class Trainer:
             metrics["optim/skipped_step"] = skipped
         return TrainerState(state.step + 1, model, opt_state, next_key, averaging), metrics
 
-    def _eval_loss(self, model, batch: LmExample):
-        return self.eval_loss_fn(self.mp.cast_to_compute(model), batch, key=None)
+    def _eval_loss(self, model, batch):
+        return self.objective.eval_loss(self.mp.cast_to_compute(model), batch)
 
     # -- host side ---------------------------------------------------------------------------
     def local_rows(self, Batch: Axis) -> np.ndarray:
@@ -381,50 +399,54 @@ class Trainer:
         return self._local_rows[Batch.size]
 
     def _batch_sharding(self, Batch: Axis, seq_len: int):
-        axes = (Batch, Axis("position", seq_len))
-        mapping = self.plan.placement_mapping(self.compute_mapping, Batch)
+        return self._sharding((Batch, Axis("position", seq_len)))
+
+    def _sharding(self, axes: tuple[Axis, ...]):
+        """How an array of ``axes`` (the batch axis first) lies on the mesh."""
+        mapping = self.plan.placement_mapping(self.compute_mapping, axes[0])
         return hax.partitioning.sharding_for_axis(axes, mapping, self.mesh)
 
-    def to_device(self, batch, Batch: Axis) -> LmExample:
-        """A host batch as an :class:`LmExample` laid out on the mesh. ``batch`` is token ids
-        ``[rows, seq_len]`` or a ``data.Batch`` (with a loss mask and segment ids), holding either
+    def to_device(self, batch, Batch: Axis):
+        """A host batch as the objective's example laid out on the mesh (an
+        :class:`~levanter_core.models.lm.LmExample` for language modelling). ``batch`` is what
+        the run's data gives (token ids ``[rows, seq_len]``, or a ``data.Batch``), holding either
         the whole global batch or only this process's :meth:`local_rows`; each device receives
-        just its own rows."""
-        tokens = getattr(batch, "tokens", batch)
+        just its own rows of each array the objective names."""
+        fields = self.objective.fields(batch)
+        present = [f.values for f in fields.values() if f.values is not None]
+        if not present:
+            raise ValueError("the batch holds no array")
+        count = len(present[0])
         rows = self.local_rows(Batch)
-        if len(tokens) not in (Batch.size, len(rows)):
+        if count not in (Batch.size, len(rows)):
             raise ValueError(
-                f"a batch of {len(tokens)} rows is neither the global batch ({Batch.size}) nor this process's {len(rows)}"
+                f"a batch of {count} rows is neither the global batch ({Batch.size}) nor this process's {len(rows)}"
             )
-        whole = len(tokens) == Batch.size
-        shape = (Batch.size, tokens.shape[1])
-        sharding = self._batch_sharding(Batch, tokens.shape[1])
-        axes = (Batch, Axis("position", tokens.shape[1]))
+        whole = count == Batch.size
 
-        def put(values, dtype):
-            if values is None:
+        def put(field):
+            if field.values is None:
                 return None
-            values = np.asarray(values, dtype)
+            values = np.asarray(field.values, field.dtype)
+            axes = (Batch, *(Axis(name, size) for name, size in zip(field.axes, values.shape[1:])))
+            shape = tuple(ax.size for ax in axes)
 
             def piece(index):
                 wanted = np.arange(Batch.size)[index[0]]
-                return values[wanted if whole else np.searchsorted(rows, wanted)][:, index[1]]
+                return values[wanted if whole else np.searchsorted(rows, wanted)][(slice(None), *index[1:])]
 
-            return hax.named(jax.make_array_from_callback(shape, sharding, piece), axes)
+            return hax.named(jax.make_array_from_callback(shape, self._sharding(axes), piece), axes)
 
-        return LmExample(
-            put(tokens, np.int32),
-            put(getattr(batch, "loss_mask", None), np.float32),
-            put(getattr(batch, "segment_ids", None), np.int32),
-        )
+        return self.objective.example({name: put(field) for name, field in fields.items()})
 
     def train_step(self, state: TrainerState, batch, batch_size: int | None = None):
-        """One optimizer step on a global batch (token ids ``[batch, seq_len]``, a
-        ``data.Batch``, or an :class:`LmExample` already on the mesh); returns (state, metrics).
+        """One optimizer step on a global batch (a host batch as :meth:`to_device` takes, or the
+        objective's example already on the mesh); returns (state, metrics).
         ``batch_size``: the global batch's size when ``batch`` holds only this process's rows of
         a batch of another size than the first of the schedule."""
         Batch = self.Batch if batch_size is None else self.batch_axis(batch_size)
-        example = batch if isinstance(batch, LmExample) else self.to_device(batch, Batch)
+        placed = any(isinstance(f.values, NamedArray) for f in self.objective.fields(batch).values())
+        example = batch if placed else self.to_device(batch, Batch)
         leaves, structure = jax.tree.flatten(state)
         with hax.partitioning.set_mesh(self.mesh):
             leaves, metrics = self._flat_step(structure, leaves)(leaves, example)
@@ -480,21 +502,20 @@ class Trainer:
             return None
         return float(np.mean([float(x) for x in losses]))
 
-    def evaluate_totals(self, model, batches: Iterator, byte_lengths) -> np.ndarray | None:
-        """``[nats, tokens, bytes]`` summed over ``batches`` (see
-        :func:`levanter_core.models.lm.lm_eval_totals`; ``byte_lengths`` per token id, a device
-        array); None if there are none. Sums accumulate in float64 on the host."""
-        from levanter_core.models.lm import lm_eval_totals
-
+    def evaluate_totals(self, model, batches: Iterator, *constants) -> np.ndarray | None:
+        """The objective's evaluation totals (:meth:`~levanter_core.objective.Objective.eval_totals`,
+        with ``constants``; for language modelling ``[nats, tokens, bytes]`` given the bytes per
+        token id) summed over ``batches``; None if there are none. Sums accumulate in float64 on
+        the host."""
         if self._totals_step is None:
             self._totals_step = hax.named_jit(
-                lambda model, batch, lengths: lm_eval_totals(self.mp.cast_to_compute(model), batch, lengths),
+                lambda model, batch, *constants: self.objective.eval_totals(self.mp.cast_to_compute(model), batch, *constants),
                 axis_resources=self.compute_mapping,
             )
         parts = []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:
-                parts.append(self._totals_step(model, self.to_device(batch, self.EvalBatch), byte_lengths))
+                parts.append(self._totals_step(model, self.to_device(batch, self.EvalBatch), *constants))
         if not parts:
             return None
         return np.sum([np.asarray(p, np.float64) for p in parts], axis=0)

@@ -1,0 +1,167 @@
+"""Training objectives: what a batch holds, the loss a step minimizes, and what evaluation sums.
+
+The trainer runs one :class:`Objective` and never asks which: it places the arrays the
+objective names (:meth:`Objective.fields`) on the mesh, split over the batch axis, hands them
+back to the objective to make its *example* (:meth:`Objective.example`), and calls
+:meth:`Objective.loss` inside the compiled step, :meth:`Objective.eval_loss` and
+:meth:`Objective.eval_totals` in evaluation. Checkpoints, resumption, sharding, mixed precision,
+microbatches and trackers are the trainer's, and the same for every objective.
+
+Causal language modelling, :class:`LmObjective` (registered as ``lm``), is built in; a plugin
+registers others with the ``register_objectives`` hook::
+
+    @hookimpl
+    def register_objectives(register):
+        register("asr", SpeechRecognition)
+
+A model config names the objective it trains with (:attr:`Objective.name`, through its
+``objective`` class attribute; ``lm`` for every decoder language model).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import jax
+import numpy as np
+from haliax import NamedArray
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchField:
+    """One array of a host batch: ``values`` ``[rows, ...]`` (None: the batch has no such
+    array), the names of its axes after the batch axis, and the dtype it is placed with."""
+
+    values: np.ndarray | None
+    axes: tuple[str, ...]
+    dtype: Any
+
+
+class Objective(abc.ABC):
+    """What a run trains its model to do. Subclasses are registered by name
+    (``register_objectives``) and built once per run."""
+
+    name: ClassVar[str]
+    """The name a model config gives (its ``objective``) to train with this objective."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Objective":
+        """The objective of the run ``config`` (a :class:`~levanter_core.config.train.TrainConfig`)
+        describes; by default built with no arguments."""
+        return cls()
+
+    @abc.abstractmethod
+    def fields(self, batch: Any) -> dict[str, BatchField]:
+        """The arrays of ``batch`` (one host batch of the run's data, ``[rows, ...]`` each),
+        by name, as the trainer should place them."""
+
+    @abc.abstractmethod
+    def example(self, arrays: Mapping[str, NamedArray | None]) -> Any:
+        """What :meth:`loss` receives: made from the placed arrays of :meth:`fields` (named
+        arrays whose first axis is the batch axis), a pytree of named arrays."""
+
+    @abc.abstractmethod
+    def loss(self, model: Any, example: Any, *, key) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The mean loss of a batch that the step minimizes, and scalars to log with it."""
+
+    def eval_loss(self, model: Any, example: Any) -> jax.Array:
+        """The loss evaluation reports for a batch (by default :meth:`loss`'s, which may hold
+        auxiliary terms that evaluation should leave out: override it then)."""
+        return self.loss(model, example, key=None)[0]
+
+    @abc.abstractmethod
+    def eval_totals(self, model: Any, example: Any, *constants: Any) -> jax.Array:
+        """Sums that add up over evaluation batches, float32 ``[n]``, the first two the summed
+        loss and what it is averaged over (tokens, say); ``constants`` are
+        :meth:`eval_constants`, passed with every batch."""
+
+    def eval_constants(self, model: Any, tokenizer: Any) -> tuple:
+        """Device arrays that :meth:`eval_totals` needs besides the batch, computed once per
+        run (none by default)."""
+        return ()
+
+    def eval_metrics(
+        self, totals: Mapping[str, Sequence[float]], tags: Mapping[str, Sequence[str]], *, per_set: bool
+    ) -> dict[str, float]:
+        """The metrics of a validation pass from each set's totals (``tags``: tag -> the sets
+        that carry it; ``per_set``: also each set's own). By default the loss (and bits per
+        byte where the totals have a third entry, bytes) of
+        :func:`levanter_core.trainer.evaluators.eval_metrics`."""
+        from levanter_core.trainer.evaluators import eval_metrics
+
+        return eval_metrics(totals, tags, per_set=per_set)
+
+    def batch_axis(self, example: Any, name: str):
+        """The batch axis of ``example`` (the axis called ``name`` of its first named array)."""
+        for leaf in jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray)):
+            if isinstance(leaf, NamedArray):
+                return leaf.resolve_axis(name)
+        raise ValueError("the example holds no named array")
+
+
+class LmObjective(Objective):
+    """Next-token prediction: a batch is token ids ``[rows, position]``, or a ``data.Batch``
+    with a loss mask and segment ids (packed chat and supervised data); the example an
+    :class:`~levanter_core.models.lm.LmExample`. ``loss_fn`` and ``eval_loss_fn`` replace the
+    cross-entropy of :func:`~levanter_core.models.lm.lm_loss_and_metrics` (with
+    ``z_loss_weight``) and :func:`~levanter_core.models.lm.lm_eval_loss`."""
+
+    name = "lm"
+
+    @classmethod
+    def from_config(cls, config) -> "LmObjective":
+        return cls(z_loss_weight=config.z_loss_weight)
+
+    def __init__(
+        self,
+        *,
+        z_loss_weight: float = 0.0,
+        loss_fn: Callable[..., tuple[jax.Array, dict]] | None = None,
+        eval_loss_fn: Callable[..., jax.Array] | None = None,
+    ):
+        from levanter_core.models import lm
+
+        self._loss = loss_fn or (lambda model, ex, *, key: lm.lm_loss_and_metrics(model, ex, key=key, z_loss_weight=z_loss_weight))
+        if eval_loss_fn is not None:
+            self._eval_loss = eval_loss_fn
+        elif loss_fn is not None:
+            self._eval_loss = lambda model, ex, *, key: loss_fn(model, ex, key=key)[0]
+        else:
+            self._eval_loss = lm.lm_eval_loss
+
+    def fields(self, batch) -> dict[str, BatchField]:
+        return {
+            "tokens": BatchField(getattr(batch, "tokens", batch), ("position",), np.int32),
+            "loss_mask": BatchField(getattr(batch, "loss_mask", None), ("position",), np.float32),
+            "segment_ids": BatchField(getattr(batch, "segment_ids", None), ("position",), np.int32),
+        }
+
+    def example(self, arrays):
+        from levanter_core.models.lm import LmExample
+
+        return LmExample(arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"])
+
+    def loss(self, model, example, *, key):
+        return self._loss(model, example, key=key)
+
+    def eval_loss(self, model, example):
+        return self._eval_loss(model, example, key=None)
+
+    def eval_totals(self, model, example, *constants):
+        """``[nats, tokens, bytes]`` (:func:`~levanter_core.models.lm.lm_eval_totals`); the
+        constant is the bytes of text each token id stands for."""
+        from levanter_core.models.lm import lm_eval_totals
+
+        (byte_lengths,) = constants
+        return lm_eval_totals(model, example, byte_lengths)
+
+    def eval_constants(self, model, tokenizer) -> tuple:
+        """The bytes of text each token id stands for (as long as the model's vocabulary: ids
+        past the tokenizer's stand for none), for bits per byte."""
+        import jax.numpy as jnp
+
+        from levanter_core.data.token_bytes import token_byte_lengths
+
+        return (jnp.asarray(token_byte_lengths(tokenizer, model.Vocab.size)),)

@@ -1,0 +1,106 @@
+"""Training objectives as plugins: a plugin's objective, named by its model type, trains through
+the same trainer (placement of its own batch arrays, the step, evaluation) as language
+modelling, and a model type whose objective is not installed is refused by name."""
+
+import numpy as np
+import pytest
+
+import levanter_core.plugins as plugins
+from conftest import code_docs, metrics, run_config, write_jsonl
+from levanter_core.config.train import load_train_config
+from levanter_core.errors import ConfigError
+from levanter_core.objective import BatchField, LmObjective
+from levanter_core.plugins import hookimpl
+from levanter_core.trainer.run import run_training
+
+WEIGHT = 3.0
+
+
+class WeightedLm(LmObjective):
+    """Next-token prediction with a weight per row, carried by the batch as an array of its
+    own (one number per row: no position axis)."""
+
+    name = "weighted_lm"
+
+    def fields(self, batch):
+        tokens = getattr(batch, "tokens", batch)
+        return {**super().fields(batch), "row_weight": BatchField(np.full(len(tokens), WEIGHT), (), np.float32)}
+
+    def example(self, arrays):
+        return super().example(arrays), arrays["row_weight"]
+
+    def loss(self, model, example, *, key):
+        lm_example, weight = example
+        loss, logged = super().loss(model, lm_example, key=key)
+        return loss * weight.array.mean(), logged
+
+    def eval_loss(self, model, example):
+        return super().eval_loss(model, example[0])
+
+    def eval_totals(self, model, example, *constants):
+        return super().eval_totals(model, example[0], *constants)
+
+
+def _weighted_gpt2():
+    from levanter_model_gpt2.gpt2 import Gpt2Config
+
+    class WeightedGpt2Config(Gpt2Config):
+        objective = "weighted_lm"
+
+    return WeightedGpt2Config
+
+
+class WeightedModel:
+    @hookimpl
+    def register_models(self, register):
+        register("weighted_gpt2", _weighted_gpt2())
+
+
+class Weighted(WeightedModel):
+    @hookimpl
+    def register_objectives(self, register):
+        register("weighted_lm", WeightedLm)
+
+
+@pytest.fixture
+def weighted():
+    import levanter_model_gpt2.plugin
+
+    plugins.reset(autoload=False)
+    plugins.register_plugin(levanter_model_gpt2.plugin)
+    plugins.register_plugin(Weighted(), name="weighted")
+    yield
+    plugins.reset()
+
+
+def _run(tmp_path, model_type: str):
+    tmp_path.mkdir()
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(30))],
+            "validation_urls": [write_jsonl(tmp_path / "val.jsonl", code_docs(6, offset=300))],
+            "cache_dir": str(tmp_path / "cache")}  # fmt: skip
+    path = run_config(tmp_path, data, steps=2, steps_per_eval=2, run_id=model_type)
+    config, _ = load_train_config(path, ["--model.type", model_type])
+    run_training(config, progress=False)
+    return [m for m in metrics(tmp_path, run_id=model_type)]
+
+
+def test_a_plugins_objective_trains_through_the_same_trainer(tmp_path, weighted):
+    plain = _run(tmp_path / "plain", "gpt2")
+    heavy = _run(tmp_path / "heavy", "weighted_gpt2")
+    plain_train = [m["train/loss"] for m in plain if "train/loss" in m]
+    heavy_train = [m["train/loss"] for m in heavy if "train/loss" in m]
+    # the first step sees the same weights and batch: only the objective's row weights differ
+    assert heavy_train[0] == pytest.approx(WEIGHT * plain_train[0], rel=1e-5)
+    # evaluation is the objective's too (here the plain cross-entropy), before any step
+    initial = [m for m in heavy if m.get("step") == 0 and "eval/loss" in m]
+    assert initial and initial[0]["eval/loss"] == pytest.approx([m for m in plain if m.get("step") == 0][0]["eval/loss"])
+    assert "eval/bpb" in initial[0]
+
+
+def test_a_model_type_whose_objective_is_not_installed_is_refused_by_name(tmp_path, weighted):
+    plugins.reset(autoload=False)
+    plugins.register_plugin(WeightedModel(), name="model-without-its-objective")
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(10))], "cache_dir": str(tmp_path / "cache")}
+    config, _ = load_train_config(run_config(tmp_path, data, steps=1), ["--model.type", "weighted_gpt2"])
+    with pytest.raises(ConfigError, match="model.type 'weighted_gpt2' trains with the 'weighted_lm' objective: unknown objective type"):
+        run_training(config, progress=False)

@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
            plugins/models-mixtral plugins/models-olmo plugins/models-gpt-oss \
            plugins/models-deepseek plugins/data-hf \
-           plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness
+           plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness \
+           plugins/audio
 
 .PHONY: setup setup-test train test test-fast clean
 

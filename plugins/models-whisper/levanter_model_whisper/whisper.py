@@ -163,6 +163,8 @@ class WhisperConfig(LmConfig, HfMapped):
 
     @model_validator(mode="after")
     def _heads_divide_d_model(self) -> "WhisperConfig":
+        if self.d_model % 2:
+            raise ValueError(f"d_model ({self.d_model}) must be even: the encoder's positions are sines and cosines")
         for field in ("encoder_attention_heads", "decoder_attention_heads"):
             heads = getattr(self, field)
             if self.d_model % heads:

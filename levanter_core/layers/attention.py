@@ -249,7 +249,19 @@ def _attend(
 
 
 def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, window, sliding) -> NamedArray:
-    """The same computation through :func:`jax.nn.dot_product_attention` ([B, T, N, H] layout)."""
+    """The same computation through :func:`jax.nn.dot_product_attention` ([B, T, N, H] layout).
+    Queries grouped as ``(kv_heads, q_heads_per_group)``, or one query head per key head on a
+    ``heads`` axis (GPT-2's multi-head attention)."""
+    if "kv_heads" not in [ax.name for ax in k.axes]:
+        Heads = k.resolve_axis("heads")
+        KvHeads, One = Heads.alias("kv_heads"), Axis("q_heads_per_group", 1)
+        grouped = _jax_attention(
+            q.rename({Heads.name: KvHeads.name}).broadcast_axis(One),
+            k.rename({Heads.name: KvHeads.name}),
+            v.rename({Heads.name: KvHeads.name}),
+            mask, Pos, KeyPos, HeadSize, scale, window, sliding,
+        )  # fmt: skip
+        return grouped[One.name, 0].rename({KvHeads.name: Heads.name}).rearrange(q.axes)
     KvHeads = k.resolve_axis("kv_heads")
     QPerGroup = q.resolve_axis("q_heads_per_group")
     batch_axes = tuple(ax for ax in q.axes if ax.name not in (Pos.name, KvHeads.name, QPerGroup.name, HeadSize.name))

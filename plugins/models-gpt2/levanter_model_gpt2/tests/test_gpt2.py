@@ -98,6 +98,25 @@ def test_initial_loss_is_near_uniform_and_blockwise_loss_agrees(model, config):
     assert_trees_close(block_grad, grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_jax_attention_backend_gives_the_reference_logits(config, packed):
+    """``attn_backend: jax`` (what ``auto`` picks on a GPU: cuDNN's fused attention) on GPT-2's
+    one-query-head-per-key-head attention, causal and over packed documents."""
+    from levanter_core.layers.attention import AttentionMask
+
+    ids = random_ids(config)
+    mask = AttentionMask.causal_mask()
+    if packed:
+        mask = mask.with_segments(hax.named(jnp.array([[0] * 6 + [1] * 10, [0] * 16]), (Batch, config.Pos)))
+
+    def logits(backend):
+        m = config.model_copy(update={"attn_backend": backend}).build(Vocab, key=jax.random.PRNGKey(0))  # same weights
+        run = eqx.filter_jit(lambda m, ids: hax.dot(m.activations(ids, attn_mask=mask), m.get_lm_head(), axis="embed"))
+        return np.asarray(run(m, ids).array)
+
+    np.testing.assert_allclose(logits("jax"), logits("reference"), atol=1e-5)
+
+
 def test_dropout_only_with_a_key():
     config = tiny_config(embed_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))

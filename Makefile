@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins/models-qwen3 \
            plugins/models-mixtral plugins/models-olmo plugins/models-gpt-oss \
-           plugins/models-deepseek plugins/data-hf \
+           plugins/models-deepseek plugins/models-whisper plugins/data-hf \
            plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness \
            plugins/audio
 

@@ -1,5 +1,6 @@
-"""Entry point of the Whisper plugin: registers ``type: whisper`` and claims Hugging Face's
-``whisper`` checkpoints. Imports nothing of the model: every ``levanter`` command loads it."""
+"""Entry point of the Whisper plugin: registers ``type: whisper``, its training objective
+``asr``, and claims Hugging Face's ``whisper`` checkpoints. Imports nothing of the model:
+every ``levanter`` command loads it."""
 
 from levanter_core.plugins import hookimpl
 
@@ -7,6 +8,11 @@ from levanter_core.plugins import hookimpl
 @hookimpl
 def register_models(register):
     register("whisper", "levanter_model_whisper.whisper:WhisperConfig")
+
+
+@hookimpl
+def register_objectives(register):
+    register("asr", "levanter_model_whisper.objective:SpeechRecognition")
 
 
 @hookimpl

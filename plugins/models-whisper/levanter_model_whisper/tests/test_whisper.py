@@ -459,4 +459,4 @@ def test_levanter_field_names_are_accepted():
 
 def test_discovered_through_its_entry_point():
     ours = listed_plugin("levanter-model-whisper")
-    assert ours["error"] is None and ours["types"] == {"model": ["whisper"]}
+    assert ours["error"] is None and ours["types"] == {"model": ["whisper"], "objective": ["asr"]}

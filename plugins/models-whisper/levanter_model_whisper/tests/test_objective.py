@@ -1,6 +1,7 @@
 """The ``asr`` objective through the core's trainer: Whisper learns to transcribe speech
-synthesized on this machine (eSpeak NG, ``levanter-audio``), with microbatches, and evaluation
-sums its transcripts' cross-entropy. A run whose data is text is refused by name."""
+synthesized on this machine (eSpeak NG, ``levanter-audio``), with microbatches, evaluation sums
+its transcripts' cross-entropy, and greedy transcription then hears every sentence. A run whose
+data is text is refused by name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from levanter_core.trainer.trainer import Trainer
 SENTENCES = ["the cat sat", "a dog ran home", "red sky at night", "we like green tea"]
 START, END = 257, 256  # a byte-level transcript: start token, the text's bytes, end-of-text
 SEQ_LEN = 24
+STEPS = 150
+FRAMES = 400
 
 
 def _speech_batch(sentences, n_mels: int):
@@ -26,7 +29,9 @@ def _speech_batch(sentences, n_mels: int):
 
     from levanter_model_whisper.objective import SpeechBatch
 
-    features = np.stack([log_mel_spectrogram(synthesize(s), n_mels=n_mels).features for s in sentences])
+    # the first 4 seconds of Whisper's 30-second window hold every sentence (a small model's
+    # encoder takes a shorter spectrogram: max_source_positions 200 is 400 frames)
+    features = np.stack([log_mel_spectrogram(synthesize(s), n_mels=n_mels).features[:, :FRAMES] for s in sentences])
     tokens = np.zeros((len(sentences), SEQ_LEN), np.int32)
     mask = np.zeros((len(sentences), SEQ_LEN), np.float32)
     for row, sentence in enumerate(sentences):
@@ -41,8 +46,8 @@ def _config(tmp_path, **trainer):
         "data": {"tokenizer": "byte", "train_urls": ["unused.jsonl"]},
         "model": {"type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
                   "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
-                  "decoder_ffn_dim": 128, "num_mel_bins": 80, "max_source_positions": 1500, "max_length": SEQ_LEN},
-        "trainer": {"train_batch_size": 4, "num_train_steps": 40, "log_dir": str(tmp_path / "logs"),
+                  "decoder_ffn_dim": 128, "num_mel_bins": 80, "max_source_positions": FRAMES // 2, "max_length": SEQ_LEN},
+        "trainer": {"train_batch_size": 4, "num_train_steps": STEPS, "log_dir": str(tmp_path / "logs"),
                     "checkpointer": {"base_path": str(tmp_path / "ckpt")}, **trainer},
         "optimizer": {"learning_rate": 3e-3, "warmup": 0, "lr_schedule": "constant", "weight_decay": 0.0},
     }  # fmt: skip
@@ -56,14 +61,14 @@ def test_whisper_learns_synthesized_speech_through_the_trainer(tmp_path):
     config = _config(tmp_path, per_device_parallelism=2, per_device_eval_parallelism=4)  # two microbatches of two utterances
     Vocab = Axis("vocab", 260)
     objective = SpeechRecognition()
-    trainer = Trainer(config.trainer, config.optimizer.build_for_trainer(40), objective, mesh=make_mesh(config.trainer))
+    trainer = Trainer(config.trainer, config.optimizer.build_for_trainer(STEPS), objective, mesh=make_mesh(config.trainer))
     assert trainer.plan.num_microbatches == 2
     state = trainer.init_state(lambda key: config.model.build(Vocab, key=key), jax.random.PRNGKey(0))
     batch = _speech_batch(SENTENCES, n_mels=80)
 
     first = trainer.evaluate_totals(state.model, [batch])
     losses = []
-    for _ in range(40):
+    for _ in range(STEPS):
         state, metrics = trainer.train_step(state, batch)
         losses.append(float(metrics["train/loss"]))
     last = trainer.evaluate_totals(state.model, [batch])
@@ -75,9 +80,25 @@ def test_whisper_learns_synthesized_speech_through_the_trainer(tmp_path):
     assert losses[-1] < 0.25 * losses[0]
     assert last[0] / last[1] < 0.25 * first[0] / first[1]
 
+    from levanter_model_whisper.transcribe import greedy_transcribe, word_error_rate
+
+    heard = greedy_transcribe(state.model, batch.features, prompt=[START], end_id=END, max_tokens=SEQ_LEN - 1)
+    texts = [bytes(b for b in ids if b < 256).decode(errors="replace") for ids in heard]
+    assert word_error_rate(SENTENCES, texts) == 0.0, texts  # it listens: every sentence, word for word
+
 
 def test_a_run_whose_data_is_text_is_refused_by_name(tmp_path):
     from levanter_model_whisper.objective import SpeechRecognition
 
     with pytest.raises(ConfigError, match="model.type 'whisper' trains with the asr objective, which needs audio"):
         SpeechRecognition.from_config(_config(tmp_path))
+
+
+def test_word_error_rate_counts_substitutions_deletions_and_insertions():
+    from levanter_model_whisper.transcribe import word_error_rate
+
+    assert word_error_rate(["the cat sat"], ["the cat sat"]) == 0.0
+    assert word_error_rate(["the cat sat"], ["the bat sat"]) == pytest.approx(1 / 3)
+    assert word_error_rate(["the cat sat", "a dog"], ["the cat", "a big dog"]) == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="2 references but 1 hypotheses"):
+        word_error_rate(["a", "b"], ["a"])

@@ -93,13 +93,6 @@ class Objective(abc.ABC):
 
         return eval_metrics(totals, tags, per_set=per_set)
 
-    def batch_axis(self, example: Any, name: str):
-        """The batch axis of ``example`` (the axis called ``name`` of its first named array)."""
-        for leaf in jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray)):
-            if isinstance(leaf, NamedArray):
-                return leaf.resolve_axis(name)
-        raise ValueError("the example holds no named array")
-
 
 class LmObjective(Objective):
     """Next-token prediction: a batch is token ids ``[rows, position]``, or a ``data.Batch``

@@ -53,15 +53,17 @@ class ParityReport:
             assert self.export_config_differences == {}, f"the export changes {self.export_config_differences}"
 
 
-def random_hf_model(hf_config, *, seed: int = 0, noise: float = 0.1):
-    """A ``transformers`` causal LM of ``hf_config`` in eval mode, with every parameter
-    (norm scales and biases included) perturbed by N(0, noise) so that no part of the
-    model is an identity a bug could hide behind."""
+def random_hf_model(hf_config, *, seed: int = 0, noise: float = 0.1, auto_class=None):
+    """A ``transformers`` model of ``hf_config`` in eval mode, with every parameter (norm
+    scales and biases included) perturbed by N(0, noise) so that no part of the model is an
+    identity a bug could hide behind. ``auto_class``: the ``transformers`` auto class that
+    builds it (default ``AutoModelForCausalLM``; ``AutoModelForSpeechSeq2Seq`` for Whisper)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    model = auto_class.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * noise)
@@ -101,21 +103,9 @@ def check_hf_parity(
     With ``scan_layers=False`` the model is built with unrolled layers (``hnn.BlockSeq``):
     the weights are loaded as a run with ``initialize_from_hf`` and ``model.scan_layers:
     false`` loads them, saved as that run would save its checkpoint, and exported from it."""
-    import jax
     import transformers
-    from haliax import Axis
 
-    from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
-    from levanter_core.config.base import validate_section
-    from levanter_core.hf.bridge import (
-        SPECIAL_TOKENS,
-        config_from_hf,
-        export_hf,
-        import_hf,
-        in_vocabulary,
-        load_hf_model,
-        read_hf_config,
-    )
+    from levanter_core.hf.bridge import SPECIAL_TOKENS, export_hf, in_vocabulary
 
     source, imported, exported = (os.path.join(workdir, d) for d in ("hf", "imported", "exported"))
     theirs = random_hf_model(hf_config, seed=seed)
@@ -123,23 +113,7 @@ def check_hf_parity(
     tokens = np.random.default_rng(seed).integers(0, hf_config.vocab_size, size=(batch, seq_len))
     expected = hf_logits(theirs, tokens)
 
-    if scan_layers:
-        import_hf(source, imported)
-        stored = read_metadata(imported)["metadata"]
-        config = validate_section("model", stored["config"]["model"])
-        Vocab = Axis("vocab", stored["vocab_size"])
-        template = jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
-        ours = load_checkpoint(template, imported, subtree="model")
-    else:
-        unrolled = config_from_hf(read_hf_config(source)).model_copy(update={"scan_layers": False})
-        loaded = load_hf_model(source, config=unrolled)
-        config, Vocab, ours = loaded.config, loaded.Vocab, loaded.model
-        metadata = {
-            "config": {"model": config.model_dump(mode="json")},
-            "vocab_size": Vocab.size,
-            "hf_config": loaded.hf_config,
-        }
-        write_checkpoint({"model": ours}, imported, step=0, metadata=metadata)
+    config, Vocab, ours = import_as_checkpoint(source, imported, scan_layers=scan_layers)
     import_diff = float(np.max(np.abs(our_logits(ours, tokens) - expected)))
 
     export_hf(imported, exported, max_shard_bytes=max_shard_bytes)
@@ -152,11 +126,41 @@ def check_hf_parity(
     exported_config = transformers.AutoConfig.from_pretrained(exported).to_dict()
     export_differences = {
         k: change
-        for k, change in _differences(before, exported_config).items()
+        for k, change in config_differences(before, exported_config).items()
         if not (k in SPECIAL_TOKENS and change[1] is None and not in_vocabulary(change[0], Vocab.size))
     }
     shards = len([f for f in os.listdir(exported) if f.endswith(".safetensors")])
-    return ParityReport(import_diff, export_diff, _differences(before, translated), export_differences, shards)
+    return ParityReport(import_diff, export_diff, config_differences(before, translated), export_differences, shards)
+
+
+def import_as_checkpoint(source: str, imported: str, *, scan_layers: bool = True):
+    """Our checkpoint at ``imported`` of the Hugging Face model directory ``source``, and its
+    ``(config, Vocab, model)``: as ``levanter import-hf`` writes it, or with ``scan_layers``
+    False, as a run with ``initialize_from_hf`` and ``model.scan_layers: false`` loads the
+    weights (unrolled layers) and saves its checkpoint. A parity test exports from it."""
+    import jax
+    from haliax import Axis
+
+    from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
+    from levanter_core.config.base import validate_section
+    from levanter_core.hf.bridge import config_from_hf, import_hf, load_hf_model, read_hf_config
+
+    if scan_layers:
+        import_hf(source, imported)
+        stored = read_metadata(imported)["metadata"]
+        config = validate_section("model", stored["config"]["model"])
+        Vocab = Axis("vocab", stored["vocab_size"])
+        template = jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
+        return config, Vocab, load_checkpoint(template, imported, subtree="model")
+    unrolled = config_from_hf(read_hf_config(source)).model_copy(update={"scan_layers": False})
+    loaded = load_hf_model(source, config=unrolled)
+    metadata = {
+        "config": {"model": loaded.config.model_dump(mode="json")},
+        "vocab_size": loaded.Vocab.size,
+        "hf_config": loaded.hf_config,
+    }
+    write_checkpoint({"model": loaded.model}, imported, step=0, metadata=metadata)
+    return loaded.config, loaded.Vocab, loaded.model
 
 
 @dataclasses.dataclass
@@ -220,10 +224,12 @@ def check_generation_parity(
     return GenerationReport(prompts, theirs, ours)
 
 
-def _differences(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
+def config_differences(before: dict, after: dict, ignored=frozenset()) -> dict[str, tuple[Any, Any]]:
+    """The keys whose values differ between two ``transformers`` config dicts, as ``(before,
+    after)``: neither the ``IGNORED_CONFIG_KEYS`` (bookkeeping, not the model) nor ``ignored``."""
     return {
         k: (before.get(k), after.get(k))
-        for k in (before.keys() | after.keys()) - IGNORED_CONFIG_KEYS
+        for k in (before.keys() | after.keys()) - IGNORED_CONFIG_KEYS - set(ignored)
         if before.get(k) != after.get(k)
     }
 

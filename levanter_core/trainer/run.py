@@ -724,7 +724,7 @@ class _TrainLoop:
         self.batches = config.trainer.batch_schedule
         self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
         self.flops_per_token = flops_per_token
-        self._evaluators: list = []  # the plugins' evaluators, built when the loop starts
+        self._evaluators: list = []  # the plugins' (evaluator, every), built when the loop starts
         self._eval_constants_found: tuple | None = None  # the objective's, for evaluation
         self.entropy_fn = None
         if config.log_entropy:
@@ -952,11 +952,11 @@ class _TrainLoop:
         plan = self.config.run_evaluators()
         if plan:
             context = EvaluatorContext(self.data.tokenizer, self.trainer, self.run_dir, self.config.model.seq_len)
-            for cfg, _ in plan:
-                self._evaluators.append(cfg.build(context))
+            for cfg, every in plan:
+                self._evaluators.append((cfg.build(context), every))
 
     def _close_evaluators(self) -> None:
-        for evaluator in self._evaluators:
+        for evaluator, _ in self._evaluators:
             evaluator.close()
         self._evaluators = []
 
@@ -966,7 +966,7 @@ class _TrainLoop:
 
         return [
             evaluator
-            for evaluator, (_, every) in zip(self._evaluators, self.config.run_evaluators())
+            for evaluator, every in self._evaluators
             if (evaluating if every is None else due(step, every, self.num_steps))
         ]
 

@@ -50,6 +50,14 @@ LossFn = Callable[..., tuple[jax.Array, dict]]
 objective, it trains next-token prediction with that loss."""
 
 
+def _batch_axis(example, name: str) -> Axis:
+    """The batch axis (called ``name``) of an example: that of its first named array."""
+    for leaf in jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray)):
+        if isinstance(leaf, NamedArray):
+            return leaf.resolve_axis(name)
+    raise ValueError("the example holds no named array")
+
+
 class NonFiniteLossError(LevanterError):
     """The loss became NaN or infinite and ``crash_on_nan``/``crash_on_inf`` asked to stop."""
 
@@ -321,7 +329,7 @@ class Trainer:
     def _loss_and_grad(self, model, batch, key):
         """``((loss, metrics), grads)``, averaged over the microbatches."""
         grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
-        Batch = self.objective.batch_axis(batch, self.config.batch_axis)
+        Batch = _batch_axis(batch, self.config.batch_axis)
         plan = self.plans[Batch.size]
         n = plan.num_microbatches
         if n == 1:
@@ -391,15 +399,12 @@ class Trainer:
         """The rows of a global batch that this process's devices hold, in order: all of them in
         a single-process run; in a multi-process run, the only rows this process reads."""
         if Batch.size not in self._local_rows:
-            sharding = self._batch_sharding(Batch, 1)
+            sharding = self._sharding((Batch, Axis("position", 1)))
             rows: set[int] = set()
             for index in sharding.addressable_devices_indices_map((Batch.size, 1)).values():
                 rows.update(range(*index[0].indices(Batch.size)))
             self._local_rows[Batch.size] = np.array(sorted(rows), np.int64)
         return self._local_rows[Batch.size]
-
-    def _batch_sharding(self, Batch: Axis, seq_len: int):
-        return self._sharding((Batch, Axis("position", seq_len)))
 
     def _sharding(self, axes: tuple[Axis, ...]):
         """How an array of ``axes`` (the batch axis first) lies on the mesh."""
@@ -412,7 +417,10 @@ class Trainer:
         the run's data gives (token ids ``[rows, seq_len]``, or a ``data.Batch``), holding either
         the whole global batch or only this process's :meth:`local_rows`; each device receives
         just its own rows of each array the objective names."""
-        fields = self.objective.fields(batch)
+        return self._place(self.objective.fields(batch), Batch)
+
+    def _place(self, fields: dict, Batch: Axis):
+        """The objective's example of a host batch's ``fields`` (``BatchField`` s), on the mesh."""
         present = [f.values for f in fields.values() if f.values is not None]
         if not present:
             raise ValueError("the batch holds no array")
@@ -445,8 +453,9 @@ class Trainer:
         ``batch_size``: the global batch's size when ``batch`` holds only this process's rows of
         a batch of another size than the first of the schedule."""
         Batch = self.Batch if batch_size is None else self.batch_axis(batch_size)
-        placed = any(isinstance(f.values, NamedArray) for f in self.objective.fields(batch).values())
-        example = batch if placed else self.to_device(batch, Batch)
+        fields = self.objective.fields(batch)
+        placed = any(isinstance(f.values, NamedArray) for f in fields.values())
+        example = batch if placed else self._place(fields, Batch)
         leaves, structure = jax.tree.flatten(state)
         with hax.partitioning.set_mesh(self.mesh):
             leaves, metrics = self._flat_step(structure, leaves)(leaves, example)

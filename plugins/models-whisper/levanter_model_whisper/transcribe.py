@@ -25,6 +25,8 @@ def greedy_transcribe(
     ``max_tokens`` of them."""
     if not prompt:
         raise ValueError("the decoder needs at least one prompt token")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     config = model.config
     Batch = Axis("batch", features.shape[0])
     spectrograms = hax.named(jnp.asarray(features, jnp.float32), (Batch, config.Mels.name, config.Frames.name))

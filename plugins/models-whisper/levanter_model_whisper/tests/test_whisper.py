@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from levanter_core.errors import CheckpointError, ConfigError, UserError
+from levanter_core.hf.parity import config_differences, import_as_checkpoint, random_hf_model
 from levanter_core.testing import listed_plugin
 
 transformers = pytest.importorskip("transformers")
@@ -55,22 +56,14 @@ WHISPER_TINY = dict(  # the shapes of openai/whisper-tiny's config.json
     max_target_positions=448,
 )
 
-# config.json keys that are the file's, the runtime's or generation's, not the model's
-NOT_THE_MODEL = {"architectures", "torch_dtype", "dtype", "transformers_version", "_name_or_path"}
+# config.json keys that are generation's, not the model's
 GENERATION = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "begin_suppress_tokens"}
 
 
-def random_whisper(hf_config, *, seed: int = 0, noise: float = 0.1):
-    """A ``transformers`` Whisper of ``hf_config`` in eval mode, every parameter (the fixed encoder
-    positions, norms and biases included) perturbed so that none is what a bug could hide behind."""
-    torch.manual_seed(seed)
-    model = transformers.WhisperForConditionalGeneration._from_config(
-        hf_config, attn_implementation="eager", dtype=torch.float32
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * noise)
-    return model.eval()
+def random_whisper(hf_config, *, seed: int = 0):
+    """A random ``transformers`` Whisper of ``hf_config``, every parameter (the fixed encoder
+    positions included) perturbed (:func:`levanter_core.hf.parity.random_hf_model`)."""
+    return random_hf_model(hf_config, seed=seed, auto_class=transformers.AutoModelForSpeechSeq2Seq)
 
 
 def inputs(hf_config, *, batch: int = 2, tokens: int = 12, seed: int = 0):
@@ -103,21 +96,11 @@ def our_logits(model, features, ids) -> np.ndarray:
     return np.asarray(logits.rearrange(("batch", "position", "vocab")).array)
 
 
-def _differences(before: dict, after: dict, ignored=frozenset()) -> dict:
-    keys = (before.keys() | after.keys()) - NOT_THE_MODEL - set(ignored)
-    return {k: (before.get(k), after.get(k)) for k in keys if before.get(k) != after.get(k)}
-
-
 def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shard_bytes: int = 64 * 1024) -> dict:
     """Import a random ``transformers`` Whisper as ``levanter import-hf`` does (or, unrolled, as a
     run with ``scan_layers: false`` loads and saves it), compare logits; export it, reload the
     export in ``transformers`` and compare again; translate the config to ours and back."""
-    import jax
-    from haliax import Axis
-
-    from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
-    from levanter_core.config.base import validate_section
-    from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model, read_hf_config
+    from levanter_core.hf.bridge import export_hf
 
     source, imported, exported = (str(workdir / d) for d in ("hf", "imported", "exported"))
     theirs = random_whisper(hf_config)
@@ -125,23 +108,7 @@ def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shar
     features, ids = inputs(hf_config)
     expected = hf_logits(theirs, features, ids)
 
-    if scan_layers:
-        import_hf(source, imported)
-        stored = read_metadata(imported)["metadata"]
-        config = validate_section("model", stored["config"]["model"])
-        Vocab = Axis("vocab", stored["vocab_size"])
-        template = jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
-        ours = load_checkpoint(template, imported, subtree="model")
-    else:
-        unrolled = config_from_hf(read_hf_config(source)).model_copy(update={"scan_layers": False})
-        loaded = load_hf_model(source, config=unrolled)
-        config, Vocab, ours = loaded.config, loaded.Vocab, loaded.model
-        metadata = {
-            "config": {"model": config.model_dump(mode="json")},
-            "vocab_size": Vocab.size,
-            "hf_config": loaded.hf_config,
-        }
-        write_checkpoint({"model": ours}, imported, step=0, metadata=metadata)
+    config, Vocab, ours = import_as_checkpoint(source, imported, scan_layers=scan_layers)
     import_diff = float(np.max(np.abs(our_logits(ours, features, ids) - expected)))
 
     export_hf(imported, exported, max_shard_bytes=max_shard_bytes)
@@ -154,8 +121,8 @@ def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shar
     return {
         "import": import_diff,
         "export": export_diff,
-        "translated": _differences(before, translated, ignored=GENERATION),
-        "exported": _differences(before, after_export),
+        "translated": config_differences(before, translated, ignored=GENERATION),
+        "exported": config_differences(before, after_export),
         "shards": len([f for f in os.listdir(exported) if f.endswith(".safetensors")]),
         "config": config,
     }

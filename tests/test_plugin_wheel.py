@@ -9,6 +9,7 @@ that leaves out every levanter distribution, so nothing is downloaded."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,6 +26,18 @@ def _run(python: str, *args: str, cwd: str, timeout: float = 600) -> subprocess.
     return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _not_built(top: str):
+    """What a copy of the project at ``top`` leaves out: caches, earlier builds and hidden files
+    anywhere, and at its top the folders no wheel of it holds (the core's plugins, tests...)."""
+    anywhere = shutil.ignore_patterns("*.egg-info", "__pycache__", "build", ".*")
+    at_top = {"tests", "docs", "plugins", "examples", "bench", "config", "cache", "logs", "checkpoints"}
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        return set(anywhere(directory, names)) | (at_top & set(names) if directory == top else set())
+
+    return ignore
+
+
 def _is_levanters(name: str) -> bool:
     return "levanter" in name.lower().replace("-", "_")
 
@@ -34,9 +47,16 @@ def llama_alone(tmp_path_factory):
     """The python of an environment with the core's and the Llama plugin's wheels only."""
     root = tmp_path_factory.mktemp("wheel-env")
     wheels = root / "wheels"
+    # Each project is built from a copy: setuptools builds in the project's own build/ folder,
+    # which an earlier build (of the checkout, or an interrupted one) may have left behind.
+    sources = []
+    for project in (".", os.path.join("plugins", "models-llama")):
+        source = root / "src" / (project.replace(os.sep, "-").strip(".") or "core")
+        shutil.copytree(os.path.join(REPO, project), source, ignore=_not_built(os.path.join(REPO, project)))
+        sources.append(str(source))
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(wheels), REPO, os.path.join(REPO, "plugins", "models-llama")],
+         "-w", str(wheels), *sources],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-3000:]

@@ -11,10 +11,17 @@ Three kinds of ``id`` are accepted, the way :func:`datasets.load_dataset` reads 
 The dataset is loaded once per process and kept: the cache builder asks for a split's
 shards, then each worker reads its shards' records. A local path is read without any
 network access.
+
+Audio columns (a ``datasets.Audio`` feature, at the top level or inside a struct or a list)
+are read undecoded: the record holds the file as ``{"bytes": ..., "path": ...}``, and the
+audio plugin decodes it (``levanter_audio.manifest.resolve_audio``). ``datasets`` would
+decode them with ``torchcodec``, which this plugin neither needs nor installs.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -38,7 +45,8 @@ _SAVED_MARKERS = ("dataset_dict.json", "state.json")
 class HfSourceConfig(DataSourceConfig):
     """A Hugging Face dataset: from the hub, a local directory of data files, or a
     directory written by ``save_to_disk``. Records are the dataset's rows as dicts; the
-    ``format`` picks the fields it needs (``text_key`` for text)."""
+    ``format`` picks the fields it needs (``text_key`` for text). An ``Audio`` column's value
+    is the file, undecoded: ``{"bytes": bytes | None, "path": str | None}``."""
 
     type: str = "hf"
     """The registered type name; ``hf`` for this source (implied by an ``id`` field)."""
@@ -239,10 +247,49 @@ def _arrow_files(ds) -> list[str]:
 @functools.lru_cache(maxsize=8)
 def _load(id: str, name: str | None, revision: str | None, data_files_json: str, stream: bool) -> dict[str, Any]:
     """A dataset's splits by name (``Dataset`` s, or ``IterableDataset`` s when streaming a
-    hub or file dataset), loaded once per process; the arguments are the config's loading fields."""
+    hub or file dataset), loaded once per process, with their audio undecoded; the arguments
+    are the config's loading fields."""
     if _is_saved(id):
-        return _load_saved(id, name, revision, data_files_json)
-    return _load_with_datasets(id, name, revision, json.loads(data_files_json), stream)
+        splits = _load_saved(id, name, revision, data_files_json)
+    else:
+        splits = _load_with_datasets(id, name, revision, json.loads(data_files_json), stream)
+    return {split: _audio_undecoded(ds) for split, ds in splits.items()}
+
+
+def _audio_undecoded(ds):
+    """``ds`` reading every ``Audio`` feature as ``{"bytes": ..., "path": ...}`` instead of
+    decoding it; ``ds`` itself when it has none (or its features are unknown)."""
+    import datasets
+
+    features = ds.features
+    undecoded = _without_audio_decoding(features) if features else features
+    if undecoded == features:
+        return ds
+    if isinstance(ds, datasets.IterableDataset):
+        # decode(False) also removes the threaded decoding that load_dataset puts on a hub
+        # stream with media; the cast gives any other media feature its decoding back.
+        return ds.decode(False).cast(undecoded)
+    # A Dataset decodes what its features say, and a deep copy shares the Arrow table: the
+    # copy keeps the fingerprint (existing caches stay valid), the format and the cache
+    # files. cast_column does just this for a top-level column, but for Audio inside a
+    # struct or a list it casts the whole table into a new Arrow file (beside a saved
+    # dataset, in its directory).
+    copied = copy.deepcopy(ds)
+    copied.info.features = undecoded
+    return copied
+
+
+def _without_audio_decoding(feature):
+    """``feature`` with every ``Audio`` in it, at any depth, set to ``decode=False``."""
+    from datasets import Audio, LargeList, List
+
+    if isinstance(feature, Audio):
+        return dataclasses.replace(feature, decode=False)
+    if isinstance(feature, dict):  # Features, or a struct
+        return type(feature)({key: _without_audio_decoding(value) for key, value in feature.items()})
+    if isinstance(feature, (List, LargeList)):
+        return dataclasses.replace(feature, feature=_without_audio_decoding(feature.feature))
+    return feature
 
 
 def _is_saved(id: str) -> bool:

@@ -46,6 +46,19 @@ class Objective(abc.ABC):
     name: ClassVar[str]
     """The name a model config gives (its ``objective``) to train with this objective."""
 
+    default_format: ClassVar[dict | None] = None
+    """The data format (a ``format`` section, ``{"type": "audio"}`` say) that every data source
+    written without a ``format`` gets in a run of this objective; None: the sources' own
+    default (``text``)."""
+
+    @classmethod
+    def row_lengths(cls, model_config: Any) -> dict[str, int]:
+        """For data whose format stores arrays of its own with each document (``document``
+        layouts, such as audio samples beside a transcript): how many values of each, by name,
+        one batch row holds for a model of ``model_config`` (longer ones are cut, shorter ones
+        padded with zeros). Empty by default: the objective reads token ids only."""
+        return {}
+
     @classmethod
     def from_config(cls, config: Any) -> "Objective":
         """The objective of the run ``config`` (a :class:`~levanter_core.config.train.TrainConfig`)
@@ -76,6 +89,18 @@ class Objective(abc.ABC):
         """Sums that add up over evaluation batches, float32 ``[n]``, the first two the summed
         loss and what it is averaged over (tokens, say); ``constants`` are
         :meth:`eval_constants`, passed with every batch."""
+
+    def eval_outputs(self, model: Any, example: Any) -> Any:
+        """What evaluation computes on the device for a batch besides :meth:`eval_totals`, for
+        totals that only the host can work out (a speech model's greedy transcripts, whose words
+        are compared with the references'): a pytree of arrays, gathered whole to every process
+        and handed to :meth:`eval_output_totals`. None (the default): nothing."""
+        return None
+
+    def eval_output_totals(self, outputs: Any) -> np.ndarray:
+        """Sums of one batch's :meth:`eval_outputs` (numpy arrays), appended after
+        :meth:`eval_totals`' and added up over batches the same way."""
+        raise NotImplementedError(f"{type(self).__name__}.eval_outputs returns outputs, so it must sum them here")
 
     def eval_constants(self, model: Any, tokenizer: Any) -> tuple:
         """Device arrays that :meth:`eval_totals` needs besides the batch, computed once per

@@ -129,6 +129,27 @@ class TrainConfig(ConfigModel):
             found.append((self.eval_harness, self.eval_harness.every or self.eval_harness_steps))
         return found
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_default_format(cls, raw: Any) -> Any:
+        """Sources without a ``format`` get the one the model's objective trains on (speech
+        recognition: ``audio``), as Levanter's entry point for each task implies its data."""
+        default = _objective_format(raw)
+        if default is None:
+            return raw
+        data = raw.get("data")
+        if not isinstance(data, dict):
+            return raw
+        if isinstance(data.get("configs"), dict):
+            configs = {
+                name: ({**source, "format": default} if isinstance(source, dict) and "format" not in source else source)
+                for name, source in data["configs"].items()
+            }
+            data = {**data, "configs": configs}
+        elif "format" not in data:
+            data = {**data, "format": default}
+        return {**raw, "data": data}
+
     @field_validator("hf_save_dtype")
     @classmethod
     def _known_dtype(cls, value):
@@ -155,6 +176,37 @@ class TrainConfig(ConfigModel):
         if self.initialize_from_hf is True:
             return self.model.hf_checkpoint
         return self.initialize_from_hf or None
+
+
+def objective_class(model_config) -> type:
+    """The :class:`~levanter_core.objective.Objective` subclass a model config trains with (its
+    ``objective``). Raises :class:`ConfigError` when no installed plugin registers it."""
+    from levanter_core.plugins import registry
+
+    name = model_config.objective
+    try:
+        return registry("objective").get(name).config_cls
+    except KeyError as e:
+        raise ConfigError(
+            f"model.type {model_config.type!r} trains with the {name!r} objective: {e.args[0]} "
+            "(install the plugin that provides it)"
+        ) from None
+
+
+def _objective_format(raw: Any) -> dict | None:
+    """The ``default_format`` of the objective of the raw config's model type, if the type is
+    installed and its objective too (anything else is reported by the fields' own checks)."""
+    from levanter_core.plugins import registry
+
+    model = raw.get("model") if isinstance(raw, dict) else None
+    name = model.get("type") if isinstance(model, dict) else None
+    if not isinstance(name, str) or name not in registry("model"):
+        return None
+    objective = getattr(registry("model").get(name).config_cls, "objective", None)
+    if not isinstance(objective, str) or objective not in registry("objective"):
+        return None
+    default = registry("objective").get(objective).config_cls.default_format
+    return dict(default) if default else None
 
 
 def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[TrainConfig, dict]:

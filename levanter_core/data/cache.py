@@ -6,6 +6,9 @@ Layout of one cache at ``path`` (a local directory or an fsspec URL)::
     {path}/shards/{i:05d}/tokens       zarr: the shard's documents' ids, concatenated
     {path}/shards/{i:05d}/offsets      zarr int64 [documents + 1]: document boundaries
     {path}/shards/{i:05d}/target_mask  zarr uint8 like tokens (packed formats only)
+    {path}/shards/{i:05d}/field.{name}          zarr: a format's own per-document arrays
+    {path}/shards/{i:05d}/field.{name}.offsets  zarr int64 [documents + 1]: their boundaries
+                                                (formats with document_fields, such as audio)
 
 Shards (the source's files, usually) are independent: workers (:mod:`.executor`)
 tokenize whole shards (``data.cache_options.batch_size`` records per tokenizer call),
@@ -232,25 +235,54 @@ def _worker_tokenizer(spec: str) -> Tokenizer:
     return load_tokenizer(spec)
 
 
+def _field_key(name: str) -> str:
+    return f"field.{name}"
+
+
+def _field_offsets_key(name: str) -> str:
+    return f"field.{name}.offsets"
+
+
 class _ShardWriter:
     """Stores a shard's documents in its arrays, from given positions on."""
 
-    def __init__(self, storage, index: int, token_dtype: np.dtype, packed: bool):
+    def __init__(self, storage, index: int, token_dtype: np.dtype, packed: bool, fields: dict[str, str]):
         self._storage = storage
         self._index = index
         self._dtype = token_dtype
+        self._fields = {name: np.dtype(dtype) for name, dtype in fields.items()}
         names = {"tokens": token_dtype, "offsets": np.int64} | ({"target_mask": np.uint8} if packed else {})
+        for name, dtype in self._fields.items():
+            names |= {_field_key(name): dtype, _field_offsets_key(name): np.int64}
         self._arrays = {name: storage.open_array(_shard_key(index, name), np.dtype(dt)) for name, dt in names.items()}
+        self._field_ends: dict[str, int] | None = None  # values stored per field, known once writing starts
 
     def write(self, documents: int, tokens: int, encoded: list) -> None:
         """Store ``encoded`` as documents ``documents...`` starting at token ``tokens``."""
         lengths = np.array([len(e.ids) for e in encoded], np.int64)
         self._put("offsets", documents, tokens + np.concatenate([[0], np.cumsum(lengths)]))
+        for name in self._fields:
+            self._write_field(name, documents, [e.fields[name] for e in encoded])
         if not encoded:
             return
         self._put("tokens", tokens, np.concatenate([e.ids for e in encoded]).astype(self._dtype))
         if "target_mask" in self._arrays:
             self._put("target_mask", tokens, np.concatenate([e.target_mask for e in encoded]).astype(np.uint8))
+
+    def _write_field(self, name: str, documents: int, values: list[np.ndarray]) -> None:
+        if self._field_ends is None:
+            # Where each field's stored values end: the offset of document `documents`, which
+            # the ledger counts as stored (0 for a shard that starts now).
+            self._field_ends = {}
+            for field in self._fields:
+                key = _field_offsets_key(field)
+                self._field_ends[field] = int(self._arrays[key][documents].read().result()) if documents else 0
+        start = self._field_ends[name]
+        lengths = np.array([len(v) for v in values], np.int64)
+        self._put(_field_offsets_key(name), documents, start + np.concatenate([[0], np.cumsum(lengths)]))
+        if values:
+            self._put(_field_key(name), start, np.concatenate(values).astype(self._fields[name], copy=False))
+        self._field_ends[name] = start + int(lengths.sum())
 
     def _put(self, name: str, start: int, values: np.ndarray) -> None:
         end = start + len(values)
@@ -279,17 +311,20 @@ def tokenize_shard(job: _Job, task: ShardTask) -> Iterator[Progress]:
     if tokenizer.fingerprint != job.tokenizer_fingerprint:
         raise DataError(f"data.tokenizer: {job.tokenizer!r} changed while the cache {job.path} was being built")
     fmt = job.source.format
-    writer = _ShardWriter(_storage(job.path), task.index, np.dtype(job.token_dtype), fmt.packed)
+    fields = fmt.document_fields()
+    writer = _ShardWriter(_storage(job.path), task.index, np.dtype(job.token_dtype), fmt.packed, fields)
     pending = _Pending(Progress(task.index, task.records, task.documents, task.tokens, dict(task.skipped), [], False))
-    # Bytes stored per token (its id, and its target-mask flag) and per document (its offset).
+    # Bytes stored per token (its id, and its target-mask flag) and per document (its offsets).
     token_bytes = np.dtype(job.token_dtype).itemsize + (1 if fmt.packed else 0)
+    document_bytes = 8 * (1 + len(fields))
     batch: list[Record] = []
     for record in job.source.records(job.split, task.name, task.records):
         batch.append(record)
         if len(batch) == job.batch_size:
             _encode_batch(job, tokenizer, pending, batch)
             batch = []
-            full = pending.tokens * token_bytes + 8 * len(pending.documents) >= job.flush_bytes
+            stored = pending.tokens * token_bytes + document_bytes * len(pending.documents) + pending.field_bytes
+            full = stored >= job.flush_bytes
             if full or pending.records >= RECORDS_PER_STORE:
                 yield pending.store(writer)
     if batch:
@@ -304,6 +339,7 @@ class _Pending:
         self.stored = stored
         self.documents: list = []
         self.tokens = 0
+        self.field_bytes = 0
         self.records = 0
         self.skipped = collections.Counter(stored.skipped)
         self.problems: list[str] = []
@@ -321,26 +357,43 @@ class _Pending:
             problems=self.problems[:MAX_PROBLEMS],
             finished=False,
         )
-        self.documents, self.tokens, self.records, self.problems = [], 0, 0, []
+        self.documents, self.tokens, self.field_bytes, self.records, self.problems = [], 0, 0, 0, []
         return self.stored
 
 
 def _encode_batch(job: _Job, tokenizer: Tokenizer, pending: _Pending, batch: list[Record]) -> None:
+    fmt = job.source.format
     readable = [r for r in batch if not isinstance(r.value, DataError)]
-    encoded = iter(
-        job.source.format.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id)
-    )
+    encoded = iter(fmt.encode_batch([r.value for r in readable], [r.where for r in readable], tokenizer, job.eos_id))
+    fields = fmt.document_fields()
     for record in batch:
         result = record.value if isinstance(record.value, DataError) else next(encoded)
+        if fields and not isinstance(result, DataError):
+            _check_fields(fmt, result, fields, record.where)
         if not isinstance(result, DataError):
             pending.documents.append(result)
             pending.tokens += len(result.ids)
+            pending.field_bytes += sum(v.nbytes for v in (result.fields or {}).values())
         elif job.skip_bad_data:
             pending.skipped[_skip_reason(result, record.where)] += 1
             pending.problems.append(str(result))
         else:
             raise DataError(f"{result} (set data.skip_bad_data: true to skip such records and count them)")
     pending.records += len(batch)
+
+
+def _check_fields(fmt, encoded, fields: dict[str, str], where: str) -> None:
+    """A format that declares document fields must give each document every one of them, as a
+    one-dimensional array (a mistake of the format's plugin, not of the data)."""
+    given = encoded.fields or {}
+    for name in fields:
+        value = given.get(name)
+        if not isinstance(value, np.ndarray) or value.ndim != 1:
+            found = "nothing" if value is None else f"{type(value).__name__} {getattr(value, 'shape', '')}"
+            raise TypeError(
+                f"{where}: the {type(fmt).__name__} format declares the document field {name!r} but encoded this "
+                f"record with {found} for it (expected a one-dimensional numpy array)"
+            )
 
 
 # -- the ledger -------------------------------------------------------------------------------
@@ -369,6 +422,7 @@ def _new_ledger(split: str, identity: dict, tokenizer: Tokenizer, source: DataSo
         "num_tokens": 0,
         "token_dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "int32",
         "target_mask": source.format.packed,
+        "fields": source.format.document_fields(),
         "problems": [],
         "updated": None,
     }
@@ -611,7 +665,7 @@ class TokenCache:
         self._version = -1
         self._last_poll = time.monotonic()
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
-        self._offsets: dict[int, np.ndarray] = {}
+        self._offsets: dict[tuple[int, str], np.ndarray] = {}
         self._set_ledger(ledger)
 
     # -- state
@@ -663,6 +717,11 @@ class TokenCache:
     def has_target_mask(self) -> bool:
         return self._ledger["target_mask"]
 
+    @property
+    def fields(self) -> dict[str, str]:
+        """The format's per-document arrays this cache holds: name -> dtype name."""
+        return dict(self._ledger.get("fields") or {})
+
     def skipped(self) -> dict[str, int]:
         """Records skipped (``data.skip_bad_data``), by reason."""
         self._refresh()
@@ -692,14 +751,37 @@ class TokenCache:
                 pieces.append(offsets[1 : shard["documents"] + 1] + self._token_starts[i])
         return np.concatenate(pieces)
 
-    def _shard_offsets(self, index: int, shard: dict) -> np.ndarray:
-        if index in self._offsets:
-            return self._offsets[index]
-        offsets = self._array(index, "offsets", shard)[: shard["documents"] + 1].read().result()
+    def _shard_offsets(self, index: int, shard: dict, key: str = "offsets") -> np.ndarray:
+        if (index, key) in self._offsets:
+            return self._offsets[(index, key)]
+        offsets = self._array(index, key, shard)[: shard["documents"] + 1].read().result()
         offsets = offsets - offsets[0]
         if shard["finished"]:
-            self._offsets[index] = offsets
+            self._offsets[(index, key)] = offsets
         return offsets
+
+    def document_field(self, name: str, documents) -> list[np.ndarray]:
+        """Field ``name`` (one of :attr:`fields`) of each of ``documents`` (indices into the
+        ready prefix's documents, in any order), in their stored dtype."""
+        if name not in self.fields:
+            raise KeyError(f"{self.path}: no document field {name!r} (it has {', '.join(self.fields) or 'none'})")
+        documents = np.asarray(documents, np.int64)
+        if len(documents) and documents.max() >= self._num_documents:
+            self._refresh()
+        if len(documents) and not (0 <= documents.min() and documents.max() < self._num_documents):
+            raise IndexError(
+                f"{self.path}: documents up to {documents.max()} requested, the ready prefix has {self._num_documents}"
+            )
+        shards = np.searchsorted(self._doc_starts, documents, side="right") - 1
+        reads = []
+        for document, index in zip(documents.tolist(), shards.tolist()):
+            shard = self._shards[index]
+            offsets = self._shard_offsets(index, shard, _field_offsets_key(name))
+            local = document - int(self._doc_starts[index])
+            lo, hi = int(offsets[local]), int(offsets[local + 1])
+            # Offsets count from the shard's first value (offsets[0] is subtracted), as stored.
+            reads.append(self._array(index, _field_key(name), shard)[lo:hi].read())
+        return [read.result() for read in reads]
 
     def _read(self, name: str, start: int, stop: int, dtype) -> np.ndarray:
         if stop > self._num_tokens:

@@ -1,12 +1,15 @@
 """Sequences of ``seq_len`` tokens read from a tokenized cache, and the batches training reads.
 
-Two kinds of sequence dataset sit over one cache (the same cache serves any ``seq_len``):
+Three kinds of sequence dataset sit over one cache (the same cache serves any ``seq_len``),
+one per format layout (:attr:`~levanter_core.data.formats.FormatConfig.layout`):
 
-* :class:`TextSequences` (formats that are not packed): the token stream of all documents,
-  cut into consecutive ``seq_len`` windows (the tail that does not fill one is dropped);
-* :class:`PackedSequences` (chat, supervised): whole examples packed greedily, in order,
-  into ``seq_len`` slots, with segment ids so attention does not cross examples and a loss
-  mask from the examples' target masks.
+* :class:`TextSequences` (``stream``): the token stream of all documents, cut into
+  consecutive ``seq_len`` windows (the tail that does not fill one is dropped);
+* :class:`PackedSequences` (``packed``: chat, supervised): whole examples packed greedily, in
+  order, into ``seq_len`` slots, with segment ids so attention does not cross examples and a
+  loss mask from the examples' target masks;
+* :class:`DocumentExamples` (``document``: audio with its transcript): each document one row,
+  its tokens and its format's own arrays (``Batch.fields``) padded or cut to fixed lengths.
 
 :class:`TrainStream` turns named datasets into the training stream: each source a stream of
 passes (a keyed permutation, an era shuffle, or in order; possibly cut to a part of the
@@ -46,11 +49,14 @@ class Batch:
     ``tokens``: int32 ``[B, S]``. ``loss_mask``: float32 ``[B, S]``, the weight of predicting
     ``tokens[b, t + 1]`` from position ``t``; None means every position but the last.
     ``segment_ids``: int32 ``[B, S]``, 1, 2, 3... for the examples packed in a row and 0 for
-    padding; None for plain text streams (one causal sequence per row)."""
+    padding; None for plain text streams (one causal sequence per row).
+    ``fields``: a format's own arrays, ``[B, length]`` each, by name (``document`` layouts:
+    an utterance's audio samples, say); None for text."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
+    fields: dict[str, np.ndarray] | None = None
 
 
 class SequenceDataset:
@@ -61,6 +67,9 @@ class SequenceDataset:
 
     packed = False
     """Whether rows come with segment ids and loss masks (examples packed into a row)."""
+
+    field_shapes: dict[str, tuple[int, np.dtype]] = {}
+    """The format's own arrays each row holds (:attr:`Batch.fields`): name -> (length, dtype)."""
 
     def __init__(self, cache: TokenCache, seq_len: int):
         if seq_len <= 0:
@@ -247,9 +256,99 @@ def _packed_loss_mask(targets: np.ndarray, segments: np.ndarray) -> np.ndarray:
     return loss
 
 
-def sequence_dataset(cache: TokenCache, seq_len: int, *, packed: bool) -> SequenceDataset:
-    """The sequences of ``cache`` for a format that is ``packed`` (``format.packed``) or not."""
-    return PackedSequences(cache, seq_len) if packed else TextSequences(cache, seq_len)
+class DocumentExamples(SequenceDataset):
+    """Each document of the cache one row, in stored order: its tokens, cut to ``seq_len`` or
+    padded with zeros, with a loss mask that scores each next token of the document (and
+    nothing past it); and each of the cache's document fields (an utterance's audio samples)
+    cut to, or padded with zeros to, its length in ``field_lengths``.
+
+    A document is final as soon as it is stored, so rows are available as the cache grows.
+    :attr:`truncated` counts the rows read so far whose tokens or fields were cut."""
+
+    packed = True
+
+    def __init__(self, cache: TokenCache, seq_len: int, field_lengths: Mapping[str, int] | None = None):
+        super().__init__(cache, seq_len)
+        stored = cache.fields
+        lengths = dict(field_lengths or {})
+        missing = sorted(set(stored) - set(lengths))
+        if missing:
+            raise DataError(
+                f"{cache.path}: the cache holds {', '.join(missing)} with each document, but the training objective "
+                "gives no length for it; train this data with an objective that reads it (a speech model for audio)"
+            )
+        self.field_shapes = {name: (int(lengths[name]), np.dtype(stored[name])) for name in stored}
+        self.truncated = 0
+        self._final_offsets: np.ndarray | None = None
+
+    def _document_offsets(self) -> np.ndarray:
+        if self._final_offsets is not None:
+            return self._final_offsets
+        complete = self.cache.complete  # read first: offsets read after it are then final
+        offsets = self.cache.document_offsets()
+        if complete:
+            self._final_offsets = offsets
+        return offsets
+
+    def available(self) -> int:
+        return self.cache.num_documents
+
+    def final_length(self) -> int | None:
+        if not self.cache.complete:
+            return None
+        if self.cache.num_documents == 0:
+            raise self._too_short("no documents")
+        return self.cache.num_documents
+
+    def wait_for(self, n: int) -> None:
+        self.cache.wait_for(documents=n)
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        indices = np.asarray(indices, np.int64)
+        self._check_available(indices, self.available())
+        S = self.seq_len
+        offsets = self._document_offsets()
+        tokens = np.zeros((len(indices), S), np.int32)
+        segments = np.zeros((len(indices), S), np.int32)
+        cut = np.zeros(len(indices), bool)
+        for row, document in enumerate(indices.tolist()):
+            start, stop = int(offsets[document]), int(offsets[document + 1])
+            used = min(stop - start, S)
+            cut[row] |= stop - start > S
+            tokens[row, :used] = self.cache.tokens(start, start + used)
+            segments[row, :used] = 1
+        fields = {}
+        for name, (length, dtype) in self.field_shapes.items():
+            values = np.zeros((len(indices), length), dtype)
+            for row, value in enumerate(self.cache.document_field(name, indices)):
+                kept = min(len(value), length)
+                values[row, :kept] = value[:kept]
+                cut[row] |= len(value) > length
+            fields[name] = values
+        self.truncated += int(cut.sum())
+        return Batch(tokens, _packed_loss_mask(np.ones((len(indices), S), np.float32), segments), segments, fields)
+
+
+def sequence_dataset(
+    cache: TokenCache,
+    seq_len: int,
+    *,
+    packed: bool = False,
+    layout: str | None = None,
+    field_lengths: Mapping[str, int] | None = None,
+) -> SequenceDataset:
+    """The sequences of ``cache`` for a format of ``layout`` (``format.layout``: ``stream``,
+    ``packed`` or ``document``; default: ``packed`` if ``packed`` else ``stream``).
+    ``field_lengths``: for ``document`` layouts, the length of each of the cache's document
+    fields in a row (the training objective's :meth:`~levanter_core.objective.Objective.row_lengths`)."""
+    layout = layout or ("packed" if packed else "stream")
+    if layout == "document":
+        return DocumentExamples(cache, seq_len, field_lengths)
+    if layout == "packed":
+        return PackedSequences(cache, seq_len)
+    if layout == "stream":
+        return TextSequences(cache, seq_len)
+    raise ValueError(f"unknown layout {layout!r}; expected stream, packed or document")
 
 
 class SlicedSequences(SequenceDataset):
@@ -268,6 +367,7 @@ class SlicedSequences(SequenceDataset):
         self.start = start
         self.stop = stop
         self.packed = base.packed
+        self.field_shapes = base.field_shapes
         self._empty = empty
 
     def _bounds(self, n: int) -> tuple[int, int]:
@@ -602,8 +702,16 @@ class TrainStream:
         self.names = names
         self.seq_len = lengths.pop()
         # Every batch has the same structure (a pytree the step is compiled for): with loss
-        # masks and segments as soon as one source read is packed.
+        # masks and segments as soon as one source read is packed, and the same fields.
         self.packed = any(datasets[name].packed for name in names)
+        shapes = {name: datasets[name].field_shapes for name in names}
+        if len({repr(sorted(s.items())) for s in shapes.values()}) > 1:
+            described = "; ".join(f"{name}: {', '.join(s) or 'tokens only'}" for name, s in shapes.items())
+            raise DataError(
+                f"data.train_weights: the sources trained on give batches of different kinds ({described}); "
+                "a run trains on sources of one kind (all text, or all audio with transcripts)"
+            )
+        self.field_shapes = shapes[names[0]] if names else {}
         limits = limits or {}
         self._orders = [
             _EpochOrder(name, datasets[name], seed, shuffle, limit=limits.get(name), fraction=fraction)
@@ -701,7 +809,7 @@ class TrainStream:
             here = sources == source
             order = self._orders[source]
             parts.append((here, order.dataset.rows(order.indices(drawn[here]))))
-        return _assemble(len(positions), self.seq_len, parts, self.packed)
+        return _assemble(len(positions), self.seq_len, parts, self.packed, self.field_shapes)
 
     def end_position(self, batch_size: int | None = None) -> int | None:
         """The stream position where the stream ends (a batch reaching past it raises
@@ -721,7 +829,7 @@ class TrainStream:
     def template(self, batch_size: int) -> Batch:
         """A batch of zeros with the shapes and structure of every batch of this stream (to
         compile the training step before the data is there)."""
-        return _assemble(batch_size, self.seq_len, [], self.packed)
+        return _assemble(batch_size, self.seq_len, [], self.packed, self.field_shapes)
 
     # -- where the stream ends
 
@@ -782,14 +890,24 @@ class TrainStream:
         )
 
 
-def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch]], packed: bool) -> Batch:
+def _assemble(
+    batch_size: int,
+    seq_len: int,
+    parts: list[tuple[np.ndarray, Batch]],
+    packed: bool,
+    field_shapes: Mapping[str, tuple[int, np.dtype]] | None = None,
+) -> Batch:
     """One batch from row groups (``where``, rows); when ``packed``, a text source's rows get
-    the packed defaults (one segment, loss everywhere but the last position)."""
+    the packed defaults (one segment, loss everywhere but the last position). ``field_shapes``:
+    the fields every row holds (zeros in a template)."""
     tokens = np.zeros((batch_size, seq_len), np.int32)
+    fields = {name: np.zeros((batch_size, length), dtype) for name, (length, dtype) in (field_shapes or {}).items()}
     for where, rows in parts:
         tokens[where] = rows.tokens
+        for name, values in fields.items():
+            values[where] = rows.fields[name]
     if not packed:
-        return Batch(tokens)
+        return Batch(tokens, fields=fields or None)
     loss_mask = np.ones((batch_size, seq_len), np.float32)
     loss_mask[:, -1] = 0.0
     segment_ids = np.ones((batch_size, seq_len), np.int32)
@@ -797,7 +915,7 @@ def _assemble(batch_size: int, seq_len: int, parts: list[tuple[np.ndarray, Batch
         if rows.segment_ids is not None:
             loss_mask[where] = rows.loss_mask
             segment_ids[where] = rows.segment_ids
-    return Batch(tokens, loss_mask, segment_ids)
+    return Batch(tokens, loss_mask, segment_ids, fields or None)
 
 
 def eval_batches(

@@ -13,36 +13,75 @@ to predict). Three formats ship with the core:
 
 Formats with a target mask are *packed*: several whole examples share one
 sequence, and attention does not cross from one to the next.
+
+Plugins add formats with the ``register_data_formats`` hook: a subclass of
+:class:`FormatConfig` (``format: {type: audio}`` selects the one registered as
+``audio``). A format may store arrays of its own beside each document's token ids
+(:meth:`FormatConfig.document_fields`: the samples of an utterance, say) and ask for
+each document to be a batch row of its own (:attr:`FormatConfig.layout`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Literal, NamedTuple, Union
+from typing import Literal, NamedTuple
 
 import numpy as np
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
-from levanter_core.config.base import ConfigModel
+from levanter_core.config.base import Typed, TypedConfig
 from levanter_core.data.tokenizer import Tokenizer
 from levanter_core.errors import DataError
+
+LAYOUTS = ("stream", "packed", "document")
+"""How a format's documents become the rows of a batch (:attr:`FormatConfig.layout`)."""
 
 
 class Encoded(NamedTuple):
     """One example's token ids (int32) and, for packed formats, its target mask
-    (uint8, same length: 1 where the token is a training target)."""
+    (uint8, same length: 1 where the token is a training target); ``fields``: the
+    arrays of :meth:`FormatConfig.document_fields`, one-dimensional, by name."""
 
     ids: np.ndarray
     target_mask: np.ndarray | None = None
+    fields: dict[str, np.ndarray] | None = None
 
 
-class _Format(ConfigModel):
+class FormatConfig(TypedConfig):
+    """Base class of every data format (the ``format`` section of a data source): how a
+    source's records become documents of token ids, and how documents become batch rows.
+
+    A plugin's format subclasses this, implements :meth:`encode_batch`, and is registered
+    with ``register_data_formats``::
+
+        @hookimpl
+        def register_data_formats(register):
+            register("audio", "levanter_audio.format:AudioFormat")
+
+    Every field of the format keys the tokenized cache (:meth:`fingerprint`): a cache built
+    with other settings is refused, never silently reused."""
+
     @property
     def packed(self) -> bool:
         """Whether examples are packed whole into sequences (with a target mask),
         rather than joined into one stream."""
         return False
+
+    @property
+    def layout(self) -> str:
+        """How documents become batch rows: ``stream`` (joined into one token stream, cut into
+        ``seq_len`` windows), ``packed`` (whole examples packed into rows, with target masks)
+        or ``document`` (each document one row of its own: its tokens padded or cut to
+        ``seq_len``, each of its :meth:`document_fields` padded or cut to the length the
+        training objective asks for). By default ``packed`` for packed formats, else ``stream``."""
+        return "packed" if self.packed else "stream"
+
+    def document_fields(self) -> dict[str, str]:
+        """Arrays stored with each document besides its token ids: name -> numpy dtype name
+        (``{"audio": "float32"}``); each document's :class:`Encoded` carries a one-dimensional
+        array of that dtype under each name. None by default."""
+        return {}
 
     def fingerprint(self) -> dict:
         """What the cache must match: every field of the format."""
@@ -58,7 +97,10 @@ class _Format(ConfigModel):
         raise NotImplementedError
 
 
-class TextFormat(_Format):
+_Format = FormatConfig  # the name this base class had before formats were plugins
+
+
+class TextFormat(FormatConfig):
     """Plain text: each record is one document."""
 
     type: Literal["text"] = "text"
@@ -105,7 +147,7 @@ class TextFormat(_Format):
         return text
 
 
-class ChatFormat(_Format):
+class ChatFormat(FormatConfig):
     """Conversations: each record holds a list of messages (``{"role": ..., "content": ...}``,
     roles ``system``, ``user``, ``assistant``...) that a Jinja chat template renders into
     one text, as Hugging Face's ``apply_chat_template`` does (same variables: ``messages``,
@@ -258,7 +300,7 @@ def _roles(messages: list[dict]) -> str:
     return ", ".join(dict.fromkeys(m["role"] for m in messages))
 
 
-class SupervisedFormat(_Format):
+class SupervisedFormat(FormatConfig):
     """Input/output pairs: each record's input, the separator and its output are encoded
     as one text, trained on the output (and the end-of-text token after it)."""
 
@@ -368,19 +410,6 @@ def _clip(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _format_type(value: Any) -> str:
-    # A format section without ``type`` is text, as is a source without ``format``.
-    if isinstance(value, dict):
-        return value.get("type", "text")
-    return getattr(value, "type", "text")
-
-
-DataFormat = Annotated[
-    Union[
-        Annotated[TextFormat, Tag("text")],
-        Annotated[ChatFormat, Tag("chat")],
-        Annotated[SupervisedFormat, Tag("supervised")],
-    ],
-    Discriminator(_format_type),
-]
-"""The ``format`` of a data source, chosen by its ``type`` (default ``text``)."""
+DataFormat = Typed("data_format", "text")
+"""The ``format`` of a data source, chosen by its ``type`` (default ``text``) among the
+registered formats (``text``, ``chat`` and ``supervised`` are built in)."""

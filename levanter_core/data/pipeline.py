@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from levanter_core.data.cache import TokenCache, open_cache, read_cache
 from levanter_core.data.config import DataConfig
@@ -122,6 +122,7 @@ def build_lm_data(
     initial_batch_size: int | None = None,
     max_epochs: int = 0,
     offsets: Callable[[int], int] | None = None,
+    field_lengths: Mapping[str, int] | None = None,
 ) -> LmData:
     """Start (or reuse) every cache in the background and wire up the datasets.
 
@@ -135,7 +136,9 @@ def build_lm_data(
     ``initial_batch_size`` (the batch size at step 0; needed with ``data.max_train_batches``),
     ``max_epochs`` (the top-level ``epoch``) and ``offsets`` (step -> stream position, with a
     batch-size schedule) go to :meth:`TrainStream.from_config`. A source of
-    ``data.num_validation_sequences`` validates on the held-out tail of its training data."""
+    ``data.num_validation_sequences`` validates on the held-out tail of its training data.
+    ``field_lengths``: how long each of a ``document`` format's own arrays is in a batch row
+    (the objective's :meth:`~levanter_core.objective.Objective.row_lengths`)."""
     tokenizer = load_tokenizer(config.tokenizer)
     caches: dict[tuple[str, str], TokenCache] = {}
     try:
@@ -149,7 +152,9 @@ def build_lm_data(
         raise
     datasets = {}
     for (name, split), cache in caches.items():
-        datasets[name, split] = sequence_dataset(cache, seq_len, packed=config.configs[name].format.packed)
+        datasets[name, split] = sequence_dataset(
+            cache, seq_len, layout=config.configs[name].format.layout, field_lengths=field_lengths
+        )
     train = {name: ds for (name, split), ds in datasets.items() if split == "train"}
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
     for name, count in (config.num_validation_sequences or {}).items():

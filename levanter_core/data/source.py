@@ -62,7 +62,10 @@ class DataSourceConfig(TypedConfig, abc.ABC):
     loss over all validation tokens of the sources sharing a tag is logged as ``eval/<tag>/loss``."""
 
     format: DataFormat = Field(default_factory=TextFormat)
-    """How records become examples: ``type: text`` (default), ``chat`` or ``supervised``."""
+    """How records become examples: ``type: text`` (default), ``chat`` or ``supervised``, or a
+    plugin's format (``audio``: speech with its transcript, from levanter-audio). In a run whose
+    model trains with another objective than language modelling, a source without a format gets
+    that objective's (``audio`` for Whisper)."""
 
     inferred_from: ClassVar[tuple[str, ...]] = ()
     """Keys that select this source when a section has no ``type`` (``id`` for Hugging

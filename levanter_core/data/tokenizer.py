@@ -76,6 +76,11 @@ class Tokenizer(abc.ABC):
         return None
 
     @property
+    def bos_id(self) -> int | None:
+        """The id of :attr:`bos_token`, if the tokenizer names one that its vocabulary has."""
+        return None
+
+    @property
     def chat_template(self) -> str | None:
         """The Jinja chat template that came with the tokenizer (``chat_template`` of its
         ``tokenizer_config.json``, or its ``chat_template.jinja``), if any."""
@@ -205,6 +210,10 @@ class HfTokenizer(Tokenizer):
     @property
     def bos_token(self) -> str | None:
         return self._bos_token
+
+    @property
+    def bos_id(self) -> int | None:
+        return None if self._bos_token is None else self._tok.token_to_id(self._bos_token)
 
     @property
     def chat_template(self) -> str | None:

@@ -28,3 +28,10 @@ def register_checkpointers(register):
 def register_data_sources(register):
     register("url", "levanter_core.data.source:UrlSourceConfig")
     register("python_stdlib", "levanter_core.data.source:PythonStdlibSourceConfig")
+
+
+@hookimpl
+def register_data_formats(register):
+    register("text", "levanter_core.data.formats:TextFormat")
+    register("chat", "levanter_core.data.formats:ChatFormat")
+    register("supervised", "levanter_core.data.formats:SupervisedFormat")

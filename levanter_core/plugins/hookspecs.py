@@ -55,6 +55,14 @@ def register_data_sources(register: Register) -> None:
 
 
 @hookspec
+def register_data_formats(register: Register) -> None:
+    """Register data formats: how a source's records become documents of token ids (and
+    arrays of the format's own, such as audio samples), and how documents become batch rows.
+    ``cls`` subclasses :class:`levanter_core.data.formats.FormatConfig`; selected by each
+    source's ``format.type`` (``text``, ``chat`` and ``supervised`` are built in)."""
+
+
+@hookspec
 def register_optimizers(register: Register) -> None:
     """Register optimizers. ``cls`` subclasses
     :class:`levanter_core.optim.OptimizerConfig`; selected by ``optimizer.type``."""

@@ -37,6 +37,7 @@ KINDS: dict[str, Kind] = {
     for k in (
         Kind("model", "register_models", "levanter_core.models.lm:LmConfig", "model.type"),
         Kind("data_source", "register_data_sources", "levanter_core.data.source:DataSourceConfig", "data.type"),
+        Kind("data_format", "register_data_formats", "levanter_core.data.formats:FormatConfig", "data.format.type"),
         Kind("optimizer", "register_optimizers", "levanter_core.optim.config:OptimizerConfig", "optimizer.type"),
         Kind("tracker", "register_trackers", "levanter_core.tracker.base:TrackerConfig", "trainer.tracker.type"),
         Kind(
@@ -155,7 +156,7 @@ class Registry:
         return ", ".join(f"{e.name} ({e.provider})" for e in self)
 
     def describe_unknown(self, name: str) -> str:
-        return f"unknown {self.kind.name} type {name!r}; installed: {self.describe_choices()}"
+        return f"unknown {self.kind.name.replace('_', ' ')} type {name!r}; installed: {self.describe_choices()}"
 
     def entry_for_class(self, cls: type) -> Entry | None:
         """The entry whose config class is ``cls`` (imports only the entries that could be it)."""

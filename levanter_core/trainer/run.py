@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from levanter_core import __version__
-from levanter_core.config.train import TrainConfig
+from levanter_core.config.train import TrainConfig, objective_class
 from levanter_core.errors import CheckpointError, ConfigError
 from levanter_core.fileio import write_text_atomically
 from levanter_core.tracker.base import RunInfo, finish_tracker
@@ -288,6 +288,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
             ray=ray_config,
             progress=progress,
             build=leader,
+            field_lengths=objective_class(config.model).row_lengths(config.model),
         )
         try:
             return _train(config, run, data, progress)
@@ -336,17 +337,16 @@ class _Run:
 
 def _objective(config: TrainConfig, model_config):
     """The training objective the model type names, built for this run."""
-    from levanter_core.plugins import registry
 
-    name = model_config.objective
-    try:
-        entry = registry("objective").get(name)
-    except KeyError as e:
+    objective = objective_class(model_config).from_config(config)
+    wanted = objective.row_lengths(model_config)
+    if wanted != objective_class(config.model).row_lengths(config.model):
         raise ConfigError(
-            f"model.type {model_config.type!r} trains with the {name!r} objective: {e.args[0]} "
-            "(install the plugin that provides it)"
-        ) from None
-    return entry.config_cls.from_config(config)
+            f"the model built ({model_config.type}) needs batch rows of {wanted}, but the data was set up for "
+            f"{objective_class(config.model).row_lengths(config.model)} from the model section; make the model "
+            "section describe the model trained (use_hf_model_config changes it)"
+        )
+    return objective
 
 
 def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:

@@ -238,6 +238,7 @@ class Trainer:
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
         self._eval_steps: dict[Callable, Callable] = {}
         self._totals_step: Callable | None = None
+        self._outputs_step: Callable | None = None
         self._local_rows: dict[int, np.ndarray] = {}
 
     # -- state ---------------------------------------------------------------------------
@@ -521,13 +522,37 @@ class Trainer:
                 lambda model, batch, *constants: self.objective.eval_totals(self.mp.cast_to_compute(model), batch, *constants),
                 axis_resources=self.compute_mapping,
             )
-        parts = []
+        parts, host_parts = [], []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:
-                parts.append(self._totals_step(model, self.to_device(batch, self.EvalBatch), *constants))
+                example = self.to_device(batch, self.EvalBatch)
+                parts.append(self._totals_step(model, example, *constants))
+                outputs = self._eval_outputs(model, example)
+                if outputs is not None:
+                    host_parts.append(self.objective.eval_output_totals(outputs))
         if not parts:
             return None
-        return np.sum([np.asarray(p, np.float64) for p in parts], axis=0)
+        totals = np.sum([np.asarray(p, np.float64) for p in parts], axis=0)
+        if host_parts:
+            totals = np.concatenate([totals, np.sum(np.asarray(host_parts, np.float64), axis=0)])
+        return totals
+
+    def _eval_outputs(self, model, example):
+        """The objective's :meth:`~levanter_core.objective.Objective.eval_outputs` of a placed
+        batch, whole on every process, as numpy arrays; None when it has none."""
+        if type(self.objective).eval_outputs is Objective.eval_outputs:
+            return None
+        if self._outputs_step is None:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+
+            def outputs(model, batch):
+                found = self.objective.eval_outputs(self.mp.cast_to_compute(model), batch)
+                # gathered whole onto every device, so that every process reads all of it
+                return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), found)
+
+            self._outputs_step = hax.named_jit(outputs, axis_resources=self.compute_mapping)
+        outputs = self._outputs_step(model, example)
+        return None if outputs is None else jax.tree.map(np.asarray, outputs)
 
     def check_finite(self, loss: float, step: int) -> None:
         if math.isnan(loss) and self.config.crash_on_nan:

@@ -142,19 +142,25 @@ def log_mel_spectrogram(audio: np.ndarray, *, n_mels: int = 80) -> LogMel:
 
 
 def log_mel_spectrogram_jax(audio, *, n_mels: int = 80):
-    """:func:`log_mel_spectrogram` in ``jax.numpy``, for clips already made 480,000
-    samples long by :func:`pad_or_trim`: ``audio`` of shape ``(..., 480000)`` gives
-    ``(..., n_mels, 3000)`` float32, each clip floored against its own maximum. Traceable
+    """:func:`log_mel_spectrogram` in ``jax.numpy``, for clips already padded with zeros (or
+    cut) to one length, a multiple of 160 samples: :func:`pad_or_trim` makes them 480,000
+    samples (30 s), and ``audio`` of shape ``(..., 480000)`` gives ``(..., n_mels, 3000)``
+    float32, each clip floored against its own maximum. A shorter window (a small model's,
+    ``2 * max_source_positions`` frames) gives that many frames, equal to the first frames of the
+    30-second features of the same clip when the clip fits in the window. Traceable
     (``jax.jit``); computed in float32, it agrees with the numpy version to about 1e-5."""
     import jax
     import jax.numpy as jnp
 
     audio = jnp.asarray(audio, dtype=jnp.float32)
-    if audio.shape[-1] != N_SAMPLES:
-        raise ValueError(f"expected clips of {N_SAMPLES} samples (use pad_or_trim), got shape {audio.shape}")
+    if audio.shape[-1] % HOP_LENGTH or audio.shape[-1] <= N_FFT // 2:
+        raise ValueError(
+            f"expected clips of a multiple of {HOP_LENGTH} samples, more than {N_FFT // 2} (use pad_or_trim), "
+            f"got shape {audio.shape}"
+        )
     pad = [(0, 0)] * (audio.ndim - 1) + [(N_FFT // 2, N_FFT // 2)]
     signal = jnp.pad(audio, pad, mode="reflect")
-    starts = np.arange(N_FRAMES) * HOP_LENGTH
+    starts = np.arange(audio.shape[-1] // HOP_LENGTH) * HOP_LENGTH
     frames = signal[..., starts[:, None] + np.arange(N_FFT)[None, :]]
     spectrum = jnp.fft.rfft(frames * hann_window().astype(np.float32), axis=-1)
     power = jnp.real(spectrum) ** 2 + jnp.imag(spectrum) ** 2

@@ -207,8 +207,9 @@ def make_speech_corpus(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m levanter_audio.synth DIRECTORY [--sentences FILE] [--fmt flac]
-    [--voice V ...]``: write a corpus and print its manifest's path (for set-up scripts)."""
+    """``python -m levanter_audio.synth DIRECTORY (--sentences FILE | --random N [--seed S])
+    [--fmt flac] [--voice V ...]``: write a corpus and print its manifest's path (for set-up
+    scripts). ``--random``: ``N`` sentences of :func:`levanter_audio.sentences.random_sentences`."""
     import argparse
     import sys
 
@@ -217,15 +218,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Speak sentences with eSpeak NG into 16 kHz audio files and a JSON-lines manifest.",
     )
     parser.add_argument("directory", help="where the audio files and manifest.jsonl go")
-    parser.add_argument("--sentences", required=True, help="a text file, one sentence per non-blank line")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--sentences", help="a text file, one sentence per non-blank line")
+    given.add_argument("--random", type=int, metavar="N", help="N simple sentences drawn from a small vocabulary")
+    parser.add_argument("--seed", type=int, default=0, help="which sentences --random draws (default 0)")
     parser.add_argument("--fmt", choices=["wav", "flac"], default="wav")
     parser.add_argument("--voice", action="append", help=f"repeat to alternate voices (default {DEFAULT_VOICE})")
     parser.add_argument("--words-per-minute", type=int, default=175)
     parser.add_argument("--manifest-name", default="manifest.jsonl")
     args = parser.parse_args(argv)
     try:
-        with open(args.sentences, encoding="utf-8") as f:
-            sentences = [line.strip() for line in f if line.strip()]
+        if args.random is not None:
+            from levanter_audio.sentences import random_sentences
+
+            if args.random < 1:
+                raise UserError(f"--random must be at least 1, got {args.random}")
+            sentences = random_sentences(args.random, args.seed)
+        else:
+            with open(args.sentences, encoding="utf-8") as f:
+                sentences = [line.strip() for line in f if line.strip()]
         manifest = make_speech_corpus(
             args.directory,
             sentences,

@@ -1,5 +1,7 @@
 """Tokenizers: the built-in byte-level one, and Hugging Face ``tokenizers`` files, local or
-named by hub model id (read through the Hugging Face cache).
+named by hub model id (read through the Hugging Face cache). A Wav2Vec2 CTC tokenizer (speech
+models such as ``facebook/wav2vec2-base-960h``), which comes without a ``tokenizer.json``, is
+rebuilt as one from its ``vocab.json``.
 
 Both offer the same small interface (:class:`Tokenizer`): a vocabulary size, an
 end-of-text id, a fingerprint that keys the tokenized cache, batch encoding to
@@ -10,9 +12,11 @@ example) and decoding, and the chat template that came with the tokenizer.
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import json
 import posixpath
+import sys
 
 import fsspec
 import numpy as np
@@ -24,8 +28,20 @@ EOS_TEXT = "<|endoftext|>"
 # Names that tokenizers commonly give their end-of-text token, most common first.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
-HUB_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-"""The files of a hub model that make its tokenizer (all that is fetched of it)."""
+HUB_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "special_tokens_map.json",
+)
+"""The files of a hub model that make its tokenizer (all that is fetched of it): first the two
+that messages tell people to download, then the chat template, then what a Wav2Vec2 CTC
+tokenizer has in place of a ``tokenizer.json``."""
+
+CTC_TOKENIZER_CLASS = "Wav2Vec2CTCTokenizer"
+"""The ``tokenizer_class`` of a ``tokenizer_config.json`` whose ``vocab.json`` we rebuild as a
+``tokenizer.json`` (the one slow-only tokenizer we read)."""
 
 
 class Tokenizer(abc.ABC):
@@ -157,8 +173,9 @@ class ByteTokenizer(Tokenizer):
 
 
 class HfTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizers`` tokenizer loaded from its ``tokenizer.json``, with the
-    special tokens and chat template of its ``tokenizer_config.json``, where given."""
+    """A Hugging Face ``tokenizers`` tokenizer loaded from its ``tokenizer.json`` (read from a
+    file, or built from another format's files), with the special tokens and chat template of
+    its ``tokenizer_config.json``, where given."""
 
     def __init__(
         self,
@@ -232,10 +249,17 @@ def load_tokenizer(spec: str) -> Tokenizer:
     The end-of-text token is the ``eos_token`` of a ``tokenizer_config.json`` beside the
     ``tokenizer.json``, else the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``,
     ``<eos>`` that the vocabulary has. The same file gives the ``bos_token`` and
-    ``chat_template`` (a ``chat_template.jinja`` beside it is used when the file has none)."""
+    ``chat_template`` (a ``chat_template.jinja`` beside it is used when the file has none).
+
+    A directory (or hub model) with no ``tokenizer.json`` but a ``vocab.json`` and a
+    ``tokenizer_config.json`` naming ``Wav2Vec2CTCTokenizer`` is read as that tokenizer: its
+    special tokens from ``tokenizer_config.json`` and ``special_tokens_map.json``, its
+    vocabulary rebuilt as a ``tokenizer.json`` that encodes as ``transformers`` does."""
     if spec == "byte":
         return ByteTokenizer()
-    fs, path = find_tokenizer_json(spec)
+    fs, path = _find_tokenizer(spec)
+    if fs.isdir(path):  # a Wav2Vec2 CTC tokenizer's directory
+        return _load_ctc_tokenizer(spec, fs, path)
     with fs.open(path, "r", encoding="utf-8") as f:
         tokenizer_json = f.read()
     directory = posixpath.dirname(path)
@@ -255,13 +279,27 @@ def check_tokenizer_available(spec: str) -> None:
     or touches a device. A hub name missing from the Hugging Face cache is downloaded into it
     here when the hub is reachable; offline, the error says how to get it there."""
     if spec != "byte":
-        find_tokenizer_json(spec)
+        _find_tokenizer(spec)
 
 
 def find_tokenizer_json(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and path of the ``tokenizer.json`` that ``spec`` (not ``byte``) names;
     for a hub name, in the Hugging Face cache's snapshot directory, beside the model's
-    ``tokenizer_config.json``. Raises :class:`DataError` saying what to do if there is none."""
+    ``tokenizer_config.json``. Raises :class:`DataError` saying what to do if there is none
+    (also for a Wav2Vec2 CTC tokenizer, which has none: :func:`load_tokenizer` rebuilds it)."""
+    fs, path = _find_tokenizer(spec)
+    if fs.isdir(path):
+        raise DataError(
+            f"data.tokenizer: {spec!r} is a {CTC_TOKENIZER_CLASS} (vocab.json, no tokenizer.json; "
+            f"looked in {path})"
+        )
+    return fs, path
+
+
+def _find_tokenizer(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of what defines tokenizer ``spec`` (not ``byte``): its
+    ``tokenizer.json`` file, or the directory of a Wav2Vec2 CTC tokenizer (which has none).
+    Raises :class:`DataError` saying what to do if there is neither."""
     fs, path = fsspec.core.url_to_fs(spec)
     from_hub = not fs.exists(path) and _is_hub_name(spec)
     if from_hub:
@@ -270,6 +308,8 @@ def find_tokenizer_json(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
         json_path = posixpath.join(path, "tokenizer.json")
         if fs.isfile(json_path):
             return fs, json_path
+        if _is_ctc_tokenizer(fs, path):
+            return fs, path
         if from_hub:
             raise DataError(
                 f"data.tokenizer: the Hugging Face hub model {spec!r} has no tokenizer.json (looked in {path}). "
@@ -278,7 +318,10 @@ def find_tokenizer_json(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
                 f"transformers (AutoTokenizer.from_pretrained({spec!r}).save_pretrained(DIR)) and set "
                 "data.tokenizer to DIR"
             )
-        raise DataError(f"data.tokenizer: the directory {spec!r} has no tokenizer.json")
+        raise DataError(
+            f"data.tokenizer: the directory {spec!r} has no tokenizer.json (nor the vocab.json and "
+            f"tokenizer_config.json of a {CTC_TOKENIZER_CLASS})"
+        )
     if fs.isfile(path):
         return fs, path
     raise DataError(
@@ -321,8 +364,10 @@ def _hub_snapshot(name: str) -> str:
             f"data.tokenizer: {name!r} is not a local path, and the tokenizer of the Hugging Face hub model "
             f"{name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and cannot be downloaded: "
             f"{why}. Fetch it on a machine with network access, into a Hugging Face cache that this one "
-            f"reads (HF_HUB_CACHE): `hf download {name} {' '.join(HUB_TOKENIZER_FILES[:2])}`; or set "
-            "data.tokenizer to a local directory holding tokenizer.json and tokenizer_config.json"
+            f"reads (HF_HUB_CACHE): `hf download {name} {' '.join(HUB_TOKENIZER_FILES[:2])}` (for a "
+            f"{CTC_TOKENIZER_CLASS}, which has no tokenizer.json: `hf download {name} "
+            "vocab.json tokenizer_config.json special_tokens_map.json`); or set data.tokenizer to a local "
+            "directory holding tokenizer.json and tokenizer_config.json"
         ) from None
     except RepositoryNotFoundError:  # also a gated or private model without access
         raise DataError(
@@ -340,17 +385,7 @@ def _tokenizer_config(fs, directory: str) -> dict:
     """The ``tokenizer_config.json`` beside a tokenizer; {} if there is none. A file that
     is there but unreadable is an error: silently losing its chat template would change
     what is trained on."""
-    config_path = posixpath.join(directory, "tokenizer_config.json")
-    if not fs.isfile(config_path):
-        return {}
-    with fs.open(config_path, "r", encoding="utf-8") as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{config_path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(config, dict):
-        raise DataError(f"{config_path}: expected a JSON object")
-    return config
+    return _read_json_object(fs, posixpath.join(directory, "tokenizer_config.json"), missing_ok=True)
 
 
 def _token_text(token) -> str | None:
@@ -372,3 +407,144 @@ def _chat_template(fs, directory: str, config: dict) -> str | None:
         with fs.open(jinja_path, "r", encoding="utf-8") as f:
             return f.read()
     return None
+
+
+# -- Wav2Vec2 CTC tokenizers -----------------------------------------------------------------
+#
+# transformers' Wav2Vec2CTCTokenizer is "slow" only: a vocab.json of characters and a few
+# special tokens. It encodes a text one character per token, after upper-casing the text when
+# do_lower_case is set (the flag means "accept lowercase input"), with each space written as
+# the word delimiter token; a character not in the vocabulary is the unknown token; the tokens
+# of the vocabulary longer than one character (the special ones) are matched in the text first,
+# swallowing the whitespace around them; and it adds nothing around a text. The same, as a
+# `tokenizers` pipeline: added tokens, an upper-casing and space-replacing normalizer, a split
+# into characters and a word-level model.
+
+
+def _is_ctc_tokenizer(fs, directory: str) -> bool:
+    """Whether ``directory`` holds a Wav2Vec2 CTC tokenizer: a ``vocab.json`` and a
+    ``tokenizer_config.json`` naming its class."""
+    return (
+        fs.isfile(posixpath.join(directory, "vocab.json"))
+        and _tokenizer_config(fs, directory).get("tokenizer_class") == CTC_TOKENIZER_CLASS
+    )
+
+
+# Wav2Vec2CTCTokenizer's defaults, in the order in which transformers adds those missing from
+# the vocabulary (so that they get the same ids).
+_CTC_SPECIAL_DEFAULTS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+
+
+def _load_ctc_tokenizer(spec: str, fs, directory: str) -> HfTokenizer:
+    config = _tokenizer_config(fs, directory)
+    vocab = _ctc_vocab(fs, posixpath.join(directory, "vocab.json"), config.get("target_lang"))
+    # As transformers reads them: special_tokens_map.json over tokenizer_config.json, unless
+    # the latter lists its added tokens itself; then the class's defaults.
+    specials = dict(config)
+    if "added_tokens_decoder" not in config:
+        specials |= _read_json_object(fs, posixpath.join(directory, "special_tokens_map.json"), missing_ok=True)
+    token = {key: _token_text(specials.get(key, default)) for key, default in _CTC_SPECIAL_DEFAULTS.items()}
+    if token["unk_token"] not in vocab:
+        raise DataError(
+            f"{posixpath.join(directory, 'vocab.json')}: has no entry for the unknown token "
+            f"{token['unk_token']!r} (unk_token of tokenizer_config.json), which characters outside the "
+            "vocabulary encode as"
+        )
+    tokenizer_json = _ctc_tokenizer_json(
+        vocab,
+        special_tokens=[t for t in token.values() if t],
+        unk_token=token["unk_token"],
+        word_delimiter_token=_token_text(config.get("word_delimiter_token")) or "|",
+        do_lower_case=bool(config.get("do_lower_case", False)),
+        replace_word_delimiter_char=config.get("replace_word_delimiter_char", " "),
+    )
+    return HfTokenizer(
+        spec,
+        tokenizer_json,
+        token["eos_token"],
+        bos_token=token["bos_token"],
+        chat_template=_chat_template(fs, directory, config),
+    )
+
+
+def _ctc_tokenizer_json(
+    vocab: dict[str, int],
+    *,
+    special_tokens: list[str],
+    unk_token: str = "<unk>",
+    word_delimiter_token: str = "|",
+    do_lower_case: bool = False,
+    replace_word_delimiter_char: str = " ",
+) -> str:
+    """A ``tokenizer.json`` that encodes as ``transformers``' ``Wav2Vec2CTCTokenizer`` with
+    this vocabulary and these settings (``do_lower_case`` upper-cases the text first). It
+    decodes ids as text, the word delimiter written as ``replace_word_delimiter_char`` and
+    repeated tokens kept (collapsing the repeats of a CTC output is the model's business)."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    tok = RustTokenizer(models.WordLevel(vocab, unk_token=unk_token))
+    replacements = []
+    if do_lower_case:
+        # Only the characters whose ids upper-casing changes: a-z, and the few (ß, ﬁ...) that
+        # become several characters.
+        replacements = [
+            normalizers.Replace(c, upper)
+            for c, upper in _uppercased_characters().items()
+            if [vocab.get(u) for u in upper] != [vocab.get(c)]
+        ]
+    tok.normalizer = normalizers.Sequence([*replacements, normalizers.Replace(" ", word_delimiter_token)])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(word_delimiter_token, replace_word_delimiter_char), decoders.Fuse()]
+    )
+    # Matched in the raw text, before upper-casing. Those of the vocabulary longer than one
+    # character take the whitespace around them along; special tokens missing from it (which
+    # get the next ids, in the order given) do not.
+    def added(content: str, special: bool) -> AddedToken:
+        strip = len(content) > 1 and content in vocab
+        return AddedToken(content, lstrip=strip, rstrip=strip, normalized=False, special=special)
+
+    tok.add_special_tokens([added(t, True) for t in dict.fromkeys(special_tokens)])
+    tok.add_tokens([added(t, False) for t in vocab if len(t) > 1 and t not in special_tokens])
+    return tok.to_str()
+
+
+@functools.cache
+def _uppercased_characters() -> dict[str, str]:
+    """Every character that ``str.upper`` changes, and what it becomes (some 1,500)."""
+    return {c: upper for c in map(chr, range(sys.maxunicode + 1)) if (upper := c.upper()) != c}
+
+
+def _ctc_vocab(fs, path: str, target_lang: str | None) -> dict[str, int]:
+    """The token -> id object of a ``vocab.json``; a multilingual one (an object per language)
+    gives the vocabulary of ``target_lang``."""
+    vocab = _read_json_object(fs, path)
+    languages = sorted(lang for lang, v in vocab.items() if isinstance(v, dict))
+    if target_lang is not None or (languages and len(languages) == len(vocab)):
+        if target_lang not in languages:
+            raise DataError(
+                f"{path}: target_lang of tokenizer_config.json is {target_lang!r}, and the file's vocabularies "
+                f"per language are: {', '.join(languages[:20]) or 'none (it is a single vocabulary)'}; set "
+                "target_lang to one of them"
+            )
+        vocab = vocab[target_lang]
+    bad = [(t, i) for t, i in vocab.items() if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+    if bad:
+        raise DataError(f"{path}: expected token -> id (a non-negative integer); found {bad[0][0]!r}: {bad[0][1]!r}")
+    return vocab
+
+
+def _read_json_object(fs, path: str, missing_ok: bool = False) -> dict:
+    """The JSON object in file ``path``; {} if there is no such file and ``missing_ok``. A
+    file that is not a JSON object is an error naming the file (and the line)."""
+    if missing_ok and not fs.isfile(path):
+        return {}
+    with fs.open(path, "r", encoding="utf-8") as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value

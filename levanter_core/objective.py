@@ -52,6 +52,13 @@ class Objective(abc.ABC):
     default (``text``)."""
 
     @classmethod
+    def for_evaluation(cls, model_config: Any, tokenizer: Any) -> "Objective":
+        """The objective as evaluation outside a training run uses it (``levanter eval``), for a
+        model of ``model_config`` whose data ``tokenizer`` encoded; by default built with no
+        arguments."""
+        return cls()
+
+    @classmethod
     def row_lengths(cls, model_config: Any) -> dict[str, int]:
         """For data whose format stores arrays of its own with each document (``document``
         layouts, such as audio samples beside a transcript): how many values of each, by name,

@@ -92,6 +92,13 @@ class SpeechRecognition(Objective):
         return cls(tokenizer=tokenizer, prompt=transcript_prompt(tokenizer, enforce_bos))
 
     @classmethod
+    def for_evaluation(cls, model_config, tokenizer) -> "SpeechRecognition":
+        """Scores transcripts stored by the ``audio`` format with its defaults (``enforce_bos``)."""
+        from levanter_audio.format import transcript_prompt
+
+        return cls(tokenizer=tokenizer, prompt=transcript_prompt(tokenizer))
+
+    @classmethod
     def row_lengths(cls, model_config) -> dict[str, int]:
         """The encoder's window in samples: ``2 * max_source_positions`` frames of 160."""
         from levanter_audio.features import HOP_LENGTH

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from levanter_audio import features
-from levanter_audio.features import N_FRAMES, N_SAMPLES, log_mel_spectrogram, mel_filter_bank
+from levanter_audio.features import HOP_LENGTH, N_FRAMES, N_SAMPLES, log_mel_spectrogram, mel_filter_bank
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,3 +66,18 @@ def test_jax_features_match_numpy(speech):
     assert on_device.shape == (2, 80, N_FRAMES)
     for clip, row in zip(clips, on_device):
         assert np.abs(row - log_mel_spectrogram(clip).features).max() < TOLERANCE
+
+
+def test_a_shorter_window_gives_the_first_frames_of_the_30_second_features(speech):
+    """A small model hears a shorter window (``2 * max_source_positions`` frames): for a clip that
+    ends inside it, the features are the first frames of Whisper's 30-second features."""
+    import jax
+
+    clip = speech[1]  # about 3 s
+    window = 400 * HOP_LENGTH  # 4 s
+    short = np.asarray(jax.jit(features.log_mel_spectrogram_jax)(features.pad_or_trim(clip, window)[None]))[0]
+    whole = log_mel_spectrogram(clip).features
+    assert short.shape == (80, 400)
+    np.testing.assert_allclose(short, whole[:, :400], atol=TOLERANCE)
+    with pytest.raises(ValueError, match="multiple of 160 samples"):
+        features.log_mel_spectrogram_jax(np.zeros((1, 1000), np.float32))

@@ -157,7 +157,8 @@ def test_trace_prints_hook_calls(capsys, monkeypatch):
 
 # `levanter plugins`, `levanter configs` and `levanter --help` must stay cheap however many
 # plugins are installed: types are registered by import path, so listing them imports no model
-# code, no JAX and no Haliax (bench/startup.py times them).
+# code, no JAX and no Haliax (bench/startup.py times them). A plugin's command module (`.cli`)
+# is imported to register its command, and must itself stay light: the JAX check covers it.
 _IMPORTS_AFTER = """
 import sys
 from levanter_core.cli import main
@@ -167,7 +168,7 @@ try:
 except SystemExit:
     pass
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "haliax", "equinox", "torch", "transformers")
-               or m.startswith("levanter_model_") and not m.endswith(".plugin") and m.count(".") > 0)
+               or m.startswith("levanter_model_") and not m.endswith((".plugin", ".cli")) and m.count(".") > 0)
 print("HEAVY:" + ",".join(heavy), file=sys.stderr)
 """
 

@@ -13,6 +13,12 @@ step attends over to the power of two that covers the longest live sequence.
 
 Requests come from any thread (:meth:`Engine.submit`); results are read from the returned
 :class:`Request`, or streamed through its ``on_update`` callback.
+
+An encoder-decoder model (Whisper; see :mod:`levanter_core.inference.decoding` for the
+methods it offers) is served the same way: each request also carries an *encoder input* (a
+spectrogram), which the prefill runs through the encoder into the request's row of the
+cache, beside its prompt (the decoder's first tokens); decoding then goes on in the same
+slots and rounds as text.
 """
 
 from __future__ import annotations
@@ -92,8 +98,10 @@ class Update:
 class Request:
     """A submitted request: wait on it with :meth:`result`, or stream it through ``on_update``."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, index: int, on_update):
+    def __init__(self, prompt: list[int], params: SamplingParams, index: int, on_update, encoder_input=None):
         self.prompt = prompt
+        self.encoder_input = encoder_input
+        """An encoder-decoder's input (a numpy array), until the prefill has used it."""
         self.params = params
         self.index = index
         self.on_update: Callable[[Update], None] | None = on_update
@@ -153,7 +161,8 @@ class Engine:
     ``tokenizer`` (a :class:`~levanter_core.data.tokenizer.Tokenizer`) turns tokens into text and
     makes stop strings work; ``eos_ids`` end a sequence. ``max_seq_len`` (default the model's
     ``seq_len``) bounds prompt plus generation. ``max_queued`` requests may wait for a slot; one
-    more is refused with status 429."""
+    more is refused with status 429. An encoder-decoder model needs an ``encoder_input`` with
+    every request (:meth:`submit`); a language model takes none."""
 
     def __init__(
         self,
@@ -171,6 +180,11 @@ class Engine:
         name = getattr(getattr(model, "config", None), "type", type(model).__name__)
         decoding.check_can_generate(model, name)
         self.model = model
+        self.name = name
+        self.encoder_input_axes: tuple[Axis, ...] | None = (
+            tuple(model.encoder_input_axes) if decoding.is_encoder_decoder(model) else None
+        )
+        """The axes of a request's encoder input; None for a language model (which takes none)."""
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_ids)
         self.max_seqs = max_seqs
@@ -194,7 +208,7 @@ class Engine:
     def start(self) -> "Engine":
         if self._thread is None:
             if self._cache is None:
-                self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
+                self._cache = decoding.slot_cache(self.model, self._Batch, self._KeyPos)
             self._thread = threading.Thread(target=self._run, name="levanter-engine", daemon=True)
             self._thread.start()
         return self
@@ -207,7 +221,7 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("precompile() must come before the engine's first request")
         if self._cache is None:
-            self._cache = decoding.init_cache(self.model, self._Batch, self._KeyPos)
+            self._cache = decoding.slot_cache(self.model, self._Batch, self._KeyPos)
         variants = [(top_n, sample) for top_n in ((0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)) for sample in (False, True)]
         def buckets(smallest, largest, most):
             return sorted({_bucket(n, smallest, largest) for n in range(1, most + 1)})
@@ -219,10 +233,11 @@ class Engine:
                 params = self._params([], rows)
                 ones = np.ones(rows, np.int32)
                 past_the_end = np.full(rows, self.max_seqs, np.int32)  # every row's slot: nothing is written
+                inputs = self._encoder_inputs([], rows)
                 for length in buckets(self.min_prefill, seq_len, seq_len - 1):
                     tokens = np.zeros((rows, length), np.int32)
                     self._cache, *_ = _prefill(
-                        self._cache, self.model, tokens, ones, past_the_end, *params,
+                        self._cache, self.model, tokens, ones, past_the_end, *params, inputs,
                         key_positions=self._KeyPos, top_n=top_n, sample=sample,
                     )  # fmt: skip
                     self.stats.compiles.add(("prefill", rows, length, top_n, sample))
@@ -246,11 +261,12 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def check(self, prompt: list[int], params: SamplingParams) -> None:
+    def check(self, prompt: list[int], params: SamplingParams, encoder_input=None) -> None:
         """Raise :class:`RequestError` (400) for a request that cannot be served as asked."""
         problems = params.field_problems()
         if problems:
             raise RequestError("; ".join(m for _, m in problems), field=problems[0][0])
+        self._check_encoder_input(encoder_input)
         if not prompt:
             raise RequestError("the prompt is empty: give at least one token", field="prompt")
         limit = self.max_seq_len
@@ -272,6 +288,29 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token {bad[0]} is outside the vocabulary (0 to {vocab - 1})", field="prompt")
 
+    def _check_encoder_input(self, encoder_input) -> None:
+        axes = self.encoder_input_axes
+        if axes is None:
+            if encoder_input is not None:
+                raise RequestError(
+                    f"model type {self.name!r} is a language model: a request gives it a prompt and no encoder input",
+                    field="encoder_input",
+                )
+            return
+        expected = "(" + ", ".join(f"{ax.name}={ax.size}" for ax in axes) + ")"
+        if encoder_input is None:
+            raise RequestError(
+                f"model type {self.name!r} is an encoder-decoder: each request needs an encoder input "
+                f"{expected} beside its prompt (the decoder's first tokens)",
+                field="encoder_input",
+            )
+        shape = tuple(np.shape(encoder_input))
+        if shape != tuple(ax.size for ax in axes):
+            raise RequestError(
+                f"the encoder input has shape {shape}; model type {self.name!r} takes {expected}",
+                field="encoder_input",
+            )
+
     @property
     def accepting(self) -> bool:
         """Whether :meth:`submit` takes new requests (False once shutting down or failed)."""
@@ -286,13 +325,14 @@ class Engine:
         return None
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, *, index: int = 0, on_update=None
+        self, prompt: list[int], params: SamplingParams, *, index: int = 0, on_update=None, encoder_input=None
     ) -> Request:
-        """Queue a request (``index``: its sample number among a prompt's ``n``). Raises
+        """Queue a request (``index``: its sample number among a prompt's ``n``; ``encoder_input``:
+        an encoder-decoder's input, an array of :attr:`encoder_input_axes`' shape). Raises
         :class:`RequestError`: 400 for a bad request, 429 when the queue is full, 503 when the
         engine is shutting down or has failed."""
-        self.check(prompt, params)
-        request = Request(list(prompt), params, index, on_update)
+        self.check(prompt, params, encoder_input)
+        request = Request(list(prompt), params, index, on_update, encoder_input)
         with self._lock:
             refusal = self.refusal()
             if refusal is not None:
@@ -308,17 +348,23 @@ class Engine:
         self.start()
         return request
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1) -> list[list[Completion]]:
-        """``n`` completions of each prompt, all batched together (waits for them)."""
-        for prompt in prompts:
-            self.check(prompt, params)
-        requests = [[self._submit_waiting(p, params, i) for i in range(n)] for p in prompts]
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, encoder_inputs=None
+    ) -> list[list[Completion]]:
+        """``n`` completions of each prompt, all batched together (waits for them);
+        ``encoder_inputs``: an encoder-decoder's input for each prompt."""
+        inputs = [None] * len(prompts) if encoder_inputs is None else list(encoder_inputs)
+        if len(inputs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(inputs)} encoder inputs")
+        for prompt, x in zip(prompts, inputs):
+            self.check(prompt, params, x)
+        requests = [[self._submit_waiting(p, params, i, x) for i in range(n)] for p, x in zip(prompts, inputs)]
         return [[r.result() for r in row] for row in requests]
 
-    def _submit_waiting(self, prompt, params, index) -> Request:
+    def _submit_waiting(self, prompt, params, index, encoder_input=None) -> Request:
         while True:  # more prompts than the queue holds: wait for room rather than fail
             try:
-                return self.submit(prompt, params, index=index)
+                return self.submit(prompt, params, index=index, encoder_input=encoder_input)
             except RequestError as e:
                 if e.status != 429:
                     raise
@@ -395,10 +441,11 @@ class Engine:
             lengths[i] = len(request.prompt)
             slots[i] = slot
         params = self._params([r for _, r in admitted], rows)
+        inputs = self._encoder_inputs([r for _, r in admitted], rows)
         top_n, sample = self._top_n(r for _, r in admitted), _sampling(r for _, r in admitted)
         self.stats.compiles.add(("prefill", rows, length, top_n, sample))
         self._cache, new_tokens, logprobs, top_ids, top_lps = _prefill(
-            self._cache, self.model, tokens, lengths, slots, *params,
+            self._cache, self.model, tokens, lengths, slots, *params, inputs,
             key_positions=self._KeyPos, top_n=top_n, sample=sample,
         )  # fmt: skip
         new_tokens, logprobs = np.asarray(new_tokens), np.asarray(logprobs)
@@ -440,6 +487,19 @@ class Engine:
         """How many alternatives the compiled step reports: none unless a request asks (one more
         compiled variant, with the most any request may ask for, rather than one per count)."""
         return MAX_TOP_LOGPROBS if any(r.params.top_logprobs for r in requests) else 0
+
+    def _encoder_inputs(self, requests, rows: int):
+        """The requests' encoder inputs, ``[rows, *encoder_input_axes]`` (zeros for padding rows),
+        handed over to the device (a request keeps none: its row of the cache holds what the
+        encoder made of it); None for a language model."""
+        if self.encoder_input_axes is None:
+            return None
+        shape = tuple(ax.size for ax in self.encoder_input_axes)
+        inputs = np.zeros((rows, *shape), decoding.encoder_input_dtype(self.model))
+        for i, request in enumerate(requests):
+            inputs[i] = request.encoder_input
+            request.encoder_input = None
+        return inputs
 
     def _params(self, requests, rows: int):
         temperature = np.zeros(rows, np.float32)
@@ -561,17 +621,22 @@ def _host(values, *shape):
 
 
 # -- the compiled steps ------------------------------------------------------------------------------
-@hax.named_jit(donate_args=(True,) + (False,) * 9)
+@hax.named_jit(donate_args=(True,) + (False,) * 10)
 def _prefill(
-    cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, *, key_positions, top_n, sample
-):
+    cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, encoder_inputs,
+    *, key_positions, top_n, sample,
+):  # fmt: skip
     """Prompts ``tokens`` ``[rows, length]`` (``lengths`` long) through the model into a fresh
     cache whose rows go to ``slots`` of ``cache``; the first generated token of each, its
-    log-probability, and the ``top_n`` most likely tokens and their log-probabilities."""
+    log-probability, and the ``top_n`` most likely tokens and their log-probabilities. An
+    encoder-decoder's fresh rows start from ``encoder_inputs`` ``[rows, *encoder_input_axes]``
+    (None for a language model)."""
     Batch, Pos = Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1])
     ids = hax.named(jnp.asarray(tokens), (Batch, Pos))
     positions = hax.broadcast_to(hax.arange(Pos), (Batch, Pos))
-    fresh = decoding.init_cache(model, Batch, key_positions)
+    if encoder_inputs is not None:
+        encoder_inputs = hax.named(jnp.asarray(encoder_inputs), (Batch, *model.encoder_input_axes))
+    fresh = decoding.init_cache(model, Batch, key_positions, encoder_inputs)
     hidden, fresh = decoding.decode(model, ids, positions, fresh, key_len=Pos.size)
     hidden = hidden.rearrange((Batch.name, Pos.name, ...))
     last = hax.named(hidden.array[jnp.arange(Batch.size), lengths - 1], (Batch, *hidden.axes[2:]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from haliax import Axis
@@ -30,6 +30,15 @@ class LoadedModel:
     source: str
     name: str
     """A short name for the model (``/v1/models``): the source's last path component."""
+    hf_config: dict = field(default_factory=dict)
+    """The Hugging Face ``config.json`` the model came from (a Hugging Face source's, or the one an
+    import recorded); empty for a model we trained from scratch."""
+    generation_config: dict = field(default_factory=dict)
+    """A Hugging Face source's ``generation_config.json`` (empty when it has none, and for our
+    checkpoints)."""
+    run_config: dict = field(default_factory=dict)
+    """The resolved config of the run that wrote one of our checkpoints (empty for a Hugging Face
+    source)."""
 
 
 def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedModel:
@@ -40,6 +49,8 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
 
     name = os.path.basename(os.path.normpath(source)) or source
     hf_config: dict = {}
+    generation_config: dict = {}
+    run_config: dict = {}
     if os.path.isdir(source) and os.path.isfile(os.path.join(source, "config.json")):
         directory = source
     elif os.path.exists(source):
@@ -59,22 +70,25 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
         generation = os.path.join(directory, "generation_config.json")
         if os.path.isfile(generation):
             with open(generation) as f:
-                hf_config = {**hf_config, "generation_eos": json.load(f).get("eos_token_id")}
+                generation_config = json.load(f)
     else:
         found = load_checkpoint_model(source)
         model, config, Vocab = found.model, found.config, found.Vocab
         hf_config = found.stored.get("hf_config") or {}
+        run_config = found.run_config or {}
         tokenizer_dir = os.path.join(found.path, HF_TOKENIZER_DIR)
         if tokenizer is None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-            tokenizer = (found.run_config.get("data") or {}).get("tokenizer")
+            tokenizer = (run_config.get("data") or {}).get("tokenizer")
 
     loaded_tokenizer = _tokenizer(tokenizer, tokenizer_dir)
     eos = set()
-    for value in (hf_config.get("eos_token_id"), hf_config.get("generation_eos")):
+    for value in (hf_config.get("eos_token_id"), generation_config.get("eos_token_id")):
         eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     if loaded_tokenizer is not None and loaded_tokenizer.eos_id is not None:
         eos.add(loaded_tokenizer.eos_id)
-    return LoadedModel(model, config, Vocab, loaded_tokenizer, tuple(sorted(eos)), source, name)
+    return LoadedModel(
+        model, config, Vocab, loaded_tokenizer, tuple(sorted(eos)), source, name, hf_config, generation_config, run_config
+    )
 
 
 def _tokenizer(spec: str | None, directory: str):

@@ -1,6 +1,7 @@
 """Entry point of the Whisper plugin: registers ``type: whisper``, its training objective
-``asr``, and claims Hugging Face's ``whisper`` checkpoints. Imports nothing of the model:
-every ``levanter`` command loads it."""
+``asr``, the ``levanter transcribe`` command, and claims Hugging Face's ``whisper`` checkpoints.
+Imports nothing of the model: every ``levanter`` command loads it (the command's module imports
+only typer until it runs)."""
 
 from levanter_core.plugins import hookimpl
 
@@ -13,6 +14,13 @@ def register_models(register):
 @hookimpl
 def register_objectives(register):
     register("asr", "levanter_model_whisper.objective:SpeechRecognition")
+
+
+@hookimpl
+def register_commands(app):
+    from levanter_model_whisper.cli import transcribe_command
+
+    app.command("transcribe")(transcribe_command)
 
 
 @hookimpl

@@ -569,9 +569,12 @@ class WhisperModel(eqx.Module):
 
     Incremental decoding (one new token at a time, for transcription): :meth:`init_decoder_cache`
     computes every layer's cross-attention keys and values once, and :meth:`decode_step` runs new
-    tokens against the cache. The text-only interface (``activations``, ``init_cache``) refuses
-    with :data:`NOT_A_LANGUAGE_MODEL`, so that the language-model trainer, evaluation and
-    sampling stop with that message rather than fail obscurely.
+    tokens against the cache. With :attr:`encoder_input_axes` and :meth:`start_decoding` they are
+    the encoder-decoder interface of the core's generation engine
+    (:mod:`levanter_core.inference.decoding`), which then transcribes spectrograms in its slots.
+    The text-only interface (``activations``, ``init_cache``) refuses with
+    :data:`NOT_A_LANGUAGE_MODEL`, so that the language-model trainer and evaluation stop with
+    that message rather than fail obscurely.
     """
 
     model: WhisperEncoderDecoder
@@ -642,6 +645,19 @@ class WhisperModel(eqx.Module):
         the cache and over the encoder's states, and the updated cache. Logits: ``hax.dot(hidden,
         model.get_lm_head(), axis="embed")``."""
         return self.model.decoder.decode_step(token_ids, positions, cache, key_len=key_len)
+
+    # -- the generation engine's encoder-decoder interface -------------------------------------
+    @property
+    def encoder_input_axes(self) -> tuple[Axis, Axis]:
+        """What one transcription starts from: a whole window's log-mel spectrogram ``(mels,
+        frames)``, ``2 * max_source_positions`` frames (3,000 for 30 s), padded as Whisper pads."""
+        return (self.config.Mels, self.config.Frames)
+
+    def start_decoding(self, features: NamedArray, KeyPos: Axis) -> WhisperCache:
+        """A cache for transcribing each row of ``features`` ``(batch, mels, frames)``, up to
+        ``KeyPos.size`` tokens: the encoder runs once, and its states' keys and values wait in the
+        cross-attention cache."""
+        return self.init_decoder_cache(self.encode(features), KeyPos)
 
     # -- the text-only language-model interface, refused ----------------------------------------
     def activations(self, input_ids: NamedArray, *, key=None, attn_mask=None) -> NamedArray:

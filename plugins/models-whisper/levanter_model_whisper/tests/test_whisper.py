@@ -1,6 +1,6 @@
 """Whisper against Hugging Face's ``WhisperForConditionalGeneration``: import and export (stacked
-and unrolled layers, tiny and whisper-tiny shapes), the CLI round trip, Levanter's config,
-incremental decoding, the refusals, and discovery."""
+and unrolled layers, tiny and whisper-tiny shapes), the CLI round trip, Levanter's field names,
+incremental decoding, the refusals, and discovery. (Levanter's Whisper config: test_levanter_config.py.)"""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from levanter_core.testing import listed_plugin
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-
-LEVANTER_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs"
 
 # Encoder and decoder differ in heads and feed-forward widths, so that mixing them up fails;
 # the special tokens lie inside the tiny vocabulary (transformers' defaults, 50256..., do not).
@@ -335,35 +333,42 @@ def test_encoder_takes_shorter_spectrograms_and_refuses_longer_ones():
 
 
 def test_the_text_only_language_model_interface_refuses_by_name():
-    """The next-token trainer, evaluation and the text engine reach these; each says why."""
+    """The next-token trainer and evaluation reach these, and the generation engine serves a text
+    prompt alone (``levanter sample``); each says why not."""
     import haliax as hax
     import jax.numpy as jnp
+    from haliax import Axis
 
     from levanter_core.inference.engine import Engine
+    from levanter_core.inference.sampling import SamplingParams
 
     model = _tiny_model()
     ids = hax.named(jnp.zeros((1, 4), dtype=jnp.int32), ("batch", "position"))
     with pytest.raises(ConfigError, match=r"model.type 'whisper' is a speech-recognition encoder-decoder"):
         model.activations(ids)
     with pytest.raises(UserError, match=r"cannot be trained, evaluated or sampled as a next-token language model"):
-        Engine(model, max_seqs=2).start()
+        model.init_cache(Axis("batch", 1), Axis("key_position", 8))
+    with pytest.raises(UserError, match=r"model type 'whisper' is an encoder-decoder: each request needs an encoder input"):
+        Engine(model, max_seqs=2).submit([1, 2], SamplingParams(max_new_tokens=2))
     with pytest.raises(ConfigError, match=r"model.vocab_size is 32, but the vocabulary has 40 tokens"):
         _tiny_model(vocab_size=32)
 
 
 @pytest.mark.slow
-def test_levanter_train_stops_with_a_message_not_a_traceback(tmp_path):
-    """`levanter train` with `model: {type: whisper}` and text data, where no speech-recognition
-    objective is installed: the run stops naming the model type, with exit status 2 (the trainer
-    refuses a missing objective; without that check, the model refuses the next-token loss)."""
+@pytest.mark.parametrize("fmt", [None, "text"])
+def test_levanter_train_on_text_stops_with_a_message_not_a_traceback(tmp_path, fmt):
+    """`levanter train` with `model: {type: whisper}` and text data stops with exit status 2 and
+    a message, no traceback: read as audio (the format Whisper's sources default to), the first
+    record has no audio, named by file and line; declared as text, the asr objective refuses it."""
     import subprocess
     import sys
 
     import yaml
 
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(40)))
+    data = {"tokenizer": "byte", "train_urls": [str(tmp_path / "data.jsonl")], "cache_dir": str(tmp_path / "cache")}
     config = {
-        "data": {"tokenizer": "byte", "train_urls": [str(tmp_path / "data.jsonl")], "cache_dir": str(tmp_path / "cache")},
+        "data": {**data, **({"format": {"type": fmt}} if fmt else {})},
         "model": {"type": "whisper", "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
                   "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
                   "decoder_ffn_dim": 32, "num_mel_bins": 8, "max_source_positions": 8, "max_length": 32},
@@ -376,7 +381,11 @@ def test_levanter_train_stops_with_a_message_not_a_traceback(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "model.type 'whisper'" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
+    if fmt is None:
+        assert "data.jsonl:1: no 'audio' field (the audio); the record has 'text'" in result.stderr
+    else:
+        assert "model.type 'whisper' trains with the asr objective, which reads audio" in result.stderr
 
 
 def test_unsupported_settings_are_refused_by_name():
@@ -393,24 +402,6 @@ def test_unsupported_settings_are_refused_by_name():
     config = config_from_hf(base)
     with pytest.raises(ValueError, match="layer_norm_epsilon 0.001 has no Hugging Face Whisper equivalent"):
         config.model_copy(update={"layer_norm_epsilon": 1e-3}).to_hf_config(96)
-
-
-@pytest.mark.skipif(not LEVANTER_CONFIGS.is_dir(), reason=f"Levanter's configs are not at {LEVANTER_CONFIGS}")
-def test_levanter_whisper_configs_model_sections_load():
-    import yaml
-
-    from levanter_core.config.base import validate_section
-
-    found = sorted(LEVANTER_CONFIGS.rglob("*whisper*.yaml"))
-    assert found
-    for path in found:
-        section = yaml.safe_load(path.read_text())["model"]
-        config = validate_section("model", section)
-        assert config.type == "whisper"
-        # what the file leaves out is whisper-tiny's
-        assert (config.d_model, config.encoder_layers, config.num_mel_bins, config.seq_len) == (384, 4, 80, 448)
-    librispeech = yaml.safe_load((LEVANTER_CONFIGS / "config" / "whisper_tiny_librispeech.yaml").read_text())
-    assert validate_section("model", librispeech["model"]).vocab_size == 32  # the wav2vec2 tokenizer's
 
 
 def test_levanter_field_names_are_accepted():

@@ -8,7 +8,7 @@ PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins
            plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness \
            plugins/audio
 
-.PHONY: setup setup-test train test test-fast clean
+.PHONY: setup setup-test train train-whisper speech-data test test-fast clean
 
 $(BIN)/python:
 	@$(PYTHON) -c "import sys; sys.exit(sys.version_info[:2] < (3, 11))" 2>/dev/null || { echo "need Python 3.11 or newer: make PYTHON=/path/to/python3.11"; exit 1; }
@@ -31,6 +31,18 @@ setup-test: $(VENV)/.installed-test
 train: setup
 	$(BIN)/levanter train config/gpt2_nano.yaml
 
+# Speech for config/whisper_nano.yaml, synthesized here by eSpeak NG (levanter-audio): 2,000
+# training sentences and 64 held-out ones, in four voices, as FLAC files and JSON-lines manifests.
+VOICES := --voice en-us+Storm --voice en-us+shelby --voice en-us+Denis --voice en-us+michel
+speech-data: data/speech/train/manifest.jsonl data/speech/validation/manifest.jsonl
+data/speech/train/manifest.jsonl: | $(VENV)/.installed
+	$(BIN)/python -m levanter_audio.synth data/speech/train --random 2000 --seed 0 --fmt flac $(VOICES)
+data/speech/validation/manifest.jsonl: | $(VENV)/.installed
+	$(BIN)/python -m levanter_audio.synth data/speech/validation --random 64 --seed 1 --fmt flac $(VOICES)
+
+train-whisper: setup speech-data
+	$(BIN)/levanter train config/whisper_nano.yaml
+
 # The speed figures of the reference GPT-2 and a Llama of the same size (bench/README.md).
 .PHONY: bench
 bench: setup
@@ -44,4 +56,4 @@ test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
-	rm -rf $(VENV) logs checkpoints cache
+	rm -rf $(VENV) logs checkpoints cache data/speech

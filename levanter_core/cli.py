@@ -216,15 +216,18 @@ def eval_command(
         Optional[list[str]],
         typer.Option(
             "--data",
-            help="A file to evaluate on (repeat for several): .jsonl (a 'text' field), .txt (a document per "
-            "line), .json or .parquet, compressed or not; tokenized with the model's tokenizer.",
+            help="A file to evaluate on (repeat for several), read in the data format the model trains on with "
+            "the model's tokenizer: for a language model .jsonl (a 'text' field), .txt (a document per line), .json "
+            "or .parquet, compressed or not; for a speech model (Whisper) a manifest, .jsonl with 'audio' (a path "
+            "relative to the manifest) and 'text' on each line.",
             metavar="FILE",
         ),
     ] = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print the results as JSON: loss and bpb overall, per set and per tag.")
+        bool,
+        typer.Option("--json", help="Print the results as JSON: the metrics (loss, bpb or wer) overall, per set and per tag."),
     ] = False,
-    batch_size: Annotated[int, typer.Option(help="Sequences per evaluation batch.", min=1)] = 8,
+    batch_size: Annotated[int, typer.Option(help="Sequences (or utterances) per evaluation batch.", min=1)] = 8,
     max_batches: Annotated[
         Optional[int], typer.Option(help="Evaluate at most this many batches of each set [default: all].", min=1)
     ] = None,
@@ -234,11 +237,14 @@ def eval_command(
         typer.Option(help="Keep the tokenized --data files here (reused next time) rather than in a temporary directory."),
     ] = None,
 ) -> None:
-    """Evaluate a model: loss and bits per byte on a config's validation sets or on files.
+    """Evaluate a model on a config's validation sets or on files, as its training evaluates.
 
-    Every sequence of each set counts once (documents joined with the end-of-text token, cut
-    into sequences of the model's seq_len). Bits per byte divides the loss by the bytes of text
-    the predicted tokens stand for, so it compares models with different tokenizers.
+    The metrics are those of the model's training objective. A language model's: the loss and
+    bits per byte, every sequence of each set once (documents joined with the end-of-text
+    token, cut into sequences of the model's seq_len); bits per byte divides the loss by the
+    bytes of text the predicted tokens stand for, so it compares models with different
+    tokenizers. A speech model's (Whisper): the loss of each utterance's transcript and the
+    word error rate (wer) of its greedy transcripts against the references.
     """
     import json as json_module
 

@@ -1,24 +1,26 @@
-"""``levanter eval``: the loss and bits per byte of a model on evaluation sets, outside training.
+"""``levanter eval``: a model's evaluation metrics on evaluation sets, outside training.
 
-The sets are a training config's validation sets (``--config``, tokenized into that config's
-cache as training would) or given files (``--data``, tokenized with the model's tokenizer into a
-temporary cache, or ``--cache-dir``). Each set is read as training reads its validation data:
-the documents, each followed by the end-of-text token, cut into sequences of the model's
-``seq_len``; the metrics are those training logs (:func:`~levanter_core.trainer.evaluators.eval_metrics`).
+What is measured is the model's training objective's
+(:class:`~levanter_core.objective.Objective`): for a language model the loss and bits per byte,
+for a speech model (Whisper) the loss and the word error rate of its greedy transcripts. The
+sets are a training config's validation sets (``--config``, read into that config's cache as
+training would) or given files (``--data``, read in the objective's data format with the
+model's tokenizer into a temporary cache, or ``--cache-dir``). Each set is read as training
+reads its validation data (for text: the documents, each followed by the end-of-text token, cut
+into sequences of the model's ``seq_len``; for audio: one utterance a row); the metrics are
+those training logs (:meth:`~levanter_core.objective.Objective.eval_metrics`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from levanter_core.errors import DataError, UserError
-
 
 @dataclasses.dataclass
 class EvalSet:
@@ -31,45 +33,64 @@ class EvalSet:
 
 @dataclasses.dataclass
 class EvalReport:
-    """Each set's ``[nats, tokens, bytes]`` and the metrics made of them."""
+    """Each set's evaluation totals (the objective's: ``[nats, tokens, bytes]`` for language
+    modelling, ``[nats, tokens, word errors, words]`` for speech recognition) and the metrics
+    made of them."""
 
     source: str
     totals: dict[str, np.ndarray]
     metrics: dict[str, float]
+    """The objective's metrics over all sets (``eval/loss``, ``eval/bpb``, ``eval/<tag>/wer``...)."""
     tags: dict[str, list[str]]
+    set_metrics: dict[str, dict[str, float]]
+    """Each set's own metrics, without the ``eval/`` prefix (``loss``, ``bpb``...)."""
+    counts: dict[int, str]
+    """The totals shown as counts, by index (``{1: "tokens", 2: "bytes"}``)."""
+
+    @property
+    def rates(self) -> list[str]:
+        """The metrics besides the loss that some set has (``bpb``, ``wer``), in order."""
+        names = [k for metrics in self.set_metrics.values() for k in metrics if k != "loss"]
+        return list(dict.fromkeys(names))
 
     def as_json(self) -> dict:
-        """``loss``/``bpb`` over everything, their macro averages, then per set and per tag."""
+        """The metrics over everything (``loss``, ``bpb`` or ``wer``...) with their macro averages,
+        then per set (with its counts) and per tag."""
 
         def pick(prefix: str) -> dict:
             found = {k[len(prefix) + 1 :]: v for k, v in self.metrics.items() if k.startswith(prefix + "/")}
             return {k: v for k, v in found.items() if "/" not in k and k != "micro_loss"}
 
         sets = {}
-        for name, (nats, tokens, nbytes) in self.totals.items():
+        for name, totals in self.totals.items():
+            own = self.set_metrics[name]
             sets[name] = {
-                "loss": nats / max(tokens, 1.0),
-                "bpb": nats / (math.log(2) * nbytes) if nbytes else None,
-                "tokens": int(tokens),
-                "bytes": int(nbytes),
+                "loss": own["loss"],
+                **{rate: own.get(rate) for rate in self.rates},
+                **{count: int(totals[i]) for i, count in self.counts.items()},
             }
         return {"source": self.source, **pick("eval"), "eval_sets": sets, "tags": {t: pick(f"eval/{t}") for t in self.tags}}
 
     def table(self) -> str:
         """The report as a text table: one row per set, then per tag, then all together."""
-        rows = [("set", "loss", "bpb", "tokens", "bytes")]
+        rates, counts = self.rates, list(self.counts.items())
+        m = self.metrics
+
+        def values(prefix: str, macro: str = "") -> list[str]:
+            """The loss and rates under ``prefix`` (``macro``: their ``macro_`` averages)."""
+            return [f"{m[f'{prefix}/{macro}loss']:.4f}", *(_fmt(m.get(f"{prefix}/{macro}{r}")) for r in rates)]
+
+        rows = [("set", "loss", *rates, *(name for _, name in counts))]
         for name, entry in self.as_json()["eval_sets"].items():
-            bpb = "-" if entry["bpb"] is None else f"{entry['bpb']:.4f}"
-            rows.append((name, f"{entry['loss']:.4f}", bpb, f"{entry['tokens']:,}", f"{entry['bytes']:,}"))
+            rows.append((name, f"{entry['loss']:.4f}", *(_fmt(entry[r]) for r in rates), *(f"{entry[c]:,}" for _, c in counts)))
+        blank = [""] * len(counts)
         for tag, names in self.tags.items():
-            entry = self.metrics
-            rows.append((f"tag {tag} ({len(names)} sets)", f"{entry[f'eval/{tag}/loss']:.4f}", _fmt(entry.get(f"eval/{tag}/bpb")), "", ""))
+            rows.append((f"tag {tag} ({len(names)} sets)", *values(f"eval/{tag}"), *blank))
         if len(self.totals) > 1:
-            tokens = sum(t[1] for t in self.totals.values())
-            nbytes = sum(t[2] for t in self.totals.values())
-            rows.append(("all (micro)", f"{self.metrics['eval/loss']:.4f}", _fmt(self.metrics.get("eval/bpb")), f"{int(tokens):,}", f"{int(nbytes):,}"))
-            rows.append(("all (macro)", f"{self.metrics['eval/macro_loss']:.4f}", _fmt(self.metrics.get("eval/macro_bpb")), "", ""))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            summed = [f"{int(sum(t[i] for t in self.totals.values())):,}" for i, _ in counts]
+            rows.append(("all (micro)", *values("eval"), *summed))
+            rows.append(("all (macro)", *values("eval", macro="macro_"), *blank))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
@@ -79,9 +100,12 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def sets_from_config(path: str, overrides: Sequence[str], seq_len: int, *, progress: bool = True):
+def sets_from_config(
+    path: str, overrides: Sequence[str], seq_len: int, field_lengths: Mapping[str, int], *, progress: bool = True
+):
     """The validation sets of the training config at ``path`` (its tokenizer, the sets, and
-    each tag's sets), their caches built where that config keeps them."""
+    each tag's sets), their caches built where that config keeps them. ``field_lengths``: the
+    objective's :meth:`~levanter_core.objective.Objective.row_lengths` (for audio, say)."""
     from levanter_core.config.train import load_train_config
     from levanter_core.data.dataset import held_out, sequence_dataset
     from levanter_core.data.pipeline import _open
@@ -94,13 +118,15 @@ def sets_from_config(path: str, overrides: Sequence[str], seq_len: int, *, progr
     held = data.num_validation_sequences or {}
     for name, source in data.configs.items():
         if name in held:
-            cache = _open(data, name, "train", tokenizer, ray=None, background=False, progress=progress, build=True)
-            dataset = held_out(sequence_dataset(cache, seq_len, packed=source.format.packed), name, held[name])[1]
+            split = "train"
         elif source.has_split("validation"):
-            cache = _open(data, name, "validation", tokenizer, ray=None, background=False, progress=progress, build=True)
-            dataset = sequence_dataset(cache, seq_len, packed=source.format.packed)
+            split = "validation"
         else:
             continue
+        cache = _open(data, name, split, tokenizer, ray=None, background=False, progress=progress, build=True)
+        dataset = sequence_dataset(cache, seq_len, layout=source.format.layout, field_lengths=field_lengths)
+        if name in held:
+            dataset = held_out(dataset, name, held[name])[1]
         tags = tuple(t for t in (source.tags or []) if t != name)
         sets.append(EvalSet(name, dataset, tags, f"{path}: {data.field_of(name)}"))
     if not sets:
@@ -108,10 +134,22 @@ def sets_from_config(path: str, overrides: Sequence[str], seq_len: int, *, progr
     return tokenizer, sets
 
 
-def sets_from_files(files: Sequence[str], tokenizer, seq_len: int, cache_dir: str, *, taken=(), progress: bool = True):
-    """One set per file (``.jsonl`` with a ``text`` field, ``.txt`` a document per line, ``.json``,
-    ``.parquet``; compressed too), named by the file's name without its extensions (with ``_``
-    added until it differs from the names ``taken``)."""
+def sets_from_files(
+    files: Sequence[str],
+    tokenizer,
+    seq_len: int,
+    cache_dir: str,
+    *,
+    data_format: dict | None = None,
+    field_lengths: Mapping[str, int] | None = None,
+    taken=(),
+    progress: bool = True,
+):
+    """One set per file, named by the file's name without its extensions (with ``_`` added
+    until it differs from the names ``taken``), read in ``data_format`` (a ``format`` section;
+    None: text, from ``.jsonl`` with a ``text`` field, ``.txt`` a document per line, ``.json``,
+    ``.parquet``, compressed too; ``{"type": "audio"}``: a manifest of ``audio`` and ``text``).
+    ``field_lengths``: as for :func:`sets_from_config`."""
     from levanter_core.data.cache import open_cache
     from levanter_core.data.dataset import sequence_dataset
     from levanter_core.data.source import UrlSourceConfig
@@ -124,32 +162,42 @@ def sets_from_files(files: Sequence[str], tokenizer, seq_len: int, cache_dir: st
         while name in names:
             name += "_"
         names.add(name)
-        source = UrlSourceConfig(type="url", validation_urls=[file])
+        source = UrlSourceConfig.model_validate(
+            {"type": "url", "validation_urls": [file], **({"format": data_format} if data_format else {})}
+        )
         cache = open_cache(
             os.path.join(cache_dir, name), source, "validation", tokenizer,
             enforce_eos=True, skip_bad_data=False, background=False, progress=progress,
         )  # fmt: skip
-        sets.append(EvalSet(name, sequence_dataset(cache, seq_len, packed=source.format.packed), origin=f"--data {file}"))
+        dataset = sequence_dataset(cache, seq_len, layout=source.format.layout, field_lengths=field_lengths)
+        sets.append(EvalSet(name, dataset, origin=f"--data {file}"))
     return sets
 
 
-def evaluate_sets(model, sets: Sequence[EvalSet], tokenizer, *, batch_size: int, max_batches: int | None, progress: bool = True):
-    """Each set's ``[nats, tokens, bytes]`` under ``model``: every sequence of the set once, in
-    batches of ``batch_size`` (the last one smaller), at most ``max_batches`` of them.
-    ``tokenizer`` is the one that tokenized the sets (it says how many bytes each token is)."""
+def evaluate_sets(
+    model, sets: Sequence[EvalSet], objective, tokenizer, *, batch_size: int, max_batches: int | None, progress: bool = True
+):
+    """Each set's evaluation totals under ``model``, those of ``objective``
+    (:meth:`~levanter_core.objective.Objective.eval_totals`, then the sums of its
+    :meth:`~levanter_core.objective.Objective.eval_outputs` where it has outputs): every row of
+    the set once, in batches of ``batch_size`` (the last one smaller), at most ``max_batches``
+    of them. ``tokenizer`` is the one that tokenized the sets (for the objective's
+    :meth:`~levanter_core.objective.Objective.eval_constants`: how many bytes each token is)."""
     import haliax as hax
-    import jax.numpy as jnp
-    from haliax import Axis
+    import jax
     from tqdm.auto import tqdm
 
-    from levanter_core.data.token_bytes import token_byte_lengths
-    from levanter_core.models.lm import LmExample, lm_eval_totals
+    constants = objective.eval_constants(model, tokenizer)
 
-    lengths = jnp.asarray(token_byte_lengths(tokenizer, model.Vocab.size))
-    step = hax.named_jit(lm_eval_totals)
+    def totals_and_outputs(model, example, *constants):
+        # one compiled program for both; a language model has no outputs (None), so its program
+        # is the totals' alone
+        return objective.eval_totals(model, example, *constants), objective.eval_outputs(model, example)
+
+    step = hax.named_jit(totals_and_outputs)
     totals = {}
     for s in sets:
-        total = np.zeros(3, np.float64)
+        total = None
         try:
             n = s.dataset.wait_complete()
         except DataError as e:  # too short for one sequence, say: name the set, not its cache
@@ -157,17 +205,34 @@ def evaluate_sets(model, sets: Sequence[EvalSet], tokenizer, *, batch_size: int,
         starts = list(range(0, n, batch_size))[:max_batches]
         for start in tqdm(starts, desc=s.name, disable=not progress, leave=False):
             batch = s.dataset.rows(np.arange(start, min(start + batch_size, n), dtype=np.int64))
-            Batch, Pos = Axis("batch", batch.tokens.shape[0]), Axis("position", batch.tokens.shape[1])
-
-            def named(values, dtype):
-                return None if values is None else hax.named(jnp.asarray(values, dtype), (Batch, Pos))
-
-            example = LmExample(
-                named(batch.tokens, jnp.int32), named(batch.loss_mask, jnp.float32), named(batch.segment_ids, jnp.int32)
-            )
-            total += np.asarray(step(model, example, lengths), np.float64)
-        totals[s.name] = total
+            found, outputs = step(model, example_of(objective, batch), *constants)
+            part = np.asarray(found, np.float64)
+            if outputs is not None:
+                host = objective.eval_output_totals(jax.tree.map(np.asarray, outputs))
+                part = np.concatenate([part, np.asarray(host, np.float64)])
+            total = part if total is None else total + part
+        totals[s.name] = np.zeros(2) if total is None else total
     return totals
+
+
+def example_of(objective, batch):
+    """The objective's example of a host ``batch``: the arrays it names
+    (:meth:`~levanter_core.objective.Objective.fields`) as named arrays on the default device,
+    the batch axis (``batch``) first."""
+    import haliax as hax
+    import jax.numpy as jnp
+    from haliax import Axis
+
+    fields = objective.fields(batch)
+    Batch = Axis("batch", next(len(f.values) for f in fields.values() if f.values is not None))
+
+    def named(field):
+        if field.values is None:
+            return None
+        values = jnp.asarray(field.values, field.dtype)
+        return hax.named(values, (Batch, *(Axis(a, size) for a, size in zip(field.axes, values.shape[1:]))))
+
+    return objective.example({name: named(field) for name, field in fields.items()})
 
 
 def run_eval(
@@ -183,31 +248,43 @@ def run_eval(
     progress: bool = True,
 ) -> EvalReport:
     """Evaluate the model of ``source`` (a checkpoint, an import, a Hugging Face directory or
-    hub name) on the validation sets of ``config`` and on the ``data`` files."""
+    hub name) on the validation sets of ``config`` and on the ``data`` files, through the
+    model's training objective."""
+    from levanter_core.config.train import objective_class
     from levanter_core.models.source import load_model_source
-    from levanter_core.trainer.evaluators import eval_metrics
 
     if not config and not data:
         raise UserError("nothing to evaluate on: give --config CONFIG (its validation sets) or --data FILE")
     loaded = load_model_source(source, tokenizer=tokenizer)
     model = loaded.model
     seq_len = model.config.seq_len
+    kind = objective_class(model.config)
+    field_lengths = kind.row_lengths(model.config)
     sets, totals = [], {}
+    objective = None
 
     def evaluate(found, with_tokenizer):
+        nonlocal objective
+        # the objective decodes with the tokenizer that encoded the sets (a speech model's transcripts)
+        objective = kind.for_evaluation(model.config, with_tokenizer)
         sets.extend(found)
         totals.update(
-            evaluate_sets(model, found, with_tokenizer, batch_size=batch_size, max_batches=max_batches, progress=progress)
+            evaluate_sets(
+                model, found, objective, with_tokenizer, batch_size=batch_size, max_batches=max_batches, progress=progress
+            )
         )
 
     if config:
-        config_tokenizer, found = sets_from_config(config, overrides, seq_len, progress=progress)
+        config_tokenizer, found = sets_from_config(config, overrides, seq_len, field_lengths, progress=progress)
         evaluate(found, config_tokenizer)
     if data:
         if loaded.tokenizer is None:
             raise UserError(f"{source} has no tokenizer to read --data with: name one with --tokenizer")
         with tempfile.TemporaryDirectory(prefix="levanter-eval-") as scratch:
-            found = sets_from_files(data, loaded.tokenizer, seq_len, cache_dir or scratch, taken=set(totals), progress=progress)
+            found = sets_from_files(
+                data, loaded.tokenizer, seq_len, cache_dir or scratch, data_format=kind.default_format,
+                field_lengths=field_lengths, taken=set(totals), progress=progress,
+            )  # fmt: skip
             evaluate(found, loaded.tokenizer)
     tags: dict[str, list[str]] = {}
     for s in sets:
@@ -216,5 +293,9 @@ def run_eval(
     empty = [name for name, t in totals.items() if t[1] == 0]
     if empty:
         raise UserError(f"evaluation set(s) {', '.join(empty)} hold no sequence of {seq_len} tokens")
-    metrics = eval_metrics(totals, tags, per_set=len(totals) > 1)
-    return EvalReport(loaded.name, totals, metrics, tags)
+    metrics = objective.eval_metrics(totals, tags, per_set=len(totals) > 1)
+    set_metrics = {}
+    for name, t in totals.items():
+        own = objective.eval_metrics({name: t}, {}, per_set=False)
+        set_metrics[name] = {k[len("eval/") :]: v for k, v in own.items() if k.count("/") == 1 and k != "eval/micro_loss"}
+    return EvalReport(loaded.name, totals, metrics, tags, set_metrics, dict(objective.eval_counts))

@@ -46,6 +46,11 @@ class Objective(abc.ABC):
     name: ClassVar[str]
     """The name a model config gives (its ``objective``) to train with this objective."""
 
+    eval_counts: ClassVar[dict[int, str]] = {1: "tokens"}
+    """Which of :meth:`eval_totals`' sums (with :meth:`eval_output_totals`' after them) are counts
+    that reports show beside the metrics, by index: the second, what the loss averages over, is
+    ``tokens``."""
+
     default_format: ClassVar[dict | None] = None
     """The data format (a ``format`` section, ``{"type": "audio"}`` say) that every data source
     written without a ``format`` gets in a run of this objective; None: the sources' own
@@ -134,6 +139,7 @@ class LmObjective(Objective):
     ``z_loss_weight``) and :func:`~levanter_core.models.lm.lm_eval_loss`."""
 
     name = "lm"
+    eval_counts = {1: "tokens", 2: "bytes"}
 
     @classmethod
     def from_config(cls, config) -> "LmObjective":

@@ -62,6 +62,7 @@ class SpeechRecognition(Objective):
 
     name = "asr"
     default_format = {"type": "audio"}
+    eval_counts = {1: "tokens", 3: "words"}
 
     def __init__(self, *, tokenizer=None, prompt: Sequence[int] | None = None, eval_max_tokens: int | None = None):
         """``tokenizer`` (a :class:`~levanter_core.data.tokenizer.Tokenizer`) and ``prompt`` (the

@@ -126,13 +126,21 @@ def run_shards(
 # -- local processes --------------------------------------------------------------------------
 
 
-def _serve(work: Work, todo, results, halt, own_process: bool, threads: int | None = None) -> None:
+def _serve(
+    work: Work, todo, results, halt, own_process: bool, threads: int | None = None, coordinator: int | None = None
+) -> None:
     """A worker's life: take shards until the queue's end marker, sending every report.
 
     ``threads``: the cores this process may use. The Rust ``tokenizers`` library encodes a
-    batch on every core by default; several workers doing that would only contend."""
+    batch on every core by default; several workers doing that would only contend.
+    ``coordinator``: the pid of the process that started this one (a worker process's)."""
     if own_process:
-        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        # The coordinator's pid comes from the coordinator: a spawned worker takes a second to
+        # import, and if the coordinator was killed meanwhile, os.getppid() is already another
+        # process's (init's), which the watchdog would wait on forever while this orphan wrote.
+        if os.getppid() != coordinator:
+            os._exit(1)
+        threading.Thread(target=_exit_with_parent, args=(coordinator,), daemon=True).start()
         if threads is not None:
             os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     while not halt.is_set():
@@ -178,7 +186,7 @@ def _run_local(
         todo, results, halt = context.Queue(), context.Queue(), context.Event()
         threads = max(1, (os.cpu_count() or 1) // count)
         workers = [
-            context.Process(target=_serve, args=(work, todo, results, halt, True, threads), daemon=True)
+            context.Process(target=_serve, args=(work, todo, results, halt, True, threads, os.getpid()), daemon=True)
             for _ in range(count)
         ]
     else:

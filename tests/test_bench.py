@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import reference_gpt2  # noqa: E402
+import whisper_train  # noqa: E402
 
 
 def parameters(model: str) -> int:
@@ -70,3 +72,81 @@ def test_suite_reports_every_figure_for_a_tiny_model(tmp_path):
     assert warm["compilation_cache"]["entries_before"] == cold["compilation_cache"]["entries_after"]
     assert warm["compilation_cache"]["hits"] == cold["compilation_cache"]["entries_after"]
     assert warm["compilation_cache"]["entries_after"] == warm["compilation_cache"]["entries_before"]
+
+
+# -- bench/whisper_train.py ----------------------------------------------------------------------
+
+
+def test_whisper_batch_gives_both_sides_the_same_audio_and_targets():
+    preset = whisper_train.PRESETS["test"]
+    batch = whisper_train.make_batch(preset)
+    rows, seq_len = preset["batch"], preset["model"]["seq_len"]
+    window = 2 * preset["model"]["max_source_positions"] * 160  # 1 s
+    assert batch["audio"].shape == (rows, window) and batch["tokens"].shape == batch["labels"].shape == (rows, seq_len)
+    for row, samples in enumerate(batch["utterances"]):  # theirs: the speech alone; ours: padded with silence
+        assert 0 < len(samples) <= window
+        assert np.array_equal(batch["audio"][row, : len(samples)], samples)
+        assert not batch["audio"][row, len(samples) :].any()
+    # transformers' labels are our targets: the next token where the loss mask counts it, else ignored
+    scored = batch["loss_mask"] > 0
+    assert np.array_equal(batch["labels"][:, :-1][scored[:, :-1]], batch["tokens"][:, 1:][scored[:, :-1]])
+    assert (batch["labels"][~scored] == -100).all() and not scored[:, -1].any()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_whisper_presets_build_the_same_model_on_both_sides(preset):
+    """Our model and transformers' have the same parameters, tensor for tensor (shapes only)."""
+    import jax
+    import torch
+    import transformers
+    from haliax import Axis
+
+    config = whisper_train.PRESETS[preset]
+    ours = whisper_train.our_config(config, "scan", "p=f32", "/nonexistent", 1).model
+    shapes = jax.eval_shape(lambda: ours.build(Axis("vocab", config["vocab_size"]), key=jax.random.PRNGKey(0)))
+    our_count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
+    with torch.device("meta"):
+        theirs = transformers.WhisperForConditionalGeneration(whisper_train.hf_config(config))
+    assert our_count == sum(p.numel() for p in theirs.parameters())
+    if preset == "tiny":  # openai/whisper-tiny's 37.8 M, less 384 of its 448 decoder positions
+        assert our_count == 37_760_640 - 384 * 384
+
+
+def test_whisper_train_reports_both_sides(tmp_path):
+    """The whole script on the test preset, with the profile of both steps (about 15 s on 2 cores,
+    most of it compiling; torch on one thread, which a busy machine slows least)."""
+    out = tmp_path / "whisper.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "whisper_train.py"), "--preset", "test", "--rounds", "2",
+         "--steps", "1", "--warmup", "1", "--device", "cpu", "--torch-threads", "1", "--profile",
+         "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in ("ours: step time", "transformers: step time", "ratio ours / transformers", "audio s/s"):
+        assert row in done.stdout, done.stdout
+    results = json.loads(out.read_text())
+    assert results["machine"]["jax_backend"] == "cpu" and results["machine"]["torch_device"] == "cpu"
+    assert results["machine"]["torch_threads"] == 1
+    assert results["parameters"]["ours"] == results["parameters"]["transformers"]
+    batch = results["batch"]
+    assert batch["window_seconds"] == 2 * 1.0 and 0 < batch["audio_seconds"] <= batch["window_seconds"]
+    for side in ("ours", "transformers"):
+        figures = results[side]
+        assert len(figures["step_seconds"]["all"]) == 2 and len(figures["per_round_median"]) == 2
+        step = figures["step_seconds"]["median"]
+        assert figures["audio_seconds_per_second"] == pytest.approx(batch["audio_seconds"] / step)
+        assert figures["window_seconds_per_second"] == pytest.approx(batch["window_seconds"] / step)
+        assert all(np.isfinite(figures["loss_first_last"]))
+    theirs = results["transformers"]
+    assert 0 < theirs["features_seconds"]["median"] < theirs["step_seconds"]["median"]
+    assert results["ratio"]["vs_step_with_features"] == pytest.approx(
+        theirs["step_seconds"]["median"] / results["ours"]["step_seconds"]["median"]
+    )
+    # --profile: the same pieces of both steps, each timed
+    profile = results["profile_seconds"]
+    assert set(profile["ours"]) == set(profile["transformers"])
+    for pieces in profile.values():
+        for piece in ("features", "encoder forward + backward", "loss forward + backward", "whole step"):
+            assert pieces[piece] > 0, piece
+    assert "profile: encoder forward + backward" in done.stdout

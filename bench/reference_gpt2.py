@@ -213,18 +213,23 @@ def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def machine() -> dict:
-    import jax
-
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def machine() -> dict:
+    import jax
+
     return {
         "nproc": os.cpu_count(),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),

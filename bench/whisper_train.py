@@ -439,16 +439,12 @@ def machine_info(torch_device: str) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from reference_gpt2 import cpu_name
+
     info = {
         "nproc": os.cpu_count(),
         "cores_available": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),

@@ -184,17 +184,13 @@ def evaluate_sets(
     of them. ``tokenizer`` is the one that tokenized the sets (for the objective's
     :meth:`~levanter_core.objective.Objective.eval_constants`: how many bytes each token is)."""
     import haliax as hax
-    import jax
     from tqdm.auto import tqdm
+
+    from levanter_core.objective import batch_totals, evaluate_batch
 
     constants = objective.eval_constants(model, tokenizer)
 
-    def totals_and_outputs(model, example, *constants):
-        # one compiled program for both; a language model has no outputs (None), so its program
-        # is the totals' alone
-        return objective.eval_totals(model, example, *constants), objective.eval_outputs(model, example)
-
-    step = hax.named_jit(totals_and_outputs)
+    step = hax.named_jit(lambda model, example, *constants: evaluate_batch(objective, model, example, *constants))
     totals = {}
     for s in sets:
         total = None
@@ -205,11 +201,7 @@ def evaluate_sets(
         starts = list(range(0, n, batch_size))[:max_batches]
         for start in tqdm(starts, desc=s.name, disable=not progress, leave=False):
             batch = s.dataset.rows(np.arange(start, min(start + batch_size, n), dtype=np.int64))
-            found, outputs = step(model, example_of(objective, batch), *constants)
-            part = np.asarray(found, np.float64)
-            if outputs is not None:
-                host = objective.eval_output_totals(jax.tree.map(np.asarray, outputs))
-                part = np.concatenate([part, np.asarray(host, np.float64)])
+            part = batch_totals(objective, *step(model, example_of(objective, batch), *constants))
             total = part if total is None else total + part
         totals[s.name] = np.zeros(2) if total is None else total
     return totals

@@ -131,6 +131,23 @@ class Objective(abc.ABC):
         return eval_metrics(totals, tags, per_set=per_set)
 
 
+def evaluate_batch(objective: Objective, model: Any, example: Any, *constants: Any) -> tuple[jax.Array, Any]:
+    """One evaluation batch's :meth:`~Objective.eval_totals` and :meth:`~Objective.eval_outputs`
+    (None for an objective without outputs), traceable: compiled as one program, so what both
+    compute (a speech model's encoder) is computed once."""
+    return objective.eval_totals(model, example, *constants), objective.eval_outputs(model, example)
+
+
+def batch_totals(objective: Objective, totals: Any, outputs: Any) -> np.ndarray:
+    """One batch's totals on the host, float64: :meth:`~Objective.eval_totals`' followed by the
+    sums :meth:`~Objective.eval_output_totals` makes of ``outputs`` (when there are any)."""
+    found = np.asarray(totals, np.float64)
+    if outputs is None:
+        return found
+    host = objective.eval_output_totals(jax.tree.map(np.asarray, outputs))
+    return np.concatenate([found, np.asarray(host, np.float64)])
+
+
 class LmObjective(Objective):
     """Next-token prediction: a batch is token ids ``[rows, position]``, or a ``data.Batch``
     with a loss mask and segment ids (packed chat and supervised data); the example an

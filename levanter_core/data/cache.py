@@ -368,9 +368,9 @@ def _encode_batch(job: _Job, tokenizer: Tokenizer, pending: _Pending, batch: lis
     fields = fmt.document_fields()
     for record in batch:
         result = record.value if isinstance(record.value, DataError) else next(encoded)
-        if fields and not isinstance(result, DataError):
-            _check_fields(fmt, result, fields, record.where)
         if not isinstance(result, DataError):
+            if fields:
+                _check_fields(fmt, result, fields, record.where)
             pending.documents.append(result)
             pending.tokens += len(result.ids)
             pending.field_bytes += sum(v.nbytes for v in (result.fields or {}).values())

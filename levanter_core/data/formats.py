@@ -97,9 +97,6 @@ class FormatConfig(TypedConfig):
         raise NotImplementedError
 
 
-_Format = FormatConfig  # the name this base class had before formats were plugins
-
-
 class TextFormat(FormatConfig):
     """Plain text: each record is one document."""
 

@@ -288,7 +288,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
             ray=ray_config,
             progress=progress,
             build=leader,
-            field_lengths=objective_class(config.model).row_lengths(config.model),
+            field_lengths=_row_lengths(config.model),
         )
         try:
             return _train(config, run, data, progress)
@@ -335,18 +335,21 @@ class _Run:
     wall_start: float
 
 
+def _row_lengths(model_config) -> dict[str, int]:
+    """What one batch row holds of a format's own arrays for this model (the objective's)."""
+    return objective_class(model_config).row_lengths(model_config)
+
+
 def _objective(config: TrainConfig, model_config):
     """The training objective the model type names, built for this run."""
-
-    objective = objective_class(model_config).from_config(config)
-    wanted = objective.row_lengths(model_config)
-    if wanted != objective_class(config.model).row_lengths(config.model):
+    wanted, planned = _row_lengths(model_config), _row_lengths(config.model)
+    if wanted != planned:
         raise ConfigError(
             f"the model built ({model_config.type}) needs batch rows of {wanted}, but the data was set up for "
-            f"{objective_class(config.model).row_lengths(config.model)} from the model section; make the model "
-            "section describe the model trained (use_hf_model_config changes it)"
+            f"{planned} from the model section; make the model section describe the model trained "
+            "(use_hf_model_config changes it)"
         )
-    return objective
+    return objective_class(model_config).from_config(config)
 
 
 def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:

@@ -33,7 +33,7 @@ from haliax import Axis, NamedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_core.errors import ConfigError, LevanterError
-from levanter_core.objective import LmObjective, Objective
+from levanter_core.objective import LmObjective, Objective, batch_totals, evaluate_batch
 from levanter_core.optim.skipstep import skipped_step
 from levanter_core.tracker.jit_log import collecting
 from levanter_core.trainer.config import TrainerConfig
@@ -238,7 +238,6 @@ class Trainer:
         self._eval_step = hax.named_jit(self._eval_loss, axis_resources=self.compute_mapping)
         self._eval_steps: dict[Callable, Callable] = {}
         self._totals_step: Callable | None = None
-        self._outputs_step: Callable | None = None
         self._local_rows: dict[int, np.ndarray] = {}
 
     # -- state ---------------------------------------------------------------------------
@@ -518,41 +517,22 @@ class Trainer:
         token id) summed over ``batches``; None if there are none. Sums accumulate in float64 on
         the host."""
         if self._totals_step is None:
-            self._totals_step = hax.named_jit(
-                lambda model, batch, *constants: self.objective.eval_totals(self.mp.cast_to_compute(model), batch, *constants),
-                axis_resources=self.compute_mapping,
-            )
-        parts, host_parts = [], []
-        with hax.partitioning.set_mesh(self.mesh):
-            for batch in batches:
-                example = self.to_device(batch, self.EvalBatch)
-                parts.append(self._totals_step(model, example, *constants))
-                outputs = self._eval_outputs(model, example)
-                if outputs is not None:
-                    host_parts.append(self.objective.eval_output_totals(outputs))
-        if not parts:
-            return None
-        totals = np.sum([np.asarray(p, np.float64) for p in parts], axis=0)
-        if host_parts:
-            totals = np.concatenate([totals, np.sum(np.asarray(host_parts, np.float64), axis=0)])
-        return totals
-
-    def _eval_outputs(self, model, example):
-        """The objective's :meth:`~levanter_core.objective.Objective.eval_outputs` of a placed
-        batch, whole on every process, as numpy arrays; None when it has none."""
-        if type(self.objective).eval_outputs is Objective.eval_outputs:
-            return None
-        if self._outputs_step is None:
             replicated = NamedSharding(self.mesh, PartitionSpec())
 
-            def outputs(model, batch):
-                found = self.objective.eval_outputs(self.mp.cast_to_compute(model), batch)
-                # gathered whole onto every device, so that every process reads all of it
-                return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), found)
+            def totals(model, batch, *constants):
+                found, outputs = evaluate_batch(self.objective, self.mp.cast_to_compute(model), batch, *constants)
+                # outputs are gathered whole onto every device, so that every process reads all of them
+                return found, jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), outputs)
 
-            self._outputs_step = hax.named_jit(outputs, axis_resources=self.compute_mapping)
-        outputs = self._outputs_step(model, example)
-        return None if outputs is None else jax.tree.map(np.asarray, outputs)
+            self._totals_step = hax.named_jit(totals, axis_resources=self.compute_mapping)
+        parts = []
+        with hax.partitioning.set_mesh(self.mesh):
+            for batch in batches:
+                found, outputs = self._totals_step(model, self.to_device(batch, self.EvalBatch), *constants)
+                parts.append(batch_totals(self.objective, found, outputs))
+        if not parts:
+            return None
+        return np.sum(parts, axis=0)
 
     def check_finite(self, loss: float, step: int) -> None:
         if math.isnan(loss) and self.config.crash_on_nan:

@@ -7,10 +7,11 @@ is one request (its spectrogram and the decoder's prompt), the engine decodes th
 its slots, many at once, and each clip's windows' texts are joined. ``levanter transcribe``
 runs it. :func:`decoder_prompt` finds the tokens the decoder starts with.
 
-:func:`greedy_transcribe` is a standalone loop over one batch: it encodes the spectrograms once,
-feeds the decoder its prompt tokens, then one token per step (the most likely one) through the
-cross-attention cache, until every row has produced the end token or ``max_tokens`` tokens. Two
-programs are compiled: the prompt's and the one-token step (the same for every step).
+:func:`greedy_transcribe` decodes one batch on its own, in one compiled program (the ``asr``
+objective's :func:`~levanter_model_whisper.objective.greedy_tokens`, which evaluation uses): it
+encodes the spectrograms once, feeds the decoder its prompt tokens, then one token per step (the
+most likely one) through the cross-attention cache, ``max_tokens`` steps; each row's tokens end
+before its first end token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from haliax import Axis
 
 from levanter_core.errors import UserError
+from levanter_model_whisper.objective import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -47,43 +49,16 @@ def greedy_transcribe(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
     config = model.config
-    Batch = Axis("batch", features.shape[0])
-    spectrograms = hax.named(jnp.asarray(features, jnp.float32), (Batch, config.Mels.name, config.Frames.name))
     total = len(prompt) + max_tokens
     if total > config.seq_len:
         raise ValueError(f"{len(prompt)} prompt tokens and {max_tokens} new ones exceed the decoder's {config.seq_len} positions")
-    cache = _start(model, spectrograms, total)
-    tokens = hax.named(jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (Batch.size, len(prompt))), (Batch, "position"))
-    positions = hax.named(jnp.broadcast_to(jnp.arange(len(prompt), dtype=jnp.int32), tokens.array.shape), (Batch, "position"))
-    out = np.zeros((Batch.size, max_tokens), np.int64)
-    done = np.zeros(Batch.size, bool)
-    for t in range(max_tokens):
-        chosen, cache = _step(model, tokens, positions, cache, key_len=total)
-        out[:, t] = np.asarray(chosen)
-        done |= out[:, t] == end_id
-        if done.all():
-            break
-        tokens = hax.named(jnp.asarray(out[:, t : t + 1], jnp.int32), (Batch, "position"))
-        positions = hax.named(jnp.full((Batch.size, 1), len(prompt) + t, jnp.int32), (Batch, "position"))
-    texts = []
-    for row in out[:, : t + 1]:
-        ids = row.tolist()
-        texts.append(ids[: ids.index(end_id)] if end_id in ids else ids)
-    return texts
+    Batch = Axis("batch", features.shape[0])
+    spectrograms = hax.named(jnp.asarray(features, jnp.float32), (Batch, config.Mels.name, config.Frames.name))
+    chosen = np.asarray(_greedy_tokens(model, spectrograms, tuple(prompt), max_tokens)).tolist()
+    return [ids[: ids.index(end_id)] if end_id in ids else ids for ids in chosen]
 
 
-@eqx.filter_jit
-def _start(model, spectrograms, total: int):
-    return model.init_decoder_cache(model.encode(spectrograms), Axis("key_position", total))
-
-
-@eqx.filter_jit
-def _step(model, tokens, positions, cache, *, key_len: int):
-    """The most likely token after the last of ``tokens``, per row, and the updated cache."""
-    hidden, cache = model.decode_step(tokens, positions, cache, key_len=key_len)
-    last = hidden["position", -1]
-    logits = hax.dot(last, model.get_lm_head(), axis="embed")
-    return hax.argmax(logits, axis=model.Vocab).array, cache
+_greedy_tokens = eqx.filter_jit(greedy_tokens)
 
 
 # -- transcribing clips through the generation engine ---------------------------------------------

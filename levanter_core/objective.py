@@ -91,6 +91,22 @@ class Objective(abc.ABC):
     def loss(self, model: Any, example: Any, *, key) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The mean loss of a batch that the step minimizes, and scalars to log with it."""
 
+    def sampled_loss(self, model: Any, example: Any, *, key) -> jax.Array:
+        """The loss of a batch against targets drawn (with ``key``) from the model's own
+        predictions for it, the draw held fixed under differentiation: the gradient of this is
+        what Gauss-Newton estimates of the Hessian square (Sophia-G), and optimizers reach it
+        through :class:`~levanter_core.optim.BatchObjective`. Objectives that cannot draw
+        targets leave it unimplemented, and such optimizers refuse them."""
+        raise NotImplementedError(f"the {self.name!r} objective cannot draw targets from its model's predictions")
+
+    def data_points(self, example: Any) -> jax.Array:
+        """How many predictions :meth:`loss` averages over in a batch (float32 scalar): by default
+        the batch's rows."""
+        import jax.numpy as jnp
+
+        leaves = [x for x in jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray))]
+        return jnp.asarray(leaves[0].axes[0].size, jnp.float32)
+
     def eval_loss(self, model: Any, example: Any) -> jax.Array:
         """The loss evaluation reports for a batch (by default :meth:`loss`'s, which may hold
         auxiliary terms that evaluation should leave out: override it then)."""
@@ -196,6 +212,20 @@ class LmObjective(Objective):
 
     def eval_loss(self, model, example):
         return self._eval_loss(model, example, key=None)
+
+    def sampled_loss(self, model, example, *, key):
+        """Next-token cross-entropy against tokens sampled from the model's predictions
+        (:func:`~levanter_core.models.lm.lm_sampled_loss`)."""
+        from levanter_core.models.lm import lm_sampled_loss
+
+        return lm_sampled_loss(model, example, key=key)
+
+    def data_points(self, example):
+        """The positions whose next token the loss counts."""
+        from levanter_core.models.lm import as_example, _targets_and_mask
+
+        example = as_example(example)
+        return _targets_and_mask(example.tokens, example.loss_mask)[1].sum().scalar()
 
     def eval_totals(self, model, example, *constants):
         """``[nats, tokens, bytes]`` (:func:`~levanter_core.models.lm.lm_eval_totals`); the

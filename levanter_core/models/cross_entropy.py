@@ -51,6 +51,18 @@ def token_losses(hidden, head, targets, *, block: int | None = None, cap: float 
     return _join(per_block, *hidden.shape[:2])
 
 
+def sample_tokens(hidden, head, key, *, block: int | None = None, cap: float | None = None):
+    """Token ids ``[rows, positions]`` drawn from ``softmax(hidden @ head)`` (soft-capped as the
+    loss is), block by block so that the whole batch's logits are never held at once, without
+    gradients."""
+    hidden, head = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(head)
+    blocks = _blocks(hidden.shape[1], block)
+    h = _split(hidden, blocks)
+    keys = jax.random.split(key, h.shape[0])
+    per_block = jax.lax.map(lambda xs: jax.random.categorical(xs[1], _logits(xs[0], head, cap)), (h, keys))
+    return _join(per_block, *hidden.shape[:2]).astype(jnp.int32)
+
+
 def soft_cap(logits, cap: float | None):
     """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping), on plain or named arrays;
     ``logits`` itself if ``cap`` is None."""

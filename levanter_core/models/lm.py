@@ -215,6 +215,22 @@ def lm_loss_and_metrics(
     return loss + aux.loss, {**metrics, **aux.metrics}
 
 
+def lm_sampled_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key) -> jnp.ndarray:
+    """Mean next-token cross-entropy over the positions the loss counts, against tokens drawn
+    from the model's own predictions (``key`` draws them) rather than the batch's: the loss
+    whose gradient Sophia-G squares for its Gauss-Newton estimate of the Hessian's diagonal.
+    Auxiliary losses are left out; the draw carries no gradient."""
+    from levanter_core.models.cross_entropy import cross_entropy_sum, sample_tokens
+
+    example = as_example(batch)
+    hidden = model.activations(example.tokens, key=None, **_attn_kwargs(example))
+    _, mask = _targets_and_mask(example.tokens, example.loss_mask)
+    h, head, (weights,), block, cap = _loss_inputs(model, hidden, mask)
+    drawn = sample_tokens(h, head, key, block=block, cap=cap)
+    total = cross_entropy_sum(h, head, drawn, weights, block=block, cap=cap)
+    return total / jnp.maximum(jnp.sum(weights), 1.0)
+
+
 def lm_eval_entropy(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
     """The mean entropy (nats) of the model's next-token distribution over the positions the
     loss counts (``log_entropy``)."""

@@ -23,7 +23,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, fie
 
 from levanter_core.config.base import TypedConfig, accepted_only_as
 from levanter_core.errors import ConfigError
-from levanter_core.optim.schedule import DecayShape, learning_rate_schedule
+from levanter_core.optim.schedule import LrSchedule, learning_rate_schedule
 from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
 
 PyTree = Any
@@ -106,10 +106,17 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     haps: list[int] | None = None
     """Deprecated in Levanter, where it no longer has any effect; only null is accepted. Write
     ``cycles`` (a list of the steps where cycles end) instead."""
-    lr_schedule: DecayShape = "cosine"
-    """Shape of the decay phase: ``constant`` (no decay), ``linear``, ``cosine``, ``inv_sqrt``
-    (``1/sqrt``) or ``inv`` (``1/x``). Each goes from the peak to exactly the minimum learning rate;
-    ``inv_sqrt`` and ``inv`` pick their timescale to land there and need ``min_lr_ratio > 0``."""
+    lr_schedule: LrSchedule = "cosine"
+    """Shape of the decay phase (warmup, the stable phase and cycles are the same for every
+    shape): a name, ``constant`` (no decay), ``linear``, ``cosine``, ``inv_sqrt`` (``1/sqrt``) or
+    ``inv`` (``1/x``), or, as in Levanter, a section with ``type`` and that shape's fields:
+    ``{type: cosine, exponent: 2.0}``, ``{type: inv_sqrt, timescale: 1000}``, or the Power
+    Scheduler ``{type: power, batch_size: 256, seq_length: 1024, a: 4.6, b: -0.51}``. ``linear``,
+    ``cosine``, ``inv``, and ``inv_sqrt`` without a timescale, end exactly at the minimum
+    learning rate; the last two choose their timescale to land there, so they need
+    ``min_lr_ratio > 0`` (Levanter's ``inv_sqrt`` instead holds the peak until step 10000 and
+    then falls as ``1/sqrt`` without aiming at the minimum). ``power`` ignores
+    ``min_lr_ratio``."""
     weight_decay_modules: list[str] | str | None = None
     """Which parameters get weight decay: a regular expression, or a list of them, searched for in
     each parameter's dotted path (e.g. ``transformer.blocks.stacked.attn.c_attn.weight``); a plain
@@ -167,14 +174,20 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     def _check_combination(self):
         if self.cycles is not None and self.cycle_length is not None:
             raise ValueError("It is an error to specify both `cycles` and `cycle_length`; keep one of them")
-        if self.lr_schedule in ("inv_sqrt", "inv") and self.min_lr_ratio == 0:
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} never reaches 0: set min_lr_ratio above 0")
+        self.lr_schedule.check(self.min_lr_ratio)
         return self
 
     @abc.abstractmethod
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         """The optimizer for a run of ``num_train_steps`` steps. Its updates are meant to be
         added to the parameters (``optax.apply_updates``)."""
+
+    def params_for_evaluation(self, params: PyTree, opt_state: PyTree) -> PyTree:
+        """The parameters that evaluation, samples and exports use, from the trained ``params``
+        and the optimizer's state (as :meth:`build_for_trainer`'s optimizer keeps it): the
+        trained ones themselves, unless an optimizer evaluates elsewhere (schedule-free
+        methods evaluate an average of their iterates)."""
+        return params
 
     def build_for_trainer(self, num_train_steps: int) -> optax.GradientTransformationExtraArgs:
         """What the trainer runs: :meth:`build`'s optimizer inside the wrappers that every
@@ -185,12 +198,15 @@ class OptimizerConfig(TypedConfig, abc.ABC):
             optimizer = self.skip_bad_steps.wrap(optimizer)
         return optimizer
 
-    def lr_scheduler(self, num_train_steps: int) -> optax.Schedule:
+    def lr_scheduler(self, num_train_steps: int, learning_rate: float | None = None) -> optax.Schedule:
         """``step -> learning rate`` for a run of ``num_train_steps`` steps. Works on a Python
-        int and on a traced step inside ``jit``.
+        int and on a traced step inside ``jit``. ``learning_rate``: the peak of the schedule
+        when not ``self.learning_rate`` (an optimizer with a second learning rate, such as
+        Muon's ``adam_lr`` for the parameters it leaves to AdamW, gives it the same shape).
 
         Raises :class:`ConfigError` when the cycles or phases do not fit the run.
         """
+        peak = self.learning_rate if learning_rate is None else learning_rate
         cooldown_steps = 0
         if self.cooldown is not None:
             warnings.warn("optimizer.cooldown is deprecated; use decay", DeprecationWarning, stacklevel=2)
@@ -199,7 +215,7 @@ class OptimizerConfig(TypedConfig, abc.ABC):
                 raise ConfigError(f"optimizer.cooldown ({self.cooldown}) leaves no steps of the run for the schedule")
         try:
             main = learning_rate_schedule(
-                learning_rate=self.learning_rate,
+                learning_rate=peak,
                 num_train_steps=num_train_steps - cooldown_steps,
                 min_lr_ratio=self.min_lr_ratio,
                 warmup=self.warmup,
@@ -214,7 +230,7 @@ class OptimizerConfig(TypedConfig, abc.ABC):
         if not cooldown_steps:
             return main
         last = float(main(num_train_steps - cooldown_steps - 1))
-        tail = optax.linear_schedule(last, self.learning_rate * self.min_lr_ratio, cooldown_steps)
+        tail = optax.linear_schedule(last, peak * self.min_lr_ratio, cooldown_steps)
         return optax.join_schedules([main, tail], [num_train_steps - cooldown_steps])
 
     def build_weight_decay_mask(self) -> Callable[[PyTree], PyTree] | None:

@@ -16,19 +16,32 @@ Phase lengths are given as a fraction of the cycle (a float below 1) or as a
 number of steps. Everything is plain ``jnp`` arithmetic on the step, so a
 schedule can be called with a Python int on the host or with a traced step
 inside ``jit``.
+
+The decay phase's shape is an ``lr_schedule`` section (:data:`LrSchedule`): one of the
+classes below, chosen by ``type``, or just its name (``cosine``) for the shape with its
+default fields. The shape only decides the decay phase; warmup, the stable phase and the
+cycles are the same for every shape.
 """
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
-from typing import Callable, Literal
+from typing import Annotated, Any, Callable, Literal, Union
 
 import jax
 import jax.numpy as jnp
 import optax
+from pydantic import BeforeValidator, Field, PlainSerializer
+
+from levanter_core.config.base import ConfigModel
 
 DecayShape = Literal["constant", "linear", "cosine", "inv_sqrt", "inv"]
+"""The shapes that may be written as a plain name (``power`` needs its fields)."""
+
+Curve = Callable[[jax.Array], jax.Array]
+"""The decay phase: float32 steps since its start (clipped to its length) -> learning rate."""
 
 
 def to_steps(value: int | float, total: int, *, one_is_fraction: bool = False) -> int:
@@ -96,51 +109,242 @@ def cycle_ends(
     return ends
 
 
-def decay_curve(shape: DecayShape, peak: float, min_lr_ratio: float) -> Callable[[jax.Array], jax.Array]:
-    """The decay phase as a function of its progress ``p`` (0 at its start, 1 at its end).
+class LrScheduleSection(ConfigModel, abc.ABC):
+    """Base of the ``lr_schedule`` sections: the shape of the decay phase.
 
-    Every shape starts at ``peak`` and, except ``constant``, ends exactly at
-    ``min_lr_ratio * peak``:
-
-    * ``linear``: a straight line;
-    * ``cosine``: half a cosine wave;
-    * ``inv_sqrt``: ``peak / sqrt(1 + k p)`` with ``k = 1/min_lr_ratio**2 - 1``;
-    * ``inv``: ``peak / (1 + k p)`` with ``k = 1/min_lr_ratio - 1``.
-
-    ``inv_sqrt`` and ``inv`` keep their true shape and choose their timescale
-    ``k`` so the curve lands on the minimum; they never reach 0, so they need
-    ``min_lr_ratio > 0``.
+    A section equals the plain name that stands for it (``CosineSchedule() == "cosine"``),
+    so code that compared ``lr_schedule`` with a name, from when the field held only names,
+    keeps working; it is written back as that name too.
     """
-    floor = peak * min_lr_ratio
-    if shape in ("inv_sqrt", "inv") and min_lr_ratio <= 0:
-        raise ValueError(f"lr_schedule {shape!r} never reaches 0: set min_lr_ratio above 0")
-    match shape:
-        case "constant":
-            return lambda p: jnp.full_like(p, peak)
-        case "linear":
-            return lambda p: peak + (floor - peak) * p
-        case "cosine":
-            return lambda p: floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * p))
-        case "inv_sqrt":
+
+    type: str
+    """The shape's name."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            named = _named_section(other)
+            return named is not None and super().__eq__(named)
+        return super().__eq__(other)
+
+    def __hash__(self) -> int:
+        # Equal sections (and a section and its name) have the same type, hence the same hash.
+        return hash(self.type)
+
+    @abc.abstractmethod
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        """The decay phase of ``decay_steps`` steps from ``peak``, towards ``min_lr_ratio * peak``,
+        as a function of the (float32) steps since its start, clipped to ``[0, decay_steps]``."""
+
+    def check(self, min_lr_ratio: float) -> None:
+        """Raise ``ValueError`` if this shape cannot work with ``min_lr_ratio``."""
+
+
+def _progress(t: jax.Array, decay_steps: int) -> jax.Array:
+    """How far through the decay phase ``t`` is: 0 at its start, 1 at its end."""
+    return t / max(decay_steps, 1)
+
+
+class ConstantSchedule(LrScheduleSection):
+    """No decay: the decay phase stays at the peak learning rate."""
+
+    type: Literal["constant"] = "constant"
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        return lambda t: jnp.full_like(t, peak)
+
+
+class LinearSchedule(LrScheduleSection):
+    """A straight line from the peak to the minimum."""
+
+    type: Literal["linear"] = "linear"
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        floor = peak * min_lr_ratio
+        return lambda t: peak + (floor - peak) * _progress(t, decay_steps)
+
+
+class CosineSchedule(LrScheduleSection):
+    """Half a cosine wave from the peak to the minimum: ``min + (peak - min) * c**exponent``
+    with ``c = (1 + cos(pi p)) / 2`` at progress ``p`` through the decay (as
+    ``optax.cosine_decay_schedule``)."""
+
+    type: Literal["cosine"] = "cosine"
+    exponent: float = Field(1.0, gt=0)
+    """Power the cosine factor (1 at the start of the decay, 0 at its end) is raised to, as
+    ``optax.cosine_decay_schedule``'s ``exponent``: above 1 falls faster at first and stays
+    longer near the minimum, below 1 stays longer near the peak. 1 is the plain cosine."""
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        floor = peak * min_lr_ratio
+        if self.exponent == 1:
+            # Kept exactly as the plain cosine has always been computed (bit for bit).
+            return lambda t: floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * _progress(t, decay_steps)))
+        exponent = self.exponent
+        return lambda t: floor + (peak - floor) * (0.5 * (1 + jnp.cos(math.pi * _progress(t, decay_steps)))) ** exponent
+
+
+class InvSqrtSchedule(LrScheduleSection):
+    """``1/sqrt`` decay: ``peak / sqrt(1 + t / timescale)`` at ``t`` steps into the decay.
+
+    Without ``timescale`` it is chosen so that the curve lands exactly on the minimum at the end
+    of the decay (``timescale = decay steps * min_lr_ratio**2 / (1 - min_lr_ratio**2)``), which
+    needs ``min_lr_ratio > 0``. With a ``timescale`` the curve keeps that rate of fall whatever
+    the decay's length and stops at the minimum learning rate once it reaches it.
+
+    Levanter's ``inv_sqrt`` is ``peak * min(1, sqrt(timescale / s))`` floored at the minimum,
+    with ``s`` the steps into the decay phase plus the cycle's (re)warmup steps: flat at the
+    peak up to ``s = timescale``, then a sharp bend into ``1/sqrt``. Here the decay starts
+    smoothly where the decay phase does, and approaches the same ``peak * sqrt(timescale / t)``
+    once ``t`` is well past ``timescale``.
+    """
+
+    type: Literal["inv_sqrt"] = "inv_sqrt"
+    timescale: float | None = Field(None, gt=0)
+    """Steps into the decay phase at which the learning rate is ``peak / sqrt(2)``; it falls as
+    ``1/sqrt`` of the steps after that. None (the default; Levanter's is 10000): chosen so
+    that the decay ends exactly at ``min_lr_ratio * learning_rate``."""
+
+    def check(self, min_lr_ratio: float) -> None:
+        if self.timescale is None and min_lr_ratio <= 0:
+            raise ValueError(
+                "lr_schedule 'inv_sqrt' never reaches 0: set min_lr_ratio above 0, or give the "
+                "lr_schedule section a timescale"
+            )
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        self.check(min_lr_ratio)
+        if self.timescale is None:
             k = 1 / min_lr_ratio**2 - 1
-            return lambda p: peak * jax.lax.rsqrt(1 + k * p)
-        case "inv":
-            k = 1 / min_lr_ratio - 1
-            return lambda p: peak / (1 + k * p)
-    raise ValueError(f"unknown lr_schedule {shape!r}; expected one of constant, linear, cosine, inv_sqrt, inv")
+            return lambda t: peak * jax.lax.rsqrt(1 + k * _progress(t, decay_steps))
+        floor, timescale = peak * min_lr_ratio, self.timescale
+        return lambda t: jnp.maximum(floor, peak * jax.lax.rsqrt(1 + t / timescale))
 
 
-def _cycle(
-    start_lr: float, peak: float, ramp: int, decay_start: int, decay_steps: int, curve: Callable
-) -> optax.Schedule:
+class InvSchedule(LrScheduleSection):
+    """``1/x`` decay: ``peak / (1 + k p)`` at progress ``p`` through the decay, with
+    ``k = 1/min_lr_ratio - 1`` so that it ends exactly at the minimum (as in Levanter);
+    needs ``min_lr_ratio > 0``."""
+
+    type: Literal["inv"] = "inv"
+
+    def check(self, min_lr_ratio: float) -> None:
+        if min_lr_ratio <= 0:
+            raise ValueError("lr_schedule 'inv' never reaches 0: set min_lr_ratio above 0")
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        self.check(min_lr_ratio)
+        k = 1 / min_lr_ratio - 1
+        return lambda t: peak / (1 + k * _progress(t, decay_steps))
+
+
+class PowerSchedule(LrScheduleSection):
+    """The Power Scheduler (Shen et al. 2024, "Power Scheduler: A Batch Size and Token Number
+    Agnostic Learning Rate Scheduler"): ``min(peak, batch_size * a * tokens**b)``, with
+    ``tokens = t * batch_size * seq_length`` the tokens trained in the ``t`` steps since the
+    start of the decay phase. The paper tunes ``a`` and ``b`` for models in maximal update
+    parametrization (muP).
+
+    As in Levanter, ``min_lr_ratio`` does not apply: the rate follows the power law down to
+    wherever it is at the end of the decay. Unlike Levanter, the token count is a float, so it
+    does not overflow (Levanter multiplies in int32, which wraps past 2**31 tokens)."""
+
+    type: Literal["power"] = "power"
+    batch_size: int = Field(ge=1)
+    """Sequences per step (normally ``trainer.train_batch_size``), for the tokens trained so
+    far; also the ``batch_size`` factor of the formula. Required."""
+    seq_length: int = Field(ge=1)
+    """Tokens per sequence (normally the model's ``seq_len``), for the tokens trained so far.
+    Required."""
+    a: float = Field(4.6, gt=0)
+    """The amplitude of the power law; must be positive."""
+    b: float = Field(-0.51, lt=0)
+    """The exponent of the power law in the tokens trained; must be negative."""
+
+    def curve(self, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
+        tokens_per_step = float(self.batch_size * self.seq_length)
+        scale, b = self.batch_size * self.a, self.b
+
+        def lr(t):
+            # At t = 0 the power is inf, so the rate starts at the peak.
+            return jnp.minimum(peak, scale * (t * tokens_per_step) ** b)
+
+        return lr
+
+
+_SECTIONS: dict[str, type[LrScheduleSection]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (ConstantSchedule, LinearSchedule, CosineSchedule, InvSqrtSchedule, InvSchedule, PowerSchedule)
+}
+_NAMES = ", ".join(_SECTIONS)
+
+
+def _named_section(name: str) -> LrScheduleSection | None:
+    """The section a plain name stands for (its default fields), or None if there is none."""
+    cls = _SECTIONS.get(name)
+    if cls is None or any(field.is_required() for field in cls.model_fields.values()):
+        return None
+    return cls()
+
+
+def lr_schedule_section(value: Any) -> LrScheduleSection:
+    """What ``optimizer.lr_schedule`` accepts: a shape's name (``cosine``), or a section with
+    ``type`` and that shape's fields (``{type: cosine, exponent: 2}``), or a section object.
+    Returns the section; raises ``ValueError`` (or pydantic's ``ValidationError`` for a bad
+    field) otherwise."""
+    if isinstance(value, LrScheduleSection):
+        return value
+    if isinstance(value, str):
+        if value not in _SECTIONS:
+            raise ValueError(f"unknown lr_schedule {value!r}; expected one of {_NAMES}")
+        value = {"type": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a shape name ({_NAMES}) or a section with a `type`")
+    name = value.get("type")
+    if name is None:
+        raise ValueError(f"an lr_schedule section needs a `type`: one of {_NAMES}")
+    if name not in _SECTIONS:
+        raise ValueError(f"unknown lr_schedule type {name!r}; expected one of {_NAMES}")
+    return _SECTIONS[name].model_validate(value)
+
+
+def _as_written(section: LrScheduleSection) -> Any:
+    """A section with its default fields is written as its name, as before sections existed."""
+    return section.type if section == section.type else section.model_dump(mode="json")
+
+
+LrSchedule = Annotated[
+    Union[ConstantSchedule, LinearSchedule, CosineSchedule, InvSqrtSchedule, InvSchedule, PowerSchedule],
+    Field(discriminator="type"),
+    BeforeValidator(lr_schedule_section),
+    PlainSerializer(_as_written),
+]
+"""The type of ``optimizer.lr_schedule``: a name or a section, always held as a section."""
+
+
+def decay_curve(
+    shape: DecayShape | LrScheduleSection, peak: float, min_lr_ratio: float, decay_steps: int
+) -> Curve:
+    """The decay phase of ``decay_steps`` steps for ``shape`` (a name or a section), as a
+    function of the steps since its start (see :meth:`LrScheduleSection.curve`).
+
+    Every shape starts at ``peak``; ``linear``, ``cosine``, ``inv`` and ``inv_sqrt`` without
+    a ``timescale`` end exactly at ``min_lr_ratio * peak``; ``constant`` stays at the peak;
+    ``power`` and ``inv_sqrt`` with a ``timescale`` follow their own law (the latter floored at
+    the minimum)."""
+    section = lr_schedule_section(shape)
+    section.check(min_lr_ratio)
+    return section.curve(peak, min_lr_ratio, decay_steps)
+
+
+def _cycle(start_lr: float, peak: float, ramp: int, decay_start: int, decay_steps: int, curve: Curve) -> optax.Schedule:
     """One cycle, as a function of the step counted from the cycle's start."""
 
     def lr(step):
         t = jnp.asarray(step, jnp.float32)
         ramped = start_lr + (peak - start_lr) * t / max(ramp, 1)
-        # Before decay_start the progress clips to 0 (the stable phase at the peak);
-        # past the end it clips to 1 (the minimum).
-        decayed = curve(jnp.clip(t - decay_start, 0, decay_steps) / max(decay_steps, 1))
+        # Before decay_start the decay's clock clips to 0 (the stable phase at the peak);
+        # past the end it clips to the decay's length (its final value).
+        decayed = curve(jnp.clip(t - decay_start, 0, decay_steps))
         return jnp.where(t < ramp, ramped, decayed)
 
     return lr
@@ -156,16 +360,18 @@ def learning_rate_schedule(
     rewarmup: int | float = 0.0,
     cycles: int | list[int] | None = None,
     cycle_length: int | float | list[int] | None = None,
-    shape: DecayShape = "cosine",
+    shape: DecayShape | LrScheduleSection = "cosine",
 ) -> optax.Schedule:
     """``step -> learning rate`` for the whole run (see the module docstring).
 
     ``warmup`` applies to the first cycle, ``rewarmup`` to the others; both, and
     ``decay``, are fractions of each cycle's length or numbers of steps. ``decay``
     of ``None`` decays over everything after the (re)warmup, leaving no stable
-    phase. Raises ``ValueError`` when the phases do not fit in a cycle.
+    phase. ``shape``: the decay's shape, a name or an ``lr_schedule`` section.
+    Raises ``ValueError`` when the phases do not fit in a cycle.
     """
-    curve = decay_curve(shape, learning_rate, min_lr_ratio)
+    section = lr_schedule_section(shape)
+    section.check(min_lr_ratio)
     ends = cycle_ends(num_train_steps, cycles=cycles, cycle_length=cycle_length)
     starts = [0] + ends[:-1]
 
@@ -184,6 +390,7 @@ def learning_rate_schedule(
                 f"cycle {i + 1} of {len(ends)} (steps {start} to {end}) is {length} steps long, "
                 f"too short for {what}; shorten the phases or use longer cycles"
             )
+        curve = section.curve(learning_rate, min_lr_ratio, decay_steps)
         piece = _cycle(start_lr, learning_rate, ramp, length - decay_steps, decay_steps, curve)
         pieces.append(piece)
         start_lr = float(piece(length))

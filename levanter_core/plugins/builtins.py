@@ -6,6 +6,11 @@ from levanter_core.plugins.hookspecs import hookimpl
 @hookimpl
 def register_optimizers(register):
     register("adam", "levanter_core.optim.adam:AdamConfig")
+    register("lion", "levanter_core.optim.lion:LionConfig")
+    register("adopt", "levanter_core.optim.adopt:AdoptConfig")
+    register("rmsprop", "levanter_core.optim.rmsprop:RMSPropConfig")
+    register("cautious", "levanter_core.optim.cautious:CautiousConfig")
+    register("schedule_free_adamw", "levanter_core.optim.schedule_free:ScheduleFreeAdamWConfig")
 
 
 @hookimpl

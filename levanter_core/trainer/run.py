@@ -365,7 +365,13 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     mesh = make_mesh(trainer_cfg)
     num_steps = trainer_cfg.num_train_steps
     optimizer = config.optimizer.build_for_trainer(num_steps)
-    trainer = Trainer(trainer_cfg, optimizer, _objective(config, model_config), mesh=mesh)
+    trainer = Trainer(
+        trainer_cfg,
+        optimizer,
+        _objective(config, model_config),
+        mesh=mesh,
+        eval_params=config.optimizer.params_for_evaluation,
+    )
 
     def model_init(key):
         return model_config.build(Vocab, key=key)

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter_core.errors import ConfigError, LevanterError
 from levanter_core.objective import LmObjective, Objective, batch_totals, evaluate_batch
 from levanter_core.optim.skipstep import skipped_step
+from levanter_core.optim.step import BatchObjective
 from levanter_core.tracker.jit_log import collecting
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh import data_axis_size
@@ -48,6 +49,11 @@ LossFn = Callable[..., tuple[jax.Array, dict]]
 :class:`~levanter_core.models.lm.LmExample`) and any scalars the model wants logged (see
 ``levanter_core.models.lm.lm_loss_and_metrics``); given to :class:`Trainer` in place of an
 objective, it trains next-token prediction with that loss."""
+
+
+_OPTIMIZER_STREAM = 0x0971
+"""Folded into the state's training key for the optimizer's key of each step (``key=``), so it is
+independent of the keys the loss and the next step get from splitting the training key."""
 
 
 def _batch_axis(example, name: str) -> Axis:
@@ -194,6 +200,7 @@ class Trainer:
         mesh: Mesh,
         eval_loss_fn: Callable[..., jax.Array] | None = None,
         loss_fn: LossFn | None = None,
+        eval_params: Callable[[Any, Any], Any] | None = None,
     ):
         """``objective`` (:mod:`levanter_core.objective`) says what a batch holds, what the
         step minimizes and what evaluation sums; a loss function in its place trains
@@ -204,9 +211,17 @@ class Trainer:
         when it accepts extra arguments (``optax.GradientTransformationExtraArgs``, as
         ``OptimizerConfig.build_for_trainer`` makes); a plain optax optimizer works too.
 
+        ``optimizer.update`` also receives ``objective``, ``key`` and ``step``, as
+        :mod:`levanter_core.optim.step` describes.
+
+        ``eval_params(params, opt_state) -> params``: the parameters to evaluate and export when
+        they are not the trained ones (``OptimizerConfig.params_for_evaluation``; schedule-free
+        optimizers evaluate an average of their iterates); None: the trained ones.
+
         ``loss_fn=``: the keyword this argument had before objectives existed (deprecated)."""
         self.config = config
         self.optimizer = optimizer
+        self.eval_params = eval_params
         if loss_fn is not None:
             warnings.warn(
                 "Trainer(loss_fn=...) is deprecated: pass the loss function (or an objective) as the third argument",
@@ -284,7 +299,12 @@ class Trainer:
     def eval_model(self, state: TrainerState):
         """The model to evaluate (and export): the averaged model when
         ``trainer.model_averaging`` is on, else the trained one."""
-        return state.model if state.model_averaging is None else state.model_averaging.model
+        if state.model_averaging is not None:
+            return state.model_averaging.model
+        if self.eval_params is None:
+            return state.model
+        with hax.partitioning.set_mesh(self.mesh):
+            return eqx.combine(self.eval_params(trainable(state.model), state.opt_state), state.model)
 
     def state_template(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> TrainerState:
         """Shapes, dtypes and shardings of :meth:`init_state`'s result, without computing it."""
@@ -372,8 +392,14 @@ class Trainer:
             # FP8's scale histories come back as "gradients" that replace the state outright
             overwrites, grads = hax.quantization.partition_for_grad_overwrite(grads)
         optimizer = optax.with_extra_args_support(self.optimizer)
+        extras = {
+            "loss": loss,
+            "objective": self._batch_objective(state.model, batch),
+            "key": jax.random.fold_in(state.training_key, _OPTIMIZER_STREAM),
+            "step": state.step,
+        }
         with collecting() as optimizer_logged:  # jit_log from the optimizer's update
-            updates, opt_state = optimizer.update(grads, state.opt_state, params, loss=loss)
+            updates, opt_state = optimizer.update(grads, state.opt_state, params, **extras)
         model_metrics = {**model_metrics, **optimizer_logged}
         if overwrites is None:
             model = eqx.apply_updates(state.model, updates)
@@ -390,6 +416,35 @@ class Trainer:
         if skipped is not None:
             metrics["optim/skipped_step"] = skipped
         return TrainerState(state.step + 1, model, opt_state, next_key, averaging), metrics
+
+    def _batch_objective(self, model, batch) -> BatchObjective:
+        """The objective on this step's batch (its first microbatch when it is split) as a
+        function of the trainable parameters, for the optimizer (:mod:`levanter_core.optim.step`)."""
+        Batch = _batch_axis(batch, self.config.batch_axis)
+        rows = self.plans[Batch.size].microbatch_size
+        if rows < Batch.size:
+            batch = jax.tree.map(
+                lambda x: hax.shard(x[Batch.name, :rows], self.compute_mapping),
+                batch,
+                is_leaf=lambda x: isinstance(x, NamedArray),
+            )
+
+        def with_params(params):
+            return self.mp.cast_to_compute(eqx.combine(params, model))
+
+        def loss(params, key):
+            return self._compute_loss(eqx.combine(params, model), batch, key)[0]
+
+        def sampled_loss(params, key):
+            try:
+                return self.objective.sampled_loss(with_params(params), batch, key=key)
+            except NotImplementedError as e:
+                raise ConfigError(
+                    f"optimizer: this optimizer evaluates the loss against targets drawn from the model, "
+                    f"but {e}; choose another optimizer (sophia-h rather than sophia-g, say)"
+                ) from None
+
+        return BatchObjective(loss, sampled_loss, lambda: self.objective.data_points(batch))
 
     def _eval_loss(self, model, batch):
         return self.objective.eval_loss(self.mp.cast_to_compute(model), batch)

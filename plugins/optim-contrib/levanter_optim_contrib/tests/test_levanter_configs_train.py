@@ -1,0 +1,50 @@
+"""Levanter's own Sophia and Muon configs train, their ``optimizer:`` sections unchanged: only
+the data (a slice of the standard library), the model's size, the run's length and the
+warmup (2,000 steps in some) are overridden to fit a test."""
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+REFERENCE = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs" / "config"
+CONFIGS = [
+    "gpt2_small_sophiah.yaml",  # optimizer: !include optim/sophia-h_small.yaml
+    "gpt2_small_fast_sophiah.yaml",
+    "gpt2_small_fast_sophia_h.yaml",
+    "gpt2_1536_sophiah.yaml",
+    "gpt2_large_sophia_h.yaml",
+    "gpt2_small_fast_muon.yaml",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"Levanter's configs are not at {REFERENCE}")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_levanter_optimizer_config_trains(name, tmp_path):
+    from levanter_core.config.train import load_train_config
+    from levanter_core.trainer.run import run_training
+
+    overrides = [
+        "--data", f"{{type: python_stdlib, tokenizer: byte, max_files: 12, cache_dir: {tmp_path / 'cache'}}}",
+        "--model.hidden_dim", "32", "--model.num_heads", "2", "--model.num_layers", "2", "--model.seq_len", "64",
+        "--model.gradient_checkpointing", "false",
+        "--trainer.train_batch_size", "4", "--trainer.num_train_steps", "8", "--trainer.steps_per_eval", "8",
+        "--trainer.max_eval_batches", "1", "--trainer.mp", "p=f32", "--trainer.id", "run",
+        "--trainer.tracker", "{type: json}", "--trainer.log_dir", str(tmp_path / "logs"),
+        "--trainer.checkpointer.base_path", str(tmp_path / "ckpt"),
+        "--optimizer.warmup", "2",
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # trainer.wandb in some of them
+        config, _ = load_train_config(str(REFERENCE / name), overrides)
+    assert config.optimizer.type in ("sophia-h", "muon")
+    result = run_training(config, progress=False)
+    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
+        losses = [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert min(losses[-3:]) < losses[0], losses
+    assert result.checkpoint and os.path.exists(os.path.join(result.checkpoint, "COMMITTED"))

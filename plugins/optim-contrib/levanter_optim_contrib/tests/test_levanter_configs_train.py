@@ -2,7 +2,6 @@
 the data (a slice of the standard library), the model's size, the run's length and the
 warmup (2,000 steps in some) are overridden to fit a test."""
 
-import json
 import math
 import os
 import warnings
@@ -24,7 +23,10 @@ CONFIGS = [
 @pytest.mark.slow
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason=f"Levanter's configs are not at {REFERENCE}")
 @pytest.mark.parametrize("name", CONFIGS)
-def test_levanter_optimizer_config_trains(name, tmp_path):
+def test_levanter_optimizer_config_trains(name, tmp_path, monkeypatch):
+    # Some of them log to W&B (trainer.wandb, which wins over trainer.tracker): offline, here
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     from levanter_core.config.train import load_train_config
     from levanter_core.trainer.run import run_training
 
@@ -43,8 +45,6 @@ def test_levanter_optimizer_config_trains(name, tmp_path):
         config, _ = load_train_config(str(REFERENCE / name), overrides)
     assert config.optimizer.type in ("sophia-h", "muon")
     result = run_training(config, progress=False)
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        losses = [r["train/loss"] for r in map(json.loads, f) if "train/loss" in r]
-    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
-    assert min(losses[-3:]) < losses[0], losses
+    assert result.final_step == 8 and math.isfinite(result.last_loss)
+    assert result.last_loss < result.first_loss, (result.first_loss, result.last_loss)
     assert result.checkpoint and os.path.exists(os.path.join(result.checkpoint, "COMMITTED"))

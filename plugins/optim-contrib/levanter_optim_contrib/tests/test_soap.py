@@ -19,7 +19,7 @@ from levanter_optim_contrib.soap import ScaleBySoapState, SoapConfig, merged_sha
 @pytest.fixture(scope="module", autouse=True)
 def _one_blas_thread():
     """On CPU, JAX's eigh and qr run in scipy's OpenBLAS, called from XLA's own threads; with
-    OpenBLAS threads of its own on top, a busy machine runs them 10-30 times slower. (The
+    OpenBLAS threads of its own on top, a busy machine runs them several (up to 30) times slower. (The
     library is loaded by the first decomposition, so one runs before the limit is set.)"""
     jnp.linalg.eigh(jnp.eye(2)).eigenvalues.block_until_ready()
     try:

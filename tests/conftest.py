@@ -3,6 +3,9 @@ import os
 import subprocess
 import sys
 
+import equinox as eqx
+import haliax as hax
+import jax.numpy as jnp
 import pytest
 
 import levanter_core.plugins as plugins
@@ -12,6 +15,21 @@ from levanter_core.testing import MODEL, code_docs, run_config, write_jsonl  # n
 from levanter_core.tracker import Tracker, TrackerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- a model for optimizer tests in the trainer -------------------------------------------------
+
+
+class Centre(eqx.Module):
+    """A model whose loss is the squared distance of its weights from the batch's mean token."""
+
+    w: hax.NamedArray
+
+
+def distance_loss(model, batch, *, key):
+    """:class:`Centre`'s loss, as a trainer's loss function."""
+    target = hax.mean(batch.tokens.astype(jnp.float32)).array
+    return hax.mean((model.w - target) ** 2).array, {}
 
 
 @pytest.fixture

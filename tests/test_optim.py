@@ -13,6 +13,8 @@ from levanter_core.errors import ConfigError
 from levanter_core.optim import AdamConfig, SkipStepConfig, parameter_path
 from levanter_core.optim.skipstep import skipped_step
 
+from conftest import Centre, distance_loss
+
 PEAK = 1.0
 MIN = 0.1  # the default min_lr_ratio times PEAK
 
@@ -360,15 +362,6 @@ def test_without_skip_bad_steps_the_optimizer_ignores_the_loss():
 Pos = hax.Axis("position", 16)
 
 
-class Centre(eqx.Module):
-    """A model whose loss is the squared distance of its weights from the batch's mean token."""
-
-    w: hax.NamedArray
-
-
-def distance_loss(model, batch, *, key):
-    target = hax.mean(batch.tokens.astype(jnp.float32)).array
-    return hax.mean((model.w - target) ** 2).array, {}
 
 
 def test_the_trainer_skips_a_spike_and_a_checkpoint_keeps_the_window(tmp_path):

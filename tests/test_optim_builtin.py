@@ -25,6 +25,8 @@ from levanter_core.optim.transforms import (
 from levanter_core.plugins import registry
 from levanter_core.tracker.jit_log import collecting
 
+from conftest import Centre, distance_loss
+
 STEPS = 5
 RUN = 20  # num_train_steps the schedules are built for
 RTOL, ATOL = 2e-5, 1e-6
@@ -628,15 +630,6 @@ def test_a_few_steps_lower_the_loss_of_a_tiny_gpt2(gpt2, gpt2_loss_and_grad, con
 Pos = hax.Axis("position", 16)
 
 
-class Centre(eqx.Module):
-    """A model whose loss is the squared distance of its weights from the batch's mean token."""
-
-    w: hax.NamedArray
-
-
-def distance_loss(model, batch, *, key):
-    target = hax.mean(batch.tokens.astype(jnp.float32)).array
-    return hax.mean((model.w - target) ** 2).array, {}
 
 
 def test_the_trainer_logs_the_clip_and_a_checkpoint_keeps_its_window(tmp_path):

@@ -10,7 +10,6 @@ from levanter_core.optim.transforms import (
     POST_CLIP_UPDATE_NORM,
     PRE_CLIP_UPDATE_NORM,
     ClipUpdateNormConfig,
-    decoupled_weight_decay,
     log_global_norm,
     scan_aware_clip_by_block_rms,
 )
@@ -71,16 +70,7 @@ class AdamConfig(OptimizerConfig):
         if self.max_grad_norm is not None:
             parts.append(optax.clip_by_global_norm(self.max_grad_norm))
         parts.append(optax.scale_by_adam(self.beta1, self.beta2, self.epsilon, nesterov=self.nesterov))
-        if self.weight_decay > 0:
-            parts.append(
-                decoupled_weight_decay(
-                    self.weight_decay,
-                    self.build_weight_decay_mask(),
-                    adamc=self.adamc_weight_decay,
-                    lr_schedule=schedule,
-                    peak_lr=self.learning_rate,
-                )
-            )
+        parts += self.decayed_weights(schedule if self.adamc_weight_decay else None)
         clipper = None
         if self.update_rms_clipping is not None:
             clipper = scan_aware_clip_by_block_rms(self.update_rms_clipping)

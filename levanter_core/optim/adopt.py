@@ -49,7 +49,6 @@ class AdoptConfig(OptimizerConfig):
         if self.max_grad_norm is not None:
             parts.append(optax.clip_by_global_norm(self.max_grad_norm))
         parts.append(optax.contrib.scale_by_adopt(self.beta1, self.beta2, self.epsilon))
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)

@@ -7,7 +7,7 @@ import optax
 from pydantic import Field
 
 from levanter_core.optim.config import OptimizerConfig
-from levanter_core.optim.transforms import cautious, decoupled_weight_decay
+from levanter_core.optim.transforms import cautious
 
 
 class CautiousConfig(OptimizerConfig):
@@ -46,15 +46,6 @@ class CautiousConfig(OptimizerConfig):
         if self.max_grad_norm is not None:
             parts.append(optax.clip_by_global_norm(self.max_grad_norm))
         parts.append(cautious(optax.scale_by_adam(self.beta1, self.beta2, self.epsilon), self.epsilon))
-        if self.weight_decay > 0:
-            parts.append(
-                decoupled_weight_decay(
-                    self.weight_decay,
-                    self.build_weight_decay_mask(),
-                    adamc=self.adamc_weight_decay,
-                    lr_schedule=schedule,
-                    peak_lr=self.learning_rate,
-                )
-            )
+        parts += self.decayed_weights(schedule if self.adamc_weight_decay else None)
         parts.append(optax.scale_by_learning_rate(schedule))
         return optax.chain(*parts)

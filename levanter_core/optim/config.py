@@ -25,6 +25,7 @@ from levanter_core.config.base import TypedConfig, accepted_only_as
 from levanter_core.errors import ConfigError
 from levanter_core.optim.schedule import LrSchedule, learning_rate_schedule
 from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
+from levanter_core.optim.transforms import decoupled_weight_decay
 
 PyTree = Any
 
@@ -181,6 +182,23 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         """The optimizer for a run of ``num_train_steps`` steps. Its updates are meant to be
         added to the parameters (``optax.apply_updates``)."""
+
+    def decayed_weights(self, adamc_schedule: optax.Schedule | None = None) -> list[optax.GradientTransformation]:
+        """The decoupled weight decay, as parts of an ``optax.chain`` to place before the
+        learning rate: none when ``weight_decay`` is 0, else ``weight_decay * param`` added to the
+        update of each parameter :meth:`build_weight_decay_mask` selects. ``adamc_schedule``: the
+        run's learning-rate schedule, to scale each step's decay by its rate over the peak
+        ``learning_rate`` (AdamC)."""
+        if self.weight_decay == 0:
+            return []
+        decay = decoupled_weight_decay(
+            self.weight_decay,
+            self.build_weight_decay_mask(),
+            adamc=adamc_schedule is not None,
+            lr_schedule=adamc_schedule,
+            peak_lr=self.learning_rate,
+        )
+        return [decay]
 
     def params_for_evaluation(self, params: PyTree, opt_state: PyTree) -> PyTree:
         """The parameters that evaluation, samples and exports use, from the trained ``params``

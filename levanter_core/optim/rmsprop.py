@@ -38,7 +38,6 @@ class RMSPropConfig(OptimizerConfig):
             parts.append(optax.clip_by_global_norm(self.max_grad_norm))
         parts.append(optax.scale_by_rms(self.beta2, self.eps, eps_in_sqrt=False, bias_correction=True))
         parts.append(optax.ema(self.beta1, debias=True))
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)

@@ -88,8 +88,7 @@ class ScheduleFreeAdamWConfig(OptimizerConfig):
         decay, the warmup-then-constant learning rate)."""
         schedule = self.lr_scheduler(num_train_steps)
         parts = [optax.scale_by_rms(decay=self.beta2, eps=self.epsilon, eps_in_sqrt=False, bias_correction=True)]
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(schedule))
         base = optax.chain(*parts)
         # schedule_free counts its steps from 1 and the base optimizer from 0: shift its clock so

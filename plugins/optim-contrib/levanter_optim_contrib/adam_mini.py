@@ -91,8 +91,7 @@ class MiniConfig(OptimizerConfig):
         if self.max_grad_norm:
             parts.append(optax.clip_by_global_norm(self.max_grad_norm))
         parts.append(scale_by_adam_mini(self.beta1, self.beta2, self.epsilon, nesterov=self.nesterov))
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)
 

@@ -28,10 +28,11 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import optax
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
 from levanter_core.config.base import accepted_only_as
 from levanter_core.optim import OptimizerConfig
+from levanter_optim_contrib.fields import FloatDtype
 
 PyTree = Any
 Precision = Literal["bfloat16", "tensorfloat32", "float32"]
@@ -99,9 +100,9 @@ class KronConfig(OptimizerConfig):
     preconditioner_init_scale: float = Field(1.0, gt=0)
     """The preconditioner starts as this times the identity (each of the ``n`` factors of an
     ``n``-dimensional block as ``scale^(1/n)`` times the identity)."""
-    mu_dtype: str | None = None
+    mu_dtype: FloatDtype = None
     """Dtype in which the momentum is stored (e.g. ``bfloat16``). None: the parameter's."""
-    precond_dtype: str | None = None
+    precond_dtype: FloatDtype = None
     """Dtype in which the factors ``Q_i`` are stored (e.g. ``bfloat16``). None: float32. They
     are computed in float32 either way."""
     precond_update_precision: Precision | None = "tensorfloat32"
@@ -146,19 +147,6 @@ class KronConfig(OptimizerConfig):
         "parameters' named axes and the trainer's axis mappings); remove the field or set it to null",
     )
 
-    @field_validator("mu_dtype", "precond_dtype")
-    @classmethod
-    def _check_float_dtype(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None:
-            return value
-        try:
-            dtype = jnp.dtype(value)
-        except TypeError:
-            raise ValueError(f"{info.field_name}={value!r} is not a dtype; write e.g. float32 or bfloat16") from None
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"{info.field_name} must be a floating-point dtype such as float32, not {value!r}")
-        return value
-
     def build(self, num_train_steps: int) -> optax.GradientTransformationExtraArgs:
         """Clip, Kron (momentum and preconditioning), clip each layer's RMS, add decayed
         weights, scale by the scheduled learning rate."""
@@ -188,8 +176,7 @@ class KronConfig(OptimizerConfig):
             )
         )
         parts.append(clip_by_layer_rms(_UPDATE_RMS_LIMIT))
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)
 

@@ -50,8 +50,7 @@ class MarsConfig(OptimizerConfig):
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         """MARS scaling, decayed weights, then the scheduled learning rate."""
         parts = [scale_by_mars(self.beta1, self.beta2, self.gamma, self.epsilon, self.max_grad_norm or None)]
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)
 

@@ -73,16 +73,17 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Annotated, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import optax
-from pydantic import BeforeValidator, Field
+from pydantic import Field
 
 from levanter_core.config.base import accepted_only_as
 from levanter_core.optim import OptimizerConfig
+from levanter_optim_contrib.fields import FloatDtype
 
 PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -466,21 +467,6 @@ def scale_by_soap(
 # -- the config ----------------------------------------------------------------------------
 
 
-def _float_dtype(value: Any) -> str | None:
-    if value is None:
-        return None
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError:
-        raise ValueError(f"{value!r} is not a dtype; write a floating-point one such as float32 or bfloat16") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{value!r} is not a floating-point dtype; write one such as float32 or bfloat16")
-    return dtype.name
-
-
-FloatDtype = Annotated[str | None, BeforeValidator(_float_dtype)]
-
-
 class SoapConfig(OptimizerConfig):
     """SOAP: Adam in the eigenbasis of Shampoo's preconditioner, with gradient clipping,
     decoupled weight decay and the shared learning-rate schedule. See
@@ -557,7 +543,6 @@ class SoapConfig(OptimizerConfig):
                 precond_dtype=self.precond_dtype,
             )
         )
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)

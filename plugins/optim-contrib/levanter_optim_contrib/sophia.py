@@ -173,8 +173,7 @@ class SophiaConfig(OptimizerConfig, abc.ABC):
                 seed=self.rng_seed,
             )
         ]
-        if self.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(self.weight_decay, self.build_weight_decay_mask()))
+        parts += self.decayed_weights()
         parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
         return optax.chain(*parts)
 

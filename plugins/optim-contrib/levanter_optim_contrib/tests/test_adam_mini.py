@@ -13,7 +13,7 @@ import pytest
 from levanter_core.optim.config import parameter_path
 from levanter_core.plugins import registry
 from levanter_optim_contrib.adam_mini import MiniConfig
-from levanter_optim_contrib.tests.training import assert_refused, losses_of
+from levanter_optim_contrib.tests.shared import apply_steps, assert_refused, losses_of
 
 Layers, Embed, Mlp, Vocab = hax.Axis("layers", 2), hax.Axis("embed", 6), hax.Axis("mlp", 5), hax.Axis("vocab", 7)
 KvHeads, PerGroup, HeadSize = hax.Axis("kv_heads", 2), hax.Axis("q_heads_per_group", 2), hax.Axis("head_size", 3)
@@ -123,14 +123,7 @@ def random_grads(params, rng, scale=1.0):
 
 
 def run(optimizer, params, grads):
-    update = jax.jit(optimizer.update)
-    state = optimizer.init(params)
-    history = []
-    for g in grads:
-        updates, state = update(g, state, params)
-        params = optax.apply_updates(params, updates)
-        history.append(leaves_by_name(params))
-    return history, state
+    return apply_steps(optimizer, params, grads, leaves_by_name)
 
 
 def constant_lr(**fields):

@@ -10,7 +10,7 @@ import pytest
 
 from levanter_core.plugins import registry
 from levanter_optim_contrib.mars import MarsConfig
-from levanter_optim_contrib.tests.training import assert_refused, losses_of
+from levanter_optim_contrib.tests.shared import apply_steps, assert_refused, losses_of
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +53,7 @@ def mars_numpy(params, grads, *, lr, beta1, beta2, gamma, eps, max_norm, wd, dec
 
 
 def run(optimizer, params, grads):
-    update = jax.jit(optimizer.update)
-    state = optimizer.init(params)
-    history = []
-    for g in grads:
-        updates, state = update(g, state, params)
-        params = optax.apply_updates(params, updates)
-        history.append([np.asarray(x) for x in jax.tree.leaves(params)])
-    return history
+    return apply_steps(optimizer, params, grads, lambda p: [np.asarray(x) for x in jax.tree.leaves(p)])[0]
 
 
 def constant_lr(**fields):

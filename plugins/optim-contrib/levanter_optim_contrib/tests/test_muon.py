@@ -27,7 +27,7 @@ from levanter_optim_contrib.orthogonalize import (
     newton_schulz,
     shape_scale,
 )
-from levanter_optim_contrib.tests.training import losses_of
+from levanter_optim_contrib.tests.shared import losses_of, newton_schulz_reference
 
 LEVANTER_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs" / "config"
 
@@ -37,18 +37,6 @@ Vocab = hax.Axis("vocab", 9)
 
 def muon_config(**fields):
     return registry("optimizer").get("muon").config_cls.model_validate(fields)
-
-
-def ns_reference(matrix: np.ndarray, steps: int, eps: float = 1e-8) -> np.ndarray:
-    """Newton-Schulz as it acts on the singular values, in float64: ``U p(S / |G|_F) V^T`` with
-    ``p`` the quintic applied ``steps`` times."""
-    m = np.asarray(matrix, np.float64)
-    u, s, vt = np.linalg.svd(m, full_matrices=False)
-    s = s / (np.linalg.norm(m) + eps)
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(steps):
-        s = a * s + b * s**3 + c * s**5
-    return (u * s) @ vt
 
 
 class Tiny(eqx.Module):
@@ -113,7 +101,7 @@ def test_newton_schulz_is_the_quintic_on_singular_values(shape, steps):
     x = jax.random.normal(jax.random.PRNGKey(0), shape)
     got = np.asarray(newton_schulz(x, steps))
     batch = np.asarray(x).reshape(-1, *shape[-2:])
-    want = np.stack([ns_reference(m, steps) for m in batch]).reshape(shape)
+    want = np.stack([newton_schulz_reference(m, steps) for m in batch]).reshape(shape)
     assert_close(got, want, rtol=1e-4, atol=2e-5)
 
 
@@ -162,8 +150,8 @@ def test_mixture_of_experts_matrices_are_per_expert():
     down = block.experts.down_proj.rearrange(("experts", "mlp", "embed")).array  # (in, out) per expert
     got = mapped.experts.down_proj.rearrange(("experts", "mlp", "embed")).array
     for e in range(3):
-        assert_close(got[e], ns_reference(down[e].T, 5).T, rtol=1e-4, atol=2e-5)
-    assert_close(mapped.router.weight.array, ns_reference(block.router.weight.array, 5), rtol=1e-4, atol=2e-5)
+        assert_close(got[e], newton_schulz_reference(down[e].T, 5).T, rtol=1e-4, atol=2e-5)
+    assert_close(mapped.router.weight.array, newton_schulz_reference(block.router.weight.array, 5), rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("kimi", [False, True])
@@ -251,7 +239,7 @@ def test_nesterov_matches_levanters_equations():
             look_ahead = m * buf[name] + g
             # (in, out) here; orthogonalize the (out, in) matrix, as Muon does
             d_in, d_out = look_ahead.shape
-            direction = ns_reference(look_ahead.T, steps).T * math.sqrt(max(1, d_out / d_in))
+            direction = newton_schulz_reference(look_ahead.T, steps).T * math.sqrt(max(1, d_out / d_in))
             want = -lr * (direction + wd * plain[name])
             assert_close(got[name], want, rtol=1e-4, atol=2e-6)
             plain[name] = plain[name] + want
@@ -270,7 +258,7 @@ def test_each_part_gets_its_learning_rate_on_the_same_schedule():
     grads = random_like(params, jax.random.PRNGKey(5))
     g = as_plain(grads)
     state = opt.init(params)
-    direction = ns_reference(g["qkv"].T, 5).T * math.sqrt(10 / 6)
+    direction = newton_schulz_reference(g["qkv"].T, 5).T * math.sqrt(10 / 6)
     for step in range(n):
         updates, state = jax.jit(opt.update)(grads, state, params)
         got = as_plain(updates)

@@ -13,27 +13,13 @@ import pytest
 from pydantic import ValidationError
 
 from levanter_core.plugins import registry
-from levanter_optim_contrib.orthogonalize import NS_COEFFICIENTS
-from levanter_optim_contrib.tests.training import losses_of
+from levanter_optim_contrib.tests.shared import losses_of, newton_schulz_reference
 
 Embed, Mlp, Vocab = hax.Axis("embed", 6), hax.Axis("mlp", 10), hax.Axis("vocab", 9)
 
 
 def scion_config(**fields):
     return registry("optimizer").get("scion").config_cls.model_validate(fields)
-
-
-def spectral_direction(d: np.ndarray, steps: int, eps: float = 1e-8) -> np.ndarray:
-    """The negative of the spectral LMO, ``U V^T`` for ``d = U S V^T``, as the Newton-Schulz
-    iteration computes it: ``U p(S / |d|_F) V^T``, ``p`` the quintic applied ``steps`` times
-    (Keller Jordan's coefficients do not converge to 1 exactly; see test_muon for the
-    iteration against optax's)."""
-    u, s, vt = np.linalg.svd(d, full_matrices=False)
-    s = s / (np.linalg.norm(d) + eps)
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(steps):
-        s = a * s + b * s**3 + c * s**5
-    return (u * s) @ vt
 
 
 class Tiny(eqx.Module):
@@ -122,7 +108,7 @@ def test_matches_the_papers_equations(clip):
         for k in MATRICES:
             d[k] = momentum * d[k] + (1 - momentum) * g[k]
             d_out, d_in = d[k].shape
-            want[k] = -lr * (math.sqrt(max(1, d_out / d_in)) * spectral_direction(d[k], steps) + wd * x[k])
+            want[k] = -lr * (math.sqrt(max(1, d_out / d_in)) * newton_schulz_reference(d[k], steps) + wd * x[k])
         for k in OTHERS:
             d[k] = beta1 * d[k] + (1 - beta1) * factor * g[k]
             want[k] = -lr * ratio * (np.sign(d[k]) + (wd * x[k] if k in decayed else 0))

@@ -1,15 +1,46 @@
-"""What several of these tests share: a few optimizer steps on a tiny GPT-2, and the error a
-bad ``optimizer:`` section gives when a run's config is validated."""
+"""What several of these tests share: optimizer steps on given gradients and on a tiny GPT-2,
+Newton-Schulz as numpy computes it, and the error a bad ``optimizer:`` section gives when a
+run's config is validated."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import equinox as eqx
 import haliax as hax
 import jax
+import numpy as np
+import optax
 import pytest
 
 from levanter_core.errors import ConfigError
 from levanter_core.models.lm import next_token_loss
+from levanter_optim_contrib.orthogonalize import NS_COEFFICIENTS
+
+
+def apply_steps(optimizer, params, grads: list, record: Callable[[Any], Any]) -> tuple[list, Any]:
+    """Apply ``optimizer`` (jitted) with each of ``grads`` in turn, from ``params``; what
+    ``record`` makes of the parameters after each step, and the final state."""
+    update = jax.jit(optimizer.update)
+    state = optimizer.init(params)
+    history = []
+    for g in grads:
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append(record(params))
+    return history, state
+
+
+def newton_schulz_reference(matrix: np.ndarray, steps: int, eps: float = 1e-8) -> np.ndarray:
+    """Newton-Schulz as it acts on the singular values, in float64: ``U p(S / |G|_F) V^T`` with
+    ``p`` the quintic (Keller Jordan's coefficients) applied ``steps`` times."""
+    m = np.asarray(matrix, np.float64)
+    u, s, vt = np.linalg.svd(m, full_matrices=False)
+    s = s / (np.linalg.norm(m) + eps)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return (u * s) @ vt
 
 
 def losses_of(optimizer, model, *, steps: int, vocab: int = 64, seed: int = 1) -> list[float]:

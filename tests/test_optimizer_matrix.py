@@ -29,10 +29,14 @@ SETTINGS = {
 }
 NAMES = registry("optimizer").names()
 
-# Cautious masks out the coordinates whose update and gradient disagree in sign; a gradient
-# at rounding level has a sign that depends on the order of the sums, so the sharded run masks
-# a few coordinates differently (1.3e-4 of the loss at step 2). Still to be made exact.
-TOLERANCE = {"cautious": 1e-3}
+# Cautious masks out the coordinates whose update and gradient disagree in sign, a step
+# function of the gradient: where a gradient is at rounding level its sign depends on the order
+# of the sums, and the sharded run sums in another order. In this model the key projection of
+# the second layer has such a coordinate at step 1 (it moves by the whole learning rate on one
+# device count and not on the other), which puts the loss 1.2e-4 off at step 2. Any
+# implementation of Cautious's mask has this; the other optimizers are continuous in the
+# gradient and agree within 1e-5.
+TOLERANCE = {"cautious": 5e-4}
 
 
 def sections() -> dict:

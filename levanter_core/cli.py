@@ -81,7 +81,8 @@ def train(
     Any config field can be overridden after the file name, with its dotted
     path: --trainer.num_train_steps 100, --data.train_urls '["a.jsonl"]'.
     The run directory ({trainer.log_dir}/{run id}) is printed at start; it gets
-    metrics.jsonl, the resolved config.yaml, run.json and requirements.txt.
+    metrics.jsonl, the resolved config.yaml, run.json and requirements.txt. A log_dir
+    in a bucket (s3://, gs://) is written locally and uploaded as the run goes.
     With --dry-run, only check the config and print it with every default filled in.
     """
     if not dry_run:
@@ -295,10 +296,18 @@ def export_hf(
     checkpoint: Annotated[
         str,
         typer.Argument(
-            help="A checkpoint (step-N directory, a run's checkpoint directory, or an import).", metavar="CHECKPOINT"
+            help="A checkpoint (step-N directory, a run's checkpoint directory, or an import), local or in a "
+            "bucket (s3://, gs://).",
+            metavar="CHECKPOINT",
         ),
     ],
-    output: Annotated[str, typer.Argument(help="Directory to write the Hugging Face model into.", metavar="OUTPUT")],
+    output: Annotated[
+        str,
+        typer.Argument(
+            help="Directory to write the Hugging Face model into, or an s3:// or gs:// URL to upload it to.",
+            metavar="OUTPUT",
+        ),
+    ],
     dtype: Annotated[str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB or 500MB.")] = "2GB",
     raw_weights: Annotated[
@@ -316,6 +325,9 @@ def export_hf(
     model-0000i-of-0000n.safetensors shards with their index, and the tokenizer files,
     loadable with transformers.AutoModelForCausalLM.from_pretrained. A run with
     trainer.model_averaging exports the averaged weights, as evaluation used them.
+    An OUTPUT in a bucket is written to a temporary local directory, then uploaded,
+    its safetensors index last. Object stores are reached with the usual environment
+    (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID..., GOOGLE_APPLICATION_CREDENTIALS).
     """
     from levanter_core.errors import ConfigError
     from levanter_core.hf.bridge import export_hf as do_export
@@ -323,10 +335,27 @@ def export_hf(
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype must be float32, bfloat16 or float16, not {dtype!r}")
+    for argument, path in (("CHECKPOINT", checkpoint), ("OUTPUT", output)):
+        _check_reachable(argument, path)
     written = do_export(
         checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights
     )
     print(f"exported {checkpoint} to {written}")
+
+
+def _check_reachable(argument: str, path: str) -> None:
+    """Raise :class:`ConfigError` naming ``argument`` if ``path`` is a URL this environment
+    cannot reach (its filesystem package missing; no credentials for its object store)."""
+    from levanter_core.config.storage import storage_problem
+    from levanter_core.errors import ConfigError
+    from levanter_core.fileio import OBJECT_STORES, protocol_of, require_filesystem
+
+    try:
+        require_filesystem(path)
+    except ValueError as e:
+        raise ConfigError(f"{argument} {path}: {e}") from None
+    if protocol_of(path) in OBJECT_STORES and (problem := storage_problem(path)):
+        raise ConfigError(f"{argument} {path}: {problem}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

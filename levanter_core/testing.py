@@ -151,3 +151,80 @@ def listed_plugin(distribution: str) -> dict:
     if distribution not in listed:
         raise AssertionError(f"{distribution} is not among the plugins found: {sorted(listed)}")
     return listed[distribution]
+
+
+class LocalS3Server:
+    """An S3-compatible server on 127.0.0.1 for tests and benchmarks: moto's server mode
+    (``pip install 'moto[server]'``) in its own process, with buckets kept in memory. Use it as
+    a context manager; :attr:`environment` holds what a client needs (endpoint, region, dummy
+    credentials)."""
+
+    def __init__(self):
+        self.process = None
+        self.endpoint = ""
+
+    def __enter__(self) -> "LocalS3Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60.0) -> None:
+        import socket
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        with socket.socket() as s:  # a port free now; moto binds it a moment later
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        code = "import sys; from moto.server import main; sys.exit(main(sys.argv[1:]))"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code, "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2).close()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto's S3 server did not start on {self.endpoint}")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+            self.process = None
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """Environment variables that point S3 clients (TensorStore, fsspec, boto) here."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "levanter-test",
+            "AWS_SECRET_ACCESS_KEY": "levanter-test-secret",
+        }
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name``; returns ``s3://name``."""
+        import boto3
+
+        env = self.environment
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=env["AWS_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        )
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"

@@ -40,6 +40,38 @@ def fresh_plugins():
     plugins.reset()
 
 
+# -- an S3-compatible server on 127.0.0.1 ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server, one per test worker (levanter_core.testing.LocalS3Server)."""
+    from levanter_core.testing import LocalS3Server
+
+    with LocalS3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch) -> str:
+    """A new, empty bucket (``s3://NAME``), with this process's environment (and so that of the
+    processes a test starts) pointing S3 clients at the server."""
+    import uuid
+
+    for name, value in s3_server.environment.items():
+        monkeypatch.setenv(name, value)
+    return s3_server.create_bucket(f"test-{uuid.uuid4().hex[:12]}")
+
+
+def bucket_objects(url: str) -> dict[str, bytes]:
+    """Every object under ``url``, by its path relative to it."""
+    from levanter_core import fileio
+
+    fs, root = fileio.filesystem(url)
+    fs.invalidate_cache()
+    return {path[len(root) + 1 :]: fs.cat_file(path) for path in fs.find(root)}
+
+
 def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run ``levanter ARGS`` in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}

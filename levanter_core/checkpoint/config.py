@@ -26,7 +26,7 @@ from pydantic import Field, field_validator
 from levanter_core.config.base import ConfigModel, TypedConfig
 from levanter_core.config.types import Duration
 from levanter_core.errors import CheckpointError, DamagedCheckpointError
-from levanter_core.fileio import require_filesystem
+from levanter_core.fileio import is_local, join, kvstore_spec, require_filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ class CheckpointerConfig(TypedConfig, abc.ABC):
     """Base class of checkpointer configs (``trainer.checkpointer``)."""
 
     base_path: str = "checkpoints/"
-    """Where checkpoints go. Each is a directory ``step-N`` under
-    ``{base_path}/{run_id}`` (or under ``base_path`` itself, see ``append_run_id_to_base_path``)."""
+    """Where checkpoints go: a local directory, or an ``s3://`` or ``gs://`` bucket (committed by
+    a marker object written last). Each is a directory ``step-N`` under ``{base_path}/{run_id}``
+    (or under ``base_path`` itself, see ``append_run_id_to_base_path``)."""
     save_interval: Duration | None = "15m"
     """Save a temporary checkpoint when this much time (``'30s'``, ``'15m'``, ``'1h'``) has passed
     since the last save. The previous temporary checkpoint is deleted once the next checkpoint
@@ -83,8 +84,8 @@ class CheckpointerConfig(TypedConfig, abc.ABC):
 
     def expanded_path(self, run_id: str) -> str:
         """The directory this run's checkpoints go to (``~`` expanded)."""
-        path = os.path.join(self.base_path, run_id) if self.append_run_id_to_base_path else self.base_path
-        return os.path.expanduser(path)
+        path = join(self.base_path, run_id) if self.append_run_id_to_base_path else self.base_path
+        return os.path.expanduser(path) if is_local(path) else path
 
     @abc.abstractmethod
     def create(self, run_id: str, *, metadata: dict | None = None) -> Checkpointer:
@@ -103,10 +104,10 @@ class TensorStoreCheckpointerConfig(CheckpointerConfig):
     """``type: tensorstore``: every array of the training state as a zarr array, via TensorStore."""
 
     def location_problem(self, path: str) -> str | None:
-        if "://" in str(path):
+        if kvstore_spec(str(path)) is None:
             return (
-                f"{path!r} is not a local path: the tensorstore checkpointer reads and writes local (or mounted) "
-                "directories only for now; use a local directory, or a bucket mounted as one (gcsfuse, mountpoint-s3)"
+                f"{path!r}: TensorStore cannot write there; checkpoints go to a local (or mounted) directory, "
+                "an s3:// bucket (or an S3-compatible store) or a gs:// bucket"
             )
         return None
 

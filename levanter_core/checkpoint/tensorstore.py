@@ -12,18 +12,24 @@ On disk, under the checkpointer's path (``{base_path}/{run_id}``)::
       COMMITTED            {"step": 1000, "leaves": 42}, written last
 
 A save copies the state to host memory (the only part that holds up training), then a
-background thread writes it into ``step-N.tmp-<token>/``. Once every process has finished
-writing, process 0 adds ``metadata.json`` and ``COMMITTED`` (each written to a temporary name
-and renamed) and renames the directory to ``step-N``. Whenever a run dies, ``step-N`` is either
-absent or complete; what a dead save leaves behind is a ``.tmp-`` directory, which discovery
-ignores and the next checkpointer on the same path removes.
+background thread writes it, every process its own shards. How it commits depends on where:
+
+* A local directory: the arrays go into ``step-N.tmp-<token>/``; once every process has
+  finished writing, process 0 adds ``metadata.json`` and ``COMMITTED`` (each written to a
+  temporary name and renamed) and renames the directory to ``step-N``. Whenever a run dies,
+  ``step-N`` is either absent or complete; what a dead save leaves behind is a ``.tmp-``
+  directory, which discovery ignores and the next checkpointer on the same path removes.
+* An object store (``s3://``, ``gs://``), which cannot rename a directory: the arrays go
+  straight into ``step-N/``, and ``COMMITTED`` is written last, in one put, after
+  ``metadata.json``. A ``step-N/`` without the marker is an unfinished save (or deletion,
+  which removes the marker first): discovery ignores it, the next checkpointer on the path
+  removes it, and a new save of step N clears it before writing.
 
 A ``step-N`` directory whose marker is missing or unreadable, or whose arrays cannot be read in
 full, is *damaged*: resuming skips it for the newest checkpoint that loads, and moves it aside
 as ``step-N.damaged-<token>`` so that nothing is lost and a new save of step N is not refused.
 
-Only local paths are supported for now, because renaming a directory is atomic there and
-not on object stores.
+On an object store, setting a damaged checkpoint aside copies it (the store has no rename).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from jax.experimental.array_serialization import serialization
 from levanter_core import distributed
 from levanter_core.checkpoint.config import Checkpointer
 from levanter_core.errors import CheckpointError, DamagedCheckpointError
-from levanter_core.fileio import write_text_atomically
+from levanter_core import fileio
+from levanter_core.fileio import is_local, join
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +83,10 @@ class TensorStoreCheckpointer(Checkpointer):
     to :meth:`save`, :meth:`on_step` or :meth:`wait_until_finished`."""
 
     def __init__(self, path: str, **policy: Any):
-        """Takes :class:`Checkpointer`'s arguments; ``path`` must be a local directory, which is
-        created, checked to be writable, and cleared of what dead saves left behind."""
-        path = _local_path(path)
+        """Takes :class:`Checkpointer`'s arguments; ``path`` is a local directory or an
+        object-store URL, which is created, checked to be writable, and cleared of what dead
+        saves left behind."""
+        path = _checkpoint_path(path)
         _prepare_directory(path)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -86,7 +94,7 @@ class TensorStoreCheckpointer(Checkpointer):
 
     def save(self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None) -> str:
         self.wait_until_finished()
-        final = os.path.join(self.path, f"step-{int(step)}")
+        final = join(self.path, f"step-{int(step)}")
         job = _Save(state, final, step=int(step), temporary=temporary, metadata=self.metadata)
 
         def write() -> None:
@@ -127,7 +135,7 @@ class TensorStoreCheckpointer(Checkpointer):
         return load_checkpoint(template, path, allow_partial=allow_partial)
 
     def candidates(self, where: str) -> list[str]:
-        where = _local_path(where)
+        where = _checkpoint_path(where)
         if _names_one_checkpoint(where):
             return [where]
         return [path for path, _ in _step_directories(where)]
@@ -137,7 +145,7 @@ class TensorStoreCheckpointer(Checkpointer):
             return None
         aside = f"{checkpoint_path}.damaged-{secrets.token_hex(4)}"
         try:
-            os.rename(checkpoint_path, aside)
+            fileio.move_tree(checkpoint_path, aside)
         except OSError as e:
             logger.warning("could not move the damaged checkpoint %s aside: %s", checkpoint_path, e)
             return None
@@ -153,17 +161,22 @@ class TensorStoreCheckpointer(Checkpointer):
         if jax.process_index() == 0:
             metadata = read_metadata(checkpoint_path)
             metadata["temporary"] = False
-            write_text_atomically(os.path.join(checkpoint_path, METADATA_FILE), json.dumps(metadata, indent=1))
+            fileio.write_text(join(checkpoint_path, METADATA_FILE), json.dumps(metadata, indent=1))
 
     def delete(self, checkpoint_path: str) -> None:
         if jax.process_index() != 0:
             return
         logger.info("deleting superseded temporary checkpoint %s", checkpoint_path)
-        # Renamed first, so that a deletion cut short leaves debris, never a damaged step-N.
-        doomed = f"{checkpoint_path}.deleting-{secrets.token_hex(4)}"
         try:
-            os.rename(checkpoint_path, doomed)
-            shutil.rmtree(doomed)
+            if is_local(checkpoint_path):
+                # Renamed first, so that a deletion cut short leaves debris, never a damaged step-N.
+                doomed = f"{checkpoint_path}.deleting-{secrets.token_hex(4)}"
+                os.rename(checkpoint_path, doomed)
+                shutil.rmtree(doomed)
+            else:
+                # The marker first, so that a deletion cut short leaves an unfinished save.
+                _remove_marker(checkpoint_path)
+                fileio.remove_tree(checkpoint_path)
         except OSError as e:  # housekeeping: failing to delete an old checkpoint must not stop training
             logger.warning("could not delete %s: %s", checkpoint_path, e)
 
@@ -179,7 +192,7 @@ def write_checkpoint(state: Any, final: str, *, step: int, temporary: bool = Fal
 def discover_latest(path: str) -> str | None:
     """``path`` itself if it is a complete checkpoint; else the complete ``step-N`` directly
     under it with the highest N; else None. Damaged markers are skipped (and logged)."""
-    path = _local_path(path)
+    path = _checkpoint_path(path)
     if _names_one_checkpoint(path):
         return path if _marker_problem(path) is None else None
     for checkpoint, problem in _step_directories(path):
@@ -192,10 +205,9 @@ def discover_latest(path: str) -> str | None:
 def read_metadata(checkpoint_path: str) -> dict:
     """The contents of a checkpoint's ``metadata.json``: ``step``, ``temporary``,
     ``timestamp``, ``leaves`` and the run's ``metadata``."""
-    file = os.path.join(_local_path(checkpoint_path), METADATA_FILE)
+    file = join(_checkpoint_path(checkpoint_path), METADATA_FILE)
     try:
-        with open(file) as f:
-            return json.load(f)
+        return json.loads(fileio.read_bytes(file))
     except FileNotFoundError:
         raise DamagedCheckpointError(f"{checkpoint_path} is not a checkpoint: it has no {METADATA_FILE}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -236,13 +248,13 @@ def load_checkpoint(template: Any, path: str, *, subtree: str | None = None, all
 
 def _resolve_checkpoint(path: str) -> str:
     """The complete checkpoint ``path`` names or holds; raises saying why there is none."""
-    local = _local_path(path)
-    if _names_one_checkpoint(local):
-        problem = _marker_problem(local)
+    where = _checkpoint_path(path)
+    if _names_one_checkpoint(where):
+        problem = _marker_problem(where)
         if problem is not None:
-            raise DamagedCheckpointError(f"checkpoint {local} is damaged: {problem}")
-        return local
-    found = discover_latest(local)
+            raise DamagedCheckpointError(f"checkpoint {where} is damaged: {problem}")
+        return where
+    found = discover_latest(where)
     if found is None:
         raise CheckpointError(
             f"no complete checkpoint at {path}: expected a step-N directory containing {COMMIT_MARKER}, "
@@ -363,15 +375,20 @@ class _Save:
         self.temporary = temporary
         self.metadata = metadata or {}
         self.token = _agreed_token()
-        self.staging = f"{final}.tmp-{self.token}"
+        # an object store cannot rename a directory: the save goes straight to its place
+        self.staging = f"{final}.tmp-{self.token}" if is_local(final) else final
         leaves, _, names = _flatten(state)
         arrays = {name: _unwrap(leaves[i]) for name, i in names.items()}
         self.leaves = [_describe(name, x) for name, x in arrays.items()]
         self.arrays = _copy_to_host({name: _stored_form(x) for name, x in arrays.items()})
 
     def write(self) -> None:
+        local = is_local(self.final)
         try:
-            os.makedirs(self.staging, exist_ok=True)
+            if local:
+                os.makedirs(self.staging, exist_ok=True)
+            elif not self._clear_place():
+                return
             _write_arrays(self.staging, self.arrays)
             distributed.barrier(f"checkpoint_written_{self.token}")  # no device collective: safe here
             if jax.process_index() == 0:
@@ -382,17 +399,43 @@ class _Save:
                     "leaves": self.leaves,
                     "metadata": self.metadata,
                 }
-                write_text_atomically(os.path.join(self.staging, METADATA_FILE), json.dumps(described, indent=1))
+                fileio.write_text(join(self.staging, METADATA_FILE), json.dumps(described, indent=1))
                 marker = json.dumps({"step": self.step, "leaves": len(self.leaves)})
-                write_text_atomically(os.path.join(self.staging, COMMIT_MARKER), marker + "\n")
-                _move_into_place(self.staging, self.final)
+                fileio.write_text(join(self.staging, COMMIT_MARKER), marker + "\n")  # the commit
+                if local:
+                    _move_into_place(self.staging, self.final)
         except BaseException:
             if jax.process_index() == 0:
-                shutil.rmtree(self.staging, ignore_errors=True)
+                try:
+                    if local or _marker_problem(self.final) is not None:
+                        fileio.remove_tree(self.staging)
+                except Exception as e:  # the store may be what failed; the next run clears it then
+                    logger.warning("could not remove the unfinished save %s: %s", self.staging, e)
             raise
         finally:
             self.arrays = []  # the host copy is no longer needed
         distributed.barrier(f"checkpoint_committed_{self.token}")
+
+    def _clear_place(self) -> bool:
+        """On an object store, before writing into ``step-N/``: False (nothing to write) if a
+        complete checkpoint of step N is there already; else process 0 removes what an
+        unfinished save left there, or sets a damaged checkpoint aside, while the others wait."""
+        marker, problem = _parse_marker(self.final)
+        if marker is not None:  # every process reads the same marker, so all of them agree
+            logger.warning("%s already exists and is complete: keeping it and discarding this save", self.final)
+            self.arrays = []
+            distributed.barrier(f"checkpoint_committed_{self.token}")
+            return False
+        if jax.process_index() == 0 and fileio.list_names(self.final):
+            if _marker_exists(self.final):  # a marker that cannot be read: damage, kept for inspection
+                aside = f"{self.final}.damaged-{secrets.token_hex(4)}"
+                logger.warning("%s exists but is damaged (%s): moving it to %s", self.final, problem, aside)
+                fileio.move_tree(self.final, aside)
+            else:
+                logger.info("removing %s, left by a save that did not finish", self.final)
+                fileio.remove_tree(self.final)
+        distributed.barrier(f"checkpoint_cleared_{self.token}")
+        return True
 
 
 def _copy_to_host(arrays: dict[str, jax.Array]) -> list[_HostArray]:
@@ -432,7 +475,7 @@ def _chunk_shape(shard_shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
 
 
 def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
-    return {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(checkpoint, name)}, **options}
+    return {"driver": "zarr", "kvstore": fileio.kvstore_spec(join(checkpoint, name)), **options}
 
 
 def _write_arrays(directory: str, arrays: list[_HostArray]) -> None:
@@ -552,31 +595,27 @@ def _check_fits(checkpoint: str, expected: dict[str, dict], stored: dict[str, di
 def _names_one_checkpoint(path: str) -> bool:
     """Whether ``path`` is meant as one checkpoint (a ``step-N`` directory, or any directory
     with a marker or metadata) rather than a directory of them."""
-    if not os.path.isdir(path):
+    names = fileio.list_names(path)
+    if not names:
         return False
-    if _STEP_DIR.match(os.path.basename(path)):
-        return True
-    return any(os.path.exists(os.path.join(path, f)) for f in (COMMIT_MARKER, METADATA_FILE))
+    return bool(_STEP_DIR.match(_basename(path))) or COMMIT_MARKER in names or METADATA_FILE in names
 
 
 def _step_directories(path: str) -> list[tuple[str, str | None]]:
     """Every ``step-N`` directory under ``path``, newest first, with what is wrong with its
     marker (None when it is a complete checkpoint)."""
-    if not os.path.isdir(path):
-        return []
     found = []
-    for entry in os.listdir(path):
+    for entry in fileio.list_names(path):
         match = _STEP_DIR.match(entry)
-        if match and os.path.isdir(os.path.join(path, entry)):
-            found.append((int(match.group(1)), os.path.join(path, entry)))
+        if match and (not is_local(path) or os.path.isdir(join(path, entry))):
+            found.append((int(match.group(1)), join(path, entry)))
     return [(checkpoint, _marker_problem(checkpoint)) for _, checkpoint in sorted(found, reverse=True)]
 
 
 def _parse_marker(checkpoint: str) -> tuple[dict | None, str | None]:
     """The parsed ``COMMITTED`` marker, or None and what is wrong with it."""
     try:
-        with open(os.path.join(checkpoint, COMMIT_MARKER), "rb") as f:
-            raw = f.read()
+        raw = fileio.read_bytes(join(checkpoint, COMMIT_MARKER))
     except FileNotFoundError:
         return None, f"it has no {COMMIT_MARKER} marker (its save did not finish, or the marker was deleted)"
     try:
@@ -584,7 +623,7 @@ def _parse_marker(checkpoint: str) -> tuple[dict | None, str | None]:
         step, leaves = int(marker["step"]), int(marker["leaves"])
     except (ValueError, TypeError, KeyError):
         return None, f"its {COMMIT_MARKER} marker is corrupt or truncated ({len(raw)} bytes: {raw[:40]!r})"
-    match = _STEP_DIR.match(os.path.basename(checkpoint))
+    match = _STEP_DIR.match(_basename(checkpoint))
     if match and int(match.group(1)) != step:
         return None, f"its {COMMIT_MARKER} marker is for step {step}"
     return {"step": step, "leaves": leaves}, None
@@ -605,32 +644,59 @@ def _marker_problem(checkpoint: str) -> str | None:
 def _prepare_directory(path: str) -> None:
     """Create ``path``, check that this process can write there (a run must not find out
     after hours of training), and remove what dead saves and deletions left behind."""
-    probe = os.path.join(path, f".write-test-{jax.process_index()}-{secrets.token_hex(4)}")
+    probe = join(path, f".write-test-{jax.process_index()}-{secrets.token_hex(4)}")
     try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
+        if is_local(path):
+            os.makedirs(path, exist_ok=True)
+        fileio.write_text(probe, "ok")
+        fs, inner = fileio.filesystem(probe)
+        fs.rm_file(inner)
+    except Exception as e:  # OSError locally; an object store's client raises its own errors too
+        reason = (e.strerror if isinstance(e, OSError) else None) or f"{type(e).__name__}: {e}"
         raise CheckpointError(
-            f"cannot write checkpoints to {path}: {e.strerror or e}. "
-            "Set trainer.checkpointer.base_path to a writable directory."
+            f"cannot write checkpoints to {path}: {reason}. "
+            "Set trainer.checkpointer.base_path to a writable directory or bucket."
         ) from None
     if jax.process_index() != 0:
         return
-    for entry in os.listdir(path):
+    for entry in fileio.list_names(path):
         if _DEBRIS.match(entry):
             logger.info("removing %s, left by a save or deletion that did not finish", entry)
-            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+            fileio.remove_tree(join(path, entry))
+        elif not is_local(path) and _STEP_DIR.match(entry) and not _marker_exists(join(path, entry)):
+            logger.info("removing %s, left by a save or deletion that did not finish", entry)
+            fileio.remove_tree(join(path, entry))
 
 
-def _local_path(path: str) -> str:
-    if "://" in str(path):
+def _checkpoint_path(path: str) -> str:
+    """``path`` made absolute (local) or without trailing slashes (a URL); a
+    :class:`CheckpointError` if TensorStore cannot reach it."""
+    if fileio.kvstore_spec(str(path)) is None:
         raise CheckpointError(
-            f"checkpoint path {path!r}: only local paths are supported for now; "
-            "set trainer.checkpointer.base_path to a local directory"
+            f"checkpoint path {path!r}: TensorStore cannot write there; use a local directory, an s3:// bucket "
+            "(or an S3-compatible store) or a gs:// bucket"
         )
-    return os.path.abspath(os.path.expanduser(str(path)))
+    return fileio.normalize(path)
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] if not is_local(path) else os.path.basename(path)
+
+
+def _marker_exists(checkpoint: str) -> bool:
+    try:
+        fileio.read_bytes(join(checkpoint, COMMIT_MARKER))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove_marker(checkpoint: str) -> None:
+    fs, inner = fileio.filesystem(join(checkpoint, COMMIT_MARKER))
+    try:
+        fs.rm_file(inner)
+    except FileNotFoundError:
+        pass
 
 
 # -- several processes ------------------------------------------------------------------------

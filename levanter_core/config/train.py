@@ -9,6 +9,7 @@ from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, Wi
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
 from levanter_core.config.loader import Sources, load_config_dict
+from levanter_core.config.storage import StorageConfig, object_store_urls, storage_problem
 from levanter_core.data.config import DataSection, data_known_fields
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import TrainerConfig
@@ -54,6 +55,9 @@ class TrainConfig(ConfigModel):
     """The training loop, parallelism, evaluation, tracking and checkpoints."""
     optimizer: Typed("optimizer", "adam") = Field(default_factory=dict)  # type: ignore[valid-type]
     """The optimizer and learning-rate schedule (``type``, default ``adam``)."""
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    """How to reach object stores (``s3://``, ``gs://``) that paths name: endpoint, region and
+    credentials, each falling back to the usual environment variables."""
 
     initialize_from_hf: bool | str | None = None
     """Start from the weights of a Hugging Face model (a local directory, or a hub name: from
@@ -100,7 +104,8 @@ class TrainConfig(ConfigModel):
     hf_save_path: str | None = None
     """Every ``hf_save_steps`` steps, and at the end, export the model (the averaged one under
     ``trainer.model_averaging``) in Hugging Face format to ``{hf_save_path}/{run_id}/step-N/``, as
-    ``levanter export-hf`` would. None: no exports during training."""
+    ``levanter export-hf`` would; a bucket URL (``s3://``, ``gs://``) gets each export uploaded,
+    its index last. None: no exports during training."""
     hf_upload: str | None = None
     """Also upload each export to this Hugging Face hub repository (needs the network and a token;
     ``huggingface_hub`` is installed with the core)."""
@@ -219,10 +224,33 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
 
 
 def validate_train_config(raw: dict, sources: Sources) -> TrainConfig:
+    """Validate, then apply the ``storage`` section to this process's environment and check
+    that every object store the config names can be reached (its filesystem package installed,
+    credentials found)."""
     try:
-        return TrainConfig.model_validate(raw)
+        config = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, raw, sources)) from None
+    config.storage.apply()
+    check_storage(raw, sources)
+    return config
+
+
+def check_storage(raw: dict, sources: Sources) -> None:
+    """Raise :class:`ConfigError` naming each field whose object-store URL cannot be reached
+    from here (the first such field per store)."""
+    lines, seen = [], set()
+    for loc, url in object_store_urls(raw):
+        store = url.split("://", 1)[0]
+        if store in seen:
+            continue
+        seen.add(store)
+        problem = storage_problem(url)
+        if problem is not None:
+            dotted = ".".join(str(p) for p in loc)
+            lines.append(f"  {dotted} ({sources.place_of(loc)}): {url}: {problem}")
+    if lines:
+        raise ConfigError(f"invalid config {sources.main_file}:\n" + "\n".join(lines))
 
 
 # -- messages ------------------------------------------------------------------------------

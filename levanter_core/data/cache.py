@@ -37,7 +37,6 @@ import threading
 import time
 from typing import Iterator
 
-import fsspec
 import numpy as np
 import tensorstore as ts
 from tqdm import tqdm
@@ -47,7 +46,7 @@ from levanter_core.data.executor import BuildStopped, Progress, ShardTask, conne
 from levanter_core.data.source import DataSourceConfig, Record
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
 from levanter_core.errors import DataError, UserError
-from levanter_core.fileio import write_text_atomically
+from levanter_core.fileio import filesystem, is_local, kvstore_spec, local_path, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ MAX_PROBLEMS = 10
 STALE_AFTER = 600.0
 """A reader waiting on another process's build gives up after this many seconds without progress."""
 _CHUNK = 1 << 17  # elements per zarr chunk
-_NATIVE_KVSTORES = {"gs": "gcs", "gcs": "gcs", "s3": "s3"}
 
 
 # -- storage ----------------------------------------------------------------------------------
@@ -105,7 +103,7 @@ class _KvStorage:
 
     def _kvstore(self, key: str = "") -> ts.KvStore:
         path = posixpath.join(self._spec["path"], key) if key else self._spec["path"]
-        return ts.KvStore.open({**self._spec, "path": path.rstrip("/") + "/"}).result()
+        return ts.KvStore.open({**self._spec, "path": path.rstrip("/") + "/" if path.strip("/") else ""}).result()
 
     def read_ledger(self) -> dict | None:
         if self._local_dir is not None:
@@ -149,7 +147,7 @@ class _FsspecStorage:
     (downloaded when the array is opened, changed ones uploaded by :meth:`commit`)."""
 
     def __init__(self, url: str):
-        self._fs, self._root = fsspec.core.url_to_fs(url)
+        self._fs, self._root = filesystem(url)
         protocols = (self._fs.protocol,) if isinstance(self._fs.protocol, str) else self._fs.protocol
         # memory:// lives in this process: other processes cannot see it.
         self.shared = "memory" not in protocols
@@ -187,14 +185,11 @@ class _FsspecStorage:
 
 def _storage(path: str) -> _KvStorage | _FsspecStorage:
     """How to reach the cache at ``path``."""
-    protocol, sep, rest = path.partition("://")
-    if not sep or protocol == "file":
-        local = rest if sep else path
-        return _KvStorage({"driver": "file", "path": os.path.abspath(local)}, local_dir=local)
-    if protocol in _NATIVE_KVSTORES:
-        bucket, _, prefix = rest.partition("/")
-        return _KvStorage({"driver": _NATIVE_KVSTORES[protocol], "bucket": bucket, "path": prefix})
-    return _FsspecStorage(path)
+    if is_local(path):
+        local = local_path(path)
+        return _KvStorage({"driver": "file", "path": local}, local_dir=local)
+    spec = kvstore_spec(path)
+    return _KvStorage(spec) if spec is not None else _FsspecStorage(path)
 
 
 def _shard_key(index: int, array: str) -> str:

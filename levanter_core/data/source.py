@@ -23,14 +23,13 @@ import sys
 import sysconfig
 from typing import ClassVar, Iterator, NamedTuple
 
-import fsspec
 import zstandard
 from pydantic import Field, PositiveInt, field_validator
 
 from levanter_core.config.base import TypedConfig
 from levanter_core.data.formats import DataFormat, TextFormat
 from levanter_core.errors import DataError
-from levanter_core.fileio import require_filesystem
+from levanter_core.fileio import filesystem, open_file, require_filesystem
 
 SPLITS = ("train", "validation")
 
@@ -210,7 +209,7 @@ def _filesystem(url: str):
     """fsspec's file system and path for ``url``; a protocol whose package is missing
     (``http`` needs ``aiohttp``, ``s3`` needs ``s3fs``...) is a :class:`DataError`."""
     try:
-        return fsspec.core.url_to_fs(url)
+        return filesystem(url)
     except ImportError as e:
         raise DataError(f"{url}: cannot read this kind of URL here ({e}); install the package it names") from None
     except ValueError as e:
@@ -305,7 +304,7 @@ def file_kind(url: str) -> tuple[str, str | None]:
 
 def _line_records(url: str, kind: str, compression: str | None, start: int) -> Iterator[Record]:
     parse = _json_line if kind == ".jsonl" else _text_line
-    with fsspec.open(url, "rb", compression=compression) as f:
+    with open_file(url, "rb", compression=compression) as f:
         # zstandard's stream reader cannot iterate lines by itself.
         lines = f if isinstance(f, io.IOBase) else io.BufferedReader(f)
         index = 0
@@ -326,7 +325,7 @@ def _json_records(url: str, kind: str, compression: str | None, start: int) -> I
     """A ``.json`` file's objects. The whole file is parsed (JSON has no cheaper way to
     find the ``start``-th item); a file that does not parse, or holds no list of objects,
     is one bad record, so that ``skip_bad_data`` can pass over it."""
-    with fsspec.open(url, "rb", compression=compression) as f:
+    with open_file(url, "rb", compression=compression) as f:
         raw = f.read()
     items, bad = _json_items(url, raw)
     if bad is not None:
@@ -371,7 +370,7 @@ def _parquet_records(url: str, kind: str, compression: str | None, start: int) -
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{url}: reading Parquet files needs pyarrow (pip install pyarrow)") from None
-    with fsspec.open(url, "rb") as f:
+    with open_file(url, "rb") as f:
         try:
             table = pq.ParquetFile(f)
             counts = [table.metadata.row_group(g).num_rows for g in range(table.metadata.num_row_groups)]

@@ -22,6 +22,7 @@ import fsspec
 import numpy as np
 
 from levanter_core.errors import DataError
+from levanter_core.fileio import filesystem
 
 EOS_TEXT = "<|endoftext|>"
 
@@ -300,7 +301,7 @@ def _find_tokenizer(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and path of what defines tokenizer ``spec`` (not ``byte``): its
     ``tokenizer.json`` file, or the directory of a Wav2Vec2 CTC tokenizer (which has none).
     Raises :class:`DataError` saying what to do if there is neither."""
-    fs, path = fsspec.core.url_to_fs(spec)
+    fs, path = filesystem(spec)
     from_hub = not fs.exists(path) and _is_hub_name(spec)
     if from_hub:
         fs, path = fsspec.filesystem("file"), _hub_snapshot(spec)

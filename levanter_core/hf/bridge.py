@@ -8,10 +8,13 @@ translation is the plugin's :class:`~levanter_core.hf.convert.HfConvertible` con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +23,8 @@ import jax.numpy as jnp
 from haliax import Axis
 
 from levanter_core.errors import CheckpointError, ConfigError
-from levanter_core.fileio import write_text_atomically
-from levanter_core.hf.checkpoint import HfCheckpoint, write_hf_checkpoint
+from levanter_core.fileio import is_local, join, list_names, read_bytes, write_text_atomically
+from levanter_core.hf.checkpoint import HfCheckpoint, upload_hf_directory, write_hf_checkpoint
 from levanter_core.hf.convert import HfConvertible, load_hf_weights, to_hf_state_dict
 
 logger = logging.getLogger(__name__)
@@ -226,7 +229,18 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
 
 
 def _copy_tokenizer_files(source: str, target: str) -> list[str]:
-    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``target``; returns their names."""
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` (a local directory or a URL, such as
+    the ``hf_tokenizer`` of an import in a bucket) has into the local directory ``target``;
+    returns their names."""
+    if not is_local(source):
+        stored = set(list_names(source))
+        present = [f for f in TOKENIZER_FILES if f in stored]
+        if present:
+            os.makedirs(target, exist_ok=True)
+        for f in present:
+            with open(os.path.join(target, f), "wb") as out:
+                out.write(read_bytes(join(source, f)))
+        return present
     present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
     if present:
         os.makedirs(target, exist_ok=True)
@@ -247,8 +261,9 @@ def export_hf(
     averaged: bool = True,
 ) -> str:
     """Write our checkpoint (a training checkpoint, a run's checkpoint directory, or an
-    import) as a Hugging Face model directory: ``config.json``, sharded safetensors with
-    their index, and the tokenizer files. Returns ``output``.
+    import; local or in a bucket) as a Hugging Face model directory: ``config.json``, sharded
+    safetensors with their index, and the tokenizer files. Returns ``output``, a local
+    directory or an object-store URL (see :func:`local_output`).
 
     A run with ``trainer.model_averaging`` keeps the running average beside the trained
     weights; evaluation uses the average, and so does the export unless ``averaged`` is
@@ -265,21 +280,38 @@ def export_hf(
         translated = config.to_hf_config(Vocab.size)
     except ValueError as e:  # a setting the Hugging Face architecture does not have
         raise CheckpointError(f"{found} cannot be exported: {e}") from None
-    write_hf_model(
-        model,
-        config,
-        Vocab,
-        output,
-        run_config=run_config,
-        imported_hf_config=loaded.stored.get("hf_config"),
-        tokenizer_dirs=(os.path.join(found, HF_TOKENIZER_DIR),),
-        tokenizer=loaded.tokenizer,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        translated=translated,
-    )
+    with local_output(output) as directory:
+        write_hf_model(
+            model,
+            config,
+            Vocab,
+            directory,
+            run_config=run_config,
+            imported_hf_config=loaded.stored.get("hf_config"),
+            tokenizer_dirs=(join(found, HF_TOKENIZER_DIR),),
+            tokenizer=loaded.tokenizer,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            translated=translated,
+        )
+        if not is_local(output):
+            upload_hf_directory(directory, output)
     logger.info("exported %s to %s", found, output)
     return output
+
+
+@contextlib.contextmanager
+def local_output(output: str) -> Iterator[str]:
+    """The local directory to write an export for ``output`` into: ``output`` itself when it
+    is local; for an object-store URL (``s3://``, ``gs://``), a new temporary directory, removed
+    when the block ends, whose contents the caller sends to ``output`` with
+    :func:`~levanter_core.hf.checkpoint.upload_hf_directory` once they are complete (the
+    export is written whole before any of it is uploaded, so it needs the local space)."""
+    if is_local(output):
+        yield output
+        return
+    with tempfile.TemporaryDirectory(prefix="levanter-export-") as directory:
+        yield directory
 
 
 @dataclass
@@ -470,12 +502,12 @@ def _tokenizer_directory(spec: str | None) -> str | None:
 
 
 def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: str, tokenizer=None) -> None:
-    """Tokenizer files for the export: those an import brought along (``tokenizer_dirs``), else
-    the run's tokenizer (its directory's files, or its hub snapshot's, or its ``tokenizer.json``
-    rebuilt)."""
+    """Tokenizer files for the export: those an import brought along (``tokenizer_dirs``, local
+    or in a bucket), else the run's tokenizer (its directory's files, or its hub snapshot's, or
+    its ``tokenizer.json`` rebuilt)."""
     spec = (run_config.get("data") or {}).get("tokenizer")
     for directory in (*tokenizer_dirs, _tokenizer_directory(spec)):
-        if directory and os.path.isdir(directory) and "tokenizer.json" in _copy_tokenizer_files(directory, output):
+        if directory and "tokenizer.json" in _copy_tokenizer_files(directory, output):
             return
     if not spec:
         logger.warning("the checkpoint names no tokenizer; the export has none")

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from levanter_core.errors import CheckpointError
-from levanter_core.fileio import write_text_atomically
+from levanter_core.fileio import filesystem, write_text_atomically
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -181,3 +181,26 @@ def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_s
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
     write_text_atomically(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2) + "\n")
     return files
+
+
+def upload_hf_directory(local: str, url: str) -> None:
+    """Copy the Hugging Face model directory ``local`` to the object-store URL ``url`` (e.g.
+    ``s3://bucket/exports/step-100``) so that a reader never takes an upload in progress for a
+    whole model: the weights' entry point of an earlier export there (``INDEX_FILE`` or
+    ``SINGLE_FILE``, without which ``transformers`` finds no weights) is deleted first, and this
+    export's is uploaded last, after the config, the tokenizer files and every shard."""
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    for name in (INDEX_FILE, SINGLE_FILE):
+        try:
+            fs.rm_file(f"{root}/{name}")
+        except FileNotFoundError:
+            pass
+    files = sorted(
+        os.path.relpath(os.path.join(directory, name), local)
+        for directory, _, names in os.walk(local)
+        for name in names
+    )
+    last = [f for f in (INDEX_FILE, SINGLE_FILE) if f in files]
+    for relative in [f for f in files if f not in last] + last:
+        fs.put_file(os.path.join(local, relative), f"{root}/{relative.replace(os.sep, '/')}")

@@ -166,7 +166,8 @@ class TrainerConfig(ConfigModel):
     computation in bfloat16."""
 
     log_dir: str = "logs/"
-    """Run directories go under this path: ``{log_dir}/{run_id}/``."""
+    """Run directories go under this path: ``{log_dir}/{run_id}/``. An ``s3://`` or ``gs://``
+    URL: the run writes a local mirror and process 0 uploads it as it goes (docs/storage.md)."""
     id: str | None = None
     """The run id. Unset: derived from the config file name and a hash of what the config sets
     (fields at their defaults do not count), so running the same command again resumes the same

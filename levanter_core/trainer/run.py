@@ -25,8 +25,9 @@ import yaml
 from levanter_core import __version__
 from levanter_core.config.train import TrainConfig, objective_class
 from levanter_core.errors import CheckpointError, ConfigError
-from levanter_core.fileio import write_text_atomically
+from levanter_core.fileio import is_local, join, require_filesystem, write_text_atomically
 from levanter_core.tracker.base import RunInfo, finish_tracker
+from levanter_core.trainer.run_sync import SYNC_INTERVAL_SECONDS, RunDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class RunResult:
 
     run_id: str
     run_dir: str
+    """``{trainer.log_dir}/{run_id}``: a local directory or an object-store URL."""
     start_step: int
     final_step: int
     first_loss: float | None = None
@@ -238,11 +240,13 @@ def preflight(config: TrainConfig) -> None:
         problem = path and trainer.checkpointer.location_problem(path)
         if problem:
             raise ConfigError(f"{field}: {problem}")
-    if config.hf_save_path and "://" in config.hf_save_path:
-        raise ConfigError(
-            f"hf_save_path: {config.hf_save_path!r} is not a local path; exports are written to local (or mounted) "
-            "directories for now (hf_upload sends them on to the Hugging Face hub)"
-        )
+    # The run directory and the exports are written locally and uploaded with fsspec: any
+    # filesystem it can open will do.
+    for field, path in {"trainer.log_dir": trainer.log_dir, "hf_save_path": config.hf_save_path}.items():
+        try:
+            require_filesystem(path)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
 
 
 def run_training(config: TrainConfig, *, config_path: str | None = None, progress: bool = True) -> RunResult:
@@ -263,37 +267,50 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     leader = distributed.is_leader()
     progress = progress and leader  # one progress bar, process 0's
     run_id = agreed_run_id(config, config_path)
-    run_dir = os.path.join(trainer_cfg.log_dir, run_id)
-    resolved, plugins = resolved_config(config), plugin_versions()
-    record_files = write_run_record(run_dir, resolved, config_path, plugins) if leader else []
-    logger.info("run %s: run directory %s", run_id, run_dir)
-    if leader:
-        print(f"run directory: {run_dir}", flush=True)
-        for note in levanter_differences(config):
-            print(f"note: {note}", flush=True)
-    if distributed.process_count() > 1:
-        print(_describe_processes(), flush=True)
-    run = _Run(run_id, run_dir, resolved, plugins, record_files, wall_start)
+    # Under an object-store log_dir, everything is written into a local mirror that is uploaded
+    # as the run goes (see run_sync); the mirror starts as a copy of what a resumed run left.
+    directory = RunDirectory.open(trainer_cfg.log_dir, run_id, leader=leader)
+    try:
+        run_dir = directory.path
+        resolved, plugins = resolved_config(config), plugin_versions()
+        record_files = write_run_record(run_dir, resolved, config_path, plugins) if leader else []
+        directory.flush(required=True)
+        logger.info("run %s: run directory %s", run_id, directory.location)
+        if leader:
+            print(f"run directory: {directory.location}", flush=True)
+            if directory.mirrored:
+                print(
+                    f"  (written to {run_dir} and uploaded every {SYNC_INTERVAL_SECONDS:.0f} s, before each "
+                    "checkpoint and at the end)",
+                    flush=True,
+                )
+            for note in levanter_differences(config):
+                print(f"note: {note}", flush=True)
+        if distributed.process_count() > 1:
+            print(_describe_processes(), flush=True)
+        run = _Run(run_id, directory, resolved, plugins, record_files, wall_start)
 
-    # A multi-process run tokenizes on a Ray cluster over its hosts (trainer.ray); the caches
-    # build in the background while the model is set up, and batches wait for them.
-    with ray_for_run(trainer_cfg.ray) as ray_config:
-        data = build_lm_data(
-            config.data,
-            seq_len=config.model.seq_len,
-            seed=trainer_cfg.seed if config.data_seed is None else config.data_seed,
-            initial_batch_size=trainer_cfg.batch_schedule.size_at(0),
-            max_epochs=config.epoch,
-            offsets=trainer_cfg.batch_schedule.offset_at,
-            ray=ray_config,
-            progress=progress,
-            build=leader,
-            field_lengths=_row_lengths(config.model),
-        )
-        try:
-            return _train(config, run, data, progress)
-        finally:
-            data.close()
+        # A multi-process run tokenizes on a Ray cluster over its hosts (trainer.ray); the caches
+        # build in the background while the model is set up, and batches wait for them.
+        with ray_for_run(trainer_cfg.ray) as ray_config:
+            data = build_lm_data(
+                config.data,
+                seq_len=config.model.seq_len,
+                seed=trainer_cfg.seed if config.data_seed is None else config.data_seed,
+                initial_batch_size=trainer_cfg.batch_schedule.size_at(0),
+                max_epochs=config.epoch,
+                offsets=trainer_cfg.batch_schedule.offset_at,
+                ray=ray_config,
+                progress=progress,
+                build=leader,
+                field_lengths=_row_lengths(config.model),
+            )
+            try:
+                return _train(config, run, data, progress)
+            finally:
+                data.close()
+    finally:
+        directory.close()  # the last upload, whether the run succeeded or not
 
 
 def levanter_differences(config: TrainConfig) -> list[str]:
@@ -328,7 +345,7 @@ class _Run:
     """What identifies a run and was written before training starts."""
 
     run_id: str
-    run_dir: str
+    directory: RunDirectory
     resolved: dict
     plugins: dict
     record_files: list[str]
@@ -359,7 +376,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     from levanter_core.trainer.trainer import Trainer
 
     trainer_cfg = config.trainer
-    run_id, run_dir, resolved, plugins = run.run_id, run.run_dir, run.resolved, run.plugins
+    run_id, run_dir, resolved, plugins = run.run_id, run.directory.path, run.resolved, run.plugins
     model_config, Vocab, hf_directory = _resolve_model(config, data.tokenizer)
 
     mesh = make_mesh(trainer_cfg)
@@ -418,7 +435,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
 
     run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
     tracker = _make_tracker(config, run_info)
-    result = RunResult(run_id, run_dir, start_step, start_step)
+    result = RunResult(run_id, run.directory.location, start_step, start_step)
     status = "success"  # what the trackers are told at the end
     try:
         tracker.log_hyperparameters(resolved)
@@ -430,10 +447,11 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)
             exporter.check()
         loop = _TrainLoop(
-            config, trainer, data, tracker, checkpointer, run_dir=run_dir, flops_per_token=flops, progress=progress,
-            exporter=exporter,
+            config, trainer, data, tracker, checkpointer, run_directory=run.directory, flops_per_token=flops,
+            progress=progress, exporter=exporter,
         )  # fmt: skip
         state = loop.run(state, result)
+        run.directory.flush()  # every step logged is stored before the last checkpoint exists
         checkpointer.on_step(state, int(state.step), force=True)
         if exporter is not None and exporter.last_step != int(state.step):
             exporter.export(trainer.eval_model(state), int(state.step))
@@ -587,7 +605,8 @@ def _make_tracker(config: TrainConfig, info: RunInfo):
 class HfExporter:
     """Hugging Face exports during training (``hf_save_path``, ``hf_save_steps``, ``hf_upload``,
     ``hf_save_dtype``): the model evaluation uses, as ``levanter export-hf`` would write it, to
-    ``{hf_save_path}/{run_id}/step-N/``."""
+    ``{hf_save_path}/{run_id}/step-N/``, a local directory or an object-store URL (written
+    locally first, then uploaded, its safetensors index last)."""
 
     _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -595,7 +614,8 @@ class HfExporter:
         from levanter_core.hf.bridge import read_hf_config
 
         self.config, self.model_config, self.Vocab, self.tokenizer = config, model_config, Vocab, tokenizer
-        self.directory = os.path.join(os.path.expanduser(config.hf_save_path), run_id)
+        path = config.hf_save_path
+        self.directory = os.path.join(os.path.expanduser(path), run_id) if is_local(path) else join(path, run_id)
         self.resolved = resolved
         self.imported = read_hf_config(hf_directory) if hf_directory else None
         dtype = config.hf_save_dtype or "float32"
@@ -618,35 +638,40 @@ class HfExporter:
         from jax.experimental import multihost_utils
 
         from levanter_core import distributed
-        from levanter_core.hf.bridge import write_hf_model
+        from levanter_core.hf.bridge import local_output, write_hf_model
+        from levanter_core.hf.checkpoint import upload_hf_directory
 
         if jax.process_count() > 1:  # every process holds a part; process 0 writes the whole
             model = multihost_utils.process_allgather(model, tiled=True)
         self.last_step = step
-        output = os.path.join(self.directory, f"step-{step}")
+        output = join(self.directory, f"step-{step}")
         if not distributed.is_leader():
             return output
-        write_hf_model(
-            model, self.model_config, self.Vocab, output, run_config=self.resolved, imported_hf_config=self.imported,
-            tokenizer=self.tokenizer, dtype=self.dtype,
-        )  # fmt: skip
-        print(f"saved the model in Hugging Face form to {output}", flush=True)
-        if self.config.hf_upload:
-            self._upload(output, step)
+        with local_output(output) as written:
+            write_hf_model(
+                model, self.model_config, self.Vocab, written, run_config=self.resolved,
+                imported_hf_config=self.imported, tokenizer=self.tokenizer, dtype=self.dtype,
+            )  # fmt: skip
+            if not is_local(output):
+                upload_hf_directory(written, output)
+            print(f"saved the model in Hugging Face form to {output}", flush=True)
+            if self.config.hf_upload:
+                self._upload(written, step)
         return output
 
-    def _upload(self, output: str, step: int) -> None:
+    def _upload(self, written: str, step: int) -> None:
+        """Send the export in the local directory ``written`` to the hub repository ``hf_upload``."""
         from huggingface_hub import upload_folder
 
         try:
             upload_folder(
                 repo_id=self.config.hf_upload,
-                folder_path=output,
+                folder_path=written,
                 commit_message=f"step {step} of {os.path.basename(self.directory)}",
             )
             print(f"uploaded step {step} to the Hugging Face hub repository {self.config.hf_upload}", flush=True)
         except Exception as e:  # the network or the hub; the export on disk stands, training goes on
-            logger.error("hf_upload: could not upload %s to %s: %s", output, self.config.hf_upload, e)
+            logger.error("hf_upload: could not upload %s to %s: %s", written, self.config.hf_upload, e)
             print(f"hf_upload: could not upload step {step} to {self.config.hf_upload}: {e}", flush=True)
 
 
@@ -709,7 +734,7 @@ class _TrainLoop:
         tracker,
         checkpointer,
         *,
-        run_dir: str,
+        run_directory: RunDirectory,
         flops_per_token: float | None,
         progress: bool,
         exporter: "HfExporter | None" = None,
@@ -718,7 +743,8 @@ class _TrainLoop:
         import numpy as np
 
         self.config = config
-        self.run_dir = run_dir
+        self.run_directory = run_directory
+        self.run_dir = run_directory.path
         self.trainer = trainer
         self.data = data
         self.tracker = tracker
@@ -740,7 +766,7 @@ class _TrainLoop:
             from levanter_core.models.lm import lm_eval_entropy
 
             self.entropy_fn = lm_eval_entropy
-        self.profile = _Profile(config.trainer, run_dir)
+        self.profile = _Profile(config.trainer, self.run_dir)
         self.exporter = exporter
 
     def evaluate(self, model) -> dict[str, float]:
@@ -937,6 +963,7 @@ class _TrainLoop:
                     # from that checkpoint has logged every step it does not train again.
                     self._finish(pending, throughput, bar, result)
                     pending = None
+                    self.run_directory.flush()  # and stored, for a run directory on an object store
                     self.checkpointer.on_step(state, step)
                     carried["checkpoint/save_blocked_seconds"] = self.checkpointer.last_save_blocked_seconds
                 else:

@@ -274,7 +274,11 @@ def import_hf(
         ),
     ],
     output: Annotated[
-        str, typer.Argument(help="Directory to write our checkpoint into (must not exist or be empty).", metavar="OUTPUT")
+        str,
+        typer.Argument(
+            help="Directory or bucket URL (s3://, gs://) to write our checkpoint into (must not exist or be empty).",
+            metavar="OUTPUT",
+        ),
     ],
     seq_len: Annotated[
         Optional[int], typer.Option(help="Training sequence length to record (default: max_position_embeddings).")

@@ -203,6 +203,18 @@ def write_text(path: str, text: str) -> None:
         fs.pipe_file(inner, text.encode("utf-8"))
 
 
+def write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to the file or object ``path`` (creating local parent directories)."""
+    if is_local(path):
+        target = local_path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+    else:
+        fs, inner = filesystem(path)
+        fs.pipe_file(inner, data)
+
+
 def exists(path: str) -> bool:
     fs, inner = filesystem(path)
     if not is_local(path):

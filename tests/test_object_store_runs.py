@@ -272,3 +272,36 @@ def test_exports_during_training_go_to_a_bucket(tmp_path, bucket):
     trained = load_checkpoint_model(str(tmp_path / "ckpt" / "remote")).model
     tokens = np.random.default_rng(0).integers(0, 257, size=(2, 16))
     np.testing.assert_allclose(hf_logits(reloaded, tokens), our_logits(trained, tokens), atol=1e-4)
+
+
+def test_import_hf_writes_its_checkpoint_into_a_bucket_and_export_hf_gives_the_model_back(tmp_path, bucket):
+    """A Hugging Face model imported straight into the bucket, tokenizer files beside it, and
+    exported from there: the same logits as the original."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from levanter_core.data.tokenizer import load_tokenizer
+    from levanter_core.hf.parity import hf_logits
+
+    source = str(tmp_path / "hf")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=257, n_embd=32, n_head=2, n_layer=2, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(source)
+    with open(os.path.join(source, "tokenizer.json"), "w") as f:
+        f.write(load_tokenizer("byte").to_tokenizer_json())
+
+    imported = f"{bucket}/imports/tiny"
+    result = run_cli("import-hf", source, imported)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stored = objects(imported)
+    assert "COMMITTED" in stored and "hf_tokenizer/tokenizer.json" in stored
+    again = run_cli("import-hf", source, imported)
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+
+    exported = str(tmp_path / "exported")
+    result = run_cli("export-hf", imported, exported)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isfile(os.path.join(exported, "tokenizer.json"))
+    tokens = np.random.default_rng(0).integers(0, 257, size=(2, 16))
+    original = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(original, tokens), atol=1e-5)

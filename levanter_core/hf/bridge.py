@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 from haliax import Axis
 
 from levanter_core.errors import CheckpointError, ConfigError
-from levanter_core.fileio import is_local, join, list_names, read_bytes, write_text_atomically
+from levanter_core.fileio import is_local, join, list_names, normalize, read_bytes, write_bytes, write_text_atomically
 from levanter_core.hf.checkpoint import HfCheckpoint, upload_hf_directory, write_hf_checkpoint
 from levanter_core.hf.convert import HfConvertible, load_hf_weights, to_hf_state_dict
 
@@ -209,10 +208,11 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
     from levanter_core.checkpoint import COMMIT_MARKER, write_checkpoint
     from levanter_core.trainer.run import plugin_versions
 
-    output = os.path.abspath(output)
-    if os.path.exists(os.path.join(output, COMMIT_MARKER)):
+    output = normalize(output)
+    present = list_names(output)
+    if COMMIT_MARKER in present:
         raise CheckpointError(f"{output} already holds a checkpoint; choose another output directory")
-    if os.path.exists(output) and os.listdir(output):
+    if present:
         raise CheckpointError(f"{output} exists and is not empty; choose another output directory")
     loaded = load_hf_model(source)
     config = loaded.config if seq_len is None else loaded.config.model_copy(update={"seq_len": seq_len})
@@ -224,28 +224,17 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
         "plugins": plugin_versions(),
     }
     write_checkpoint({"model": loaded.model}, output, step=0, metadata=metadata)
-    _copy_tokenizer_files(loaded.directory, os.path.join(output, HF_TOKENIZER_DIR))
+    _copy_tokenizer_files(loaded.directory, join(output, HF_TOKENIZER_DIR))
     return output
 
 
 def _copy_tokenizer_files(source: str, target: str) -> list[str]:
-    """Copy the :data:`TOKENIZER_FILES` that ``source`` (a local directory or a URL, such as
-    the ``hf_tokenizer`` of an import in a bucket) has into the local directory ``target``;
-    returns their names."""
-    if not is_local(source):
-        stored = set(list_names(source))
-        present = [f for f in TOKENIZER_FILES if f in stored]
-        if present:
-            os.makedirs(target, exist_ok=True)
-        for f in present:
-            with open(os.path.join(target, f), "wb") as out:
-                out.write(read_bytes(join(source, f)))
-        return present
-    present = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
-    if present:
-        os.makedirs(target, exist_ok=True)
+    """Copy the :data:`TOKENIZER_FILES` that ``source`` has into ``target`` (each a local
+    directory or a URL: an import in a bucket keeps them in its ``hf_tokenizer``); returns
+    their names."""
+    present = [f for f in TOKENIZER_FILES if f in set(list_names(source))]
     for f in present:
-        shutil.copy2(os.path.join(source, f), os.path.join(target, f))
+        write_bytes(join(target, f), read_bytes(join(source, f)))
     return present
 
 

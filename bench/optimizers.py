@@ -45,21 +45,22 @@ EVAL_BATCHES = 16
 RATES: dict[str, list[float]] = {
     "adam": [3e-4, 1e-3, 3e-3],
     "lion": [1e-4, 3e-4, 1e-3],
-    "adopt": [1e-3, 3e-3, 1e-2],
+    "adopt": [3e-4, 1e-3, 3e-3, 1e-2],
     "rmsprop": [3e-4, 1e-3, 3e-3],
-    "cautious": [1e-3, 3e-3, 1e-2],
-    "schedule_free_adamw": [1e-3, 3e-3, 1e-2],
-    "sophia-h": [3e-4, 1e-3, 3e-3],
-    "sophia-g": [3e-4, 1e-3, 3e-3],
-    "muon": [3e-3, 1e-2, 3e-2],
+    "cautious": [3e-4, 1e-3, 3e-3, 1e-2],
+    "schedule_free_adamw": [3e-4, 1e-3, 3e-3, 1e-2],
+    "sophia-h": [3e-4, 1e-3, 3e-3, 1e-2],
+    "sophia-g": [3e-4, 1e-3, 3e-3, 1e-2],
+    "muon": [3e-3, 1e-2, 3e-2, 1e-1],
     "scion": [3e-3, 1e-2, 3e-2],
     "soap": [1e-3, 3e-3, 1e-2],
-    "kron": [3e-4, 1e-3, 3e-3],
-    "mars": [1e-3, 3e-3, 1e-2],
-    "mini": [1e-3, 3e-3, 1e-2],
+    "kron": [3e-4, 1e-3, 3e-3, 1e-2],
+    "mars": [3e-4, 1e-3, 3e-3, 1e-2],
+    "mini": [3e-4, 1e-3, 3e-3, 1e-2],
 }
 """The learning rates each optimizer is swept over: around what its authors (or Levanter's
-configs) use, a factor of about 3 apart."""
+configs) use, a factor of about 3 apart, extended by one where a first sweep found the best
+rate at an end of the range."""
 
 COMMON = {"weight_decay": 0.1, "warmup": 0.05, "min_lr_ratio": 0.1}
 """What every run's ``optimizer:`` section holds besides its type and learning rate: the

@@ -660,10 +660,9 @@ def _prepare_directory(path: str) -> None:
     if jax.process_index() != 0:
         return
     for entry in fileio.list_names(path):
-        if _DEBRIS.match(entry):
-            logger.info("removing %s, left by a save or deletion that did not finish", entry)
-            fileio.remove_tree(join(path, entry))
-        elif not is_local(path) and _STEP_DIR.match(entry) and not _marker_exists(join(path, entry)):
+        # on a bucket, a step-N without its marker is what an unfinished save or deletion leaves
+        unfinished = not is_local(path) and _STEP_DIR.match(entry) and not _marker_exists(join(path, entry))
+        if _DEBRIS.match(entry) or unfinished:
             logger.info("removing %s, left by a save or deletion that did not finish", entry)
             fileio.remove_tree(join(path, entry))
 

@@ -54,7 +54,7 @@ RATES: dict[str, list[float]] = {
     "muon": [3e-3, 1e-2, 3e-2, 1e-1],
     "scion": [3e-3, 1e-2, 3e-2],
     "soap": [1e-3, 3e-3, 1e-2],
-    "kron": [3e-4, 1e-3, 3e-3, 1e-2],
+    "kron": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2],
     "mars": [3e-4, 1e-3, 3e-3, 1e-2],
     "mini": [3e-4, 1e-3, 3e-3, 1e-2],
 }

@@ -322,6 +322,14 @@ def export_hf(
             "not their running average (which evaluation used, and which is exported by default).",
         ),
     ] = False,
+    peft: Annotated[
+        bool,
+        typer.Option(
+            "--peft",
+            help="For a LoRA run: write its adapters as a PEFT adapter directory (adapter_model.safetensors, "
+            "adapter_config.json) for peft.PeftModel.from_pretrained on the base model, instead of merged weights.",
+        ),
+    ] = False,
 ) -> None:
     """Write a levanter checkpoint as a Hugging Face model directory.
 
@@ -329,6 +337,8 @@ def export_hf(
     model-0000i-of-0000n.safetensors shards with their index, and the tokenizer files,
     loadable with transformers.AutoModelForCausalLM.from_pretrained. A run with
     trainer.model_averaging exports the averaged weights, as evaluation used them.
+    A LoRA run's checkpoint is exported with its adapters merged into the weights, or
+    with --peft as a PEFT adapter for its base model.
     An OUTPUT in a bucket is written to a temporary local directory, then uploaded,
     its safetensors index last. Object stores are reached with the usual environment
     (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID..., GOOGLE_APPLICATION_CREDENTIALS).
@@ -342,7 +352,8 @@ def export_hf(
     for argument, path in (("CHECKPOINT", checkpoint), ("OUTPUT", output)):
         _check_reachable(argument, path)
     written = do_export(
-        checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights
+        checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights,
+        peft=peft,
     )
     print(f"exported {checkpoint} to {written}")
 

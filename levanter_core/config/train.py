@@ -9,9 +9,11 @@ from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, Wi
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
 from levanter_core.config.loader import Sources, load_config_dict
+from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, translate_levanter_sft
 from levanter_core.config.storage import StorageConfig, object_store_urls, storage_problem
 from levanter_core.data.config import DataSection, data_known_fields
-from levanter_core.errors import ConfigError
+from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.lora import LoraConfig
 from levanter_core.trainer.config import TrainerConfig
 
 
@@ -115,6 +117,36 @@ class TrainConfig(ConfigModel):
     """Data type of exported tensors (``float32``, ``bfloat16``, ``float16``). None: the
     parameters' own."""
 
+    lora: LoraConfig | None = None
+    """Fine-tune low-rank adapters (LoRA) on the model's linear layers instead of the model
+    itself: only the adapters are trained and hold optimizer state; checkpoints hold them and
+    point to the base weights (``initialize_from_hf`` or ``trainer.initialize_from``). Exports
+    (``hf_save_path``, ``levanter export-hf``) write the merged weights; ``peft_save_path`` and
+    ``levanter export-hf --peft`` write a PEFT adapter. None: train every weight."""
+    peft_save_path: str | None = None
+    """With ``lora``: every ``hf_save_steps`` steps and at the end, write the adapters as a
+    Hugging Face PEFT adapter directory (``adapter_model.safetensors``, ``adapter_config.json``)
+    to ``{peft_save_path}/{run_id}/step-N/``."""
+    peft_hf_upload: str | None = None
+    """With ``peft_save_path``: also upload each adapter to this Hugging Face hub repository."""
+    merged_hf_save_path: str | None = None
+    """With ``lora``: Levanter's name for ``hf_save_path`` in LoRA runs (exports of the merged
+    weights); give one of the two."""
+    merged_hf_upload: str | None = None
+    """Levanter's name for ``hf_upload`` in LoRA runs."""
+    max_train_length: int | None = Field(None, ge=1)
+    """Train on sequences of this many tokens instead of ``model.seq_len`` (Levanter's LoRA and
+    fine-tuning programs), e.g. shorter than the imported model's context to save memory."""
+    trust_remote_code: bool = False
+    """Accepted for Levanter's configs; has no effect: levanter-core never runs code shipped
+    with a Hugging Face model, it converts the weights with its own model plugins."""
+
+    special_tokens: SpecialTokensConfig = Field(default_factory=SpecialTokensConfig)
+    """Special tokens added to ``data.tokenizer`` for fine-tuning (a pad token, chat markup such as
+    ``<|im_start|>``), and how the rows of new and re-drawn tokens start: the model grows to the
+    tokenizer's size when it starts from ``initialize_from_hf``, and exports write the grown
+    tokenizer. Levanter's ``sft`` configs add its default tokens (``add_missing_defaults``)."""
+
     evaluators: TypedList("evaluator") = ()  # type: ignore[valid-type]
     """Evaluations that plugins provide, run during training (each item's ``type`` picks one; see
     ``levanter plugins``); each runs every ``every`` steps (default: with the run's evaluation,
@@ -155,6 +187,29 @@ class TrainConfig(ConfigModel):
             data = {**data, "format": default}
         return {**raw, "data": data}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _levanter_fine_tuning_names(cls, raw: Any) -> Any:
+        """Levanter's LoRA program names ``hf_save_path`` ``merged_hf_save_path`` (and
+        ``hf_upload`` ``merged_hf_upload``), trains adapters with the default ``lora`` section
+        when its config leaves it out, and sets the training length with ``max_train_length``:
+        these are taken here into the fields that do the work."""
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        for alias, name in (("merged_hf_save_path", "hf_save_path"), ("merged_hf_upload", "hf_upload")):
+            value = raw.get(alias)
+            if value:
+                if raw.get(name) and raw[name] != value:
+                    raise ValueError(f"{alias} and {name} name two places for the same exports; keep one")
+                raw[name] = value
+        if "lora" not in raw and any(raw.get(f) for f in ("peft_save_path", "peft_hf_upload", "merged_hf_save_path")):
+            raw["lora"] = {}  # Levanter's LoRA program: its lora section defaults to LoRA's defaults
+        length, model = raw.get("max_train_length"), raw.get("model")
+        if isinstance(length, int) and isinstance(model, dict):
+            raw["model"] = {**model, "seq_len": length}
+        return raw
+
     @field_validator("hf_save_dtype")
     @classmethod
     def _known_dtype(cls, value):
@@ -171,8 +226,31 @@ class TrainConfig(ConfigModel):
             )
         if self.initialize_from_hf and self.trainer.initialize_from:
             raise ValueError("initialize_from_hf and trainer.initialize_from cannot both be set; keep one")
+        if self.lora is None:
+            given = [f for f in ("peft_save_path", "peft_hf_upload") if getattr(self, f)]
+            if given:
+                raise ValueError(f"{given[0]} writes LoRA adapters, but there is no lora section; add one")
         if self.epoch and self.data.is_mixture:
             raise ValueError("epoch limits the passes over a single source; a mixture (data.configs) cannot use it")
+        return self
+
+    @model_validator(mode="after")
+    def _add_special_tokens(self):
+        """The tokens of ``special_tokens`` join ``data.tokenizer`` (``BASE+{...}``, see
+        :func:`~levanter_core.data.tokenizer.tokenizer_spec_with`), so that everything that loads
+        the run's tokenizer (the cache, exports, sampling a checkpoint) loads the grown one."""
+        from levanter_core.data.tokenizer import tokenizer_spec_with
+        from levanter_core.errors import DataError
+
+        if self.special_tokens.reinit_tokens and not self.initialize_from_hf:
+            raise ValueError("special_tokens.reinit_tokens re-draws rows of the model that initialize_from_hf loads; set it")
+        recipe = self.special_tokens.recipe()
+        if recipe:
+            try:
+                spec = tokenizer_spec_with(self.data.tokenizer, recipe)
+            except DataError as e:
+                raise ValueError(f"special_tokens: {e}") from None
+            object.__setattr__(self, "data", self.data.model_copy(update={"tokenizer": spec}))  # frozen section
         return self
 
     @property
@@ -220,6 +298,8 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
     Raises :class:`ConfigError` with one message for people on any problem.
     """
     raw, sources = load_config_dict(path, overrides)
+    if is_levanter_sft(raw):  # Levanter's sft / sft_mixture programs' config
+        raw, sources = translate_levanter_sft(raw, sources)
     return validate_train_config(raw, sources), raw
 
 
@@ -227,6 +307,7 @@ def validate_train_config(raw: dict, sources: Sources) -> TrainConfig:
     """Validate, then apply the ``storage`` section to this process's environment and check
     that every object store the config names can be reached (its filesystem package installed,
     credentials found)."""
+    raw = _model_from_hf(raw, sources)
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as e:
@@ -234,6 +315,26 @@ def validate_train_config(raw: dict, sources: Sources) -> TrainConfig:
     config.storage.apply()
     check_storage(raw, sources)
     return config
+
+
+def _model_from_hf(raw: dict, sources: Sources) -> dict:
+    """A config without a ``model`` section that names a Hugging Face model in
+    ``initialize_from_hf`` (Levanter's LoRA configs) gets the architecture of that model's
+    ``config.json``, read from its directory or the local Hugging Face cache."""
+    source = raw.get("initialize_from_hf") if isinstance(raw, dict) else None
+    if "model" in raw or not isinstance(source, str) or not source:
+        return raw
+    from levanter_core.hf.bridge import config_from_hf, read_source_hf_config
+
+    try:
+        model = config_from_hf(read_source_hf_config(source), source=f"{source}/config.json")
+    except LevanterError as e:
+        place = sources.place_of(("initialize_from_hf",))
+        raise ConfigError(
+            f"invalid config {sources.main_file}:\n  model: there is no model section, so the architecture is "
+            f"that of initialize_from_hf ({place}), which cannot be read: {e}"
+        ) from None
+    return {**raw, "model": model.model_dump(mode="json")}
 
 
 def check_storage(raw: dict, sources: Sources) -> None:

@@ -186,6 +186,8 @@ class HfTokenizer(Tokenizer):
         *,
         bos_token: str | None = None,
         chat_template: str | None = None,
+        config: dict | None = None,
+        added_tokens: tuple[str, ...] = (),
     ):
         from tokenizers import Tokenizer as RustTokenizer
 
@@ -200,6 +202,12 @@ class HfTokenizer(Tokenizer):
         self.eos_id = next((i for i in map(self._tok.token_to_id, candidates) if i is not None), None)
         self._bos_token = bos_token
         self._chat_template = chat_template
+        self.config = dict(config or {})
+        """The ``tokenizer_config.json`` it came with (with ``special_tokens_map.json``'s names
+        where the former has none); {} if none."""
+        self.added_tokens = added_tokens
+        """Special tokens added to the files' vocabulary (``special_tokens``), in id order: the
+        last ``len(added_tokens)`` ids."""
 
     @property
     def fingerprint(self) -> str:
@@ -240,6 +248,146 @@ class HfTokenizer(Tokenizer):
     def to_tokenizer_json(self) -> str:
         return self._tok.to_str()
 
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` (a token of the vocabulary, written as it is stored), or None."""
+        return self._tok.token_to_id(token)
+
+    def named_special_tokens(self) -> dict[str, str]:
+        """The text of each special-token role (``pad_token``, ``eos_token``, ``bos_token``,
+        ``unk_token``) that this tokenizer has, as ``transformers`` would report it: named by its
+        ``tokenizer_config.json`` (the end-of-text token also when found by its usual name)."""
+        named = {role: _token_text(self.config.get(role)) for role in SPECIAL_TOKEN_ROLES}
+        named["eos_token"] = self.eos_token
+        named["bos_token"] = self.bos_token
+        return {role: text for role, text in named.items() if isinstance(text, str)}
+
+    def hf_files(self, *, chat_template: str | None = None) -> dict[str, str]:
+        """This tokenizer as the files of a Hugging Face tokenizer directory (name -> text), for
+        an export that ``transformers.AutoTokenizer`` loads: ``tokenizer.json``, and a
+        ``tokenizer_config.json`` and ``special_tokens_map.json`` naming its special tokens (the
+        ones it came with, and the added ones), with its chat template (``chat_template``, the
+        one the model was trained with, in its place)."""
+        config = {k: v for k, v in self.config.items() if k not in ("added_tokens_decoder", "chat_template")}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        named = self.named_special_tokens()
+        config.update(named)
+        extra = [_token_text(t) for t in config.get("additional_special_tokens") or []]
+        extra += [t for t in self.added_tokens if t not in extra and t not in named.values()]
+        if extra:
+            config["additional_special_tokens"] = extra
+        if chat_template or self._chat_template:
+            config["chat_template"] = chat_template or self._chat_template
+        special_map = {k: config[k] for k in (*SPECIAL_TOKEN_ROLES, "additional_special_tokens") if k in config}
+        return {
+            "tokenizer.json": self._tok.to_str(),
+            "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+            "special_tokens_map.json": json.dumps(special_map, indent=2, ensure_ascii=False) + "\n",
+        }
+
+
+SPECIAL_TOKEN_ROLES = ("pad_token", "eos_token", "bos_token", "unk_token")
+"""The special-token roles a tokenizer may name, in the order their added tokens get ids."""
+
+LEVANTER_SFT_DEFAULTS = {"pad_token": "[PAD]", "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}
+"""What Levanter's ``sft`` and ``sft_mixture`` give a tokenizer that lacks a role."""
+
+_ADDED = "+{"
+
+
+def split_tokenizer_spec(spec: str) -> tuple[str, dict]:
+    """The tokenizer a spec names and the special tokens added to it: ``BASE+{JSON}`` (as
+    :func:`tokenizer_spec_with` writes it) gives ``BASE`` and the JSON object; any other spec,
+    itself and {}."""
+    at = spec.find(_ADDED)
+    if at < 0 or not spec.endswith("}"):
+        return spec, {}
+    try:
+        recipe = json.loads(spec[at + 1 :])
+    except json.JSONDecodeError as e:
+        raise DataError(f"data.tokenizer {spec!r}: the added special tokens after '+' are not a JSON object ({e})") from None
+    problem = _recipe_problem(recipe)
+    if problem:
+        raise DataError(f"data.tokenizer {spec!r}: {problem}")
+    return spec[:at], recipe
+
+
+def tokenizer_spec_with(spec: str, recipe: dict) -> str:
+    """The spec of tokenizer ``spec`` with the special tokens of ``recipe`` added: role names
+    (``pad_token``...) -> token text, ``additional_special_tokens`` -> texts, and
+    ``add_missing_defaults`` (Levanter's sft: :data:`LEVANTER_SFT_DEFAULTS` for the roles the
+    tokenizer lacks). Written into ``data.tokenizer`` so that every reader of the run's tokenizer
+    (the cache workers, exports, sampling from a checkpoint) gets the same tokens, and the cache is
+    keyed by them. Additions already in ``spec`` are kept; a role given two texts is an error."""
+    base, merged = split_tokenizer_spec(spec)
+    merged = dict(merged)
+    for key, value in recipe.items():
+        if not value:
+            continue
+        if key == "additional_special_tokens":
+            merged[key] = list(dict.fromkeys([*merged.get(key, []), *value]))
+        elif key in merged and merged[key] != value:
+            raise DataError(f"data.tokenizer {spec!r} already sets {key} to {merged[key]!r}, not {value!r}")
+        else:
+            merged[key] = value
+    problem = _recipe_problem(merged)
+    if problem:
+        raise DataError(problem)
+    return f"{base}+{json.dumps(merged, sort_keys=True, ensure_ascii=False)}" if merged else base
+
+
+def _recipe_problem(recipe) -> str | None:
+    if not isinstance(recipe, dict):
+        return "the added special tokens must be a JSON object"
+    for key, value in recipe.items():
+        if key in SPECIAL_TOKEN_ROLES:
+            ok = isinstance(value, str) and value
+        elif key == "additional_special_tokens":
+            ok = isinstance(value, list) and all(isinstance(t, str) and t for t in value)
+        elif key == "add_missing_defaults":
+            ok = isinstance(value, bool)
+        else:
+            return f"unknown key {key!r} among the added special tokens"
+        if not ok:
+            return f"{key} of the added special tokens has the wrong type: {value!r}"
+    return None
+
+
+def add_special_tokens(base: Tokenizer, recipe: dict, name: str) -> HfTokenizer:
+    """``base`` with the special tokens of ``recipe`` (see :func:`tokenizer_spec_with`), as
+    ``transformers``' ``add_special_tokens`` adds them: each text missing from the vocabulary gets
+    the next id (roles in the order of :data:`SPECIAL_TOKEN_ROLES`, then the additional tokens),
+    matched whole in text and never split; one already there is only marked special. A role given
+    a token becomes that token (``eos_token`` is then the end of text)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RustTokenizer
+
+    if isinstance(base, ByteTokenizer):
+        base = HfTokenizer(base.name, base.to_tokenizer_json(), EOS_TEXT)
+    assert isinstance(base, HfTokenizer)
+    named = base.named_special_tokens()
+    roles = {role: recipe[role] for role in SPECIAL_TOKEN_ROLES if recipe.get(role)}
+    if recipe.get("add_missing_defaults"):
+        for role, default in LEVANTER_SFT_DEFAULTS.items():
+            if role not in named and role not in roles:
+                roles[role] = default
+    wanted = list(dict.fromkeys([*(roles[r] for r in SPECIAL_TOKEN_ROLES if r in roles), *recipe.get("additional_special_tokens", [])]))
+    tok = RustTokenizer.from_str(base.to_tokenizer_json())
+    new = [t for t in wanted if tok.token_to_id(t) is None]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in wanted])
+    config = {**base.config, **roles}
+    if recipe.get("additional_special_tokens"):
+        known = [_token_text(t) for t in config.get("additional_special_tokens") or []]
+        config["additional_special_tokens"] = list(dict.fromkeys([*known, *recipe["additional_special_tokens"]]))
+    return HfTokenizer(
+        name,
+        tok.to_str(),
+        roles.get("eos_token") or base.eos_token,
+        bos_token=roles.get("bos_token") or base.bos_token,
+        chat_template=base.chat_template,
+        config=config,
+        added_tokens=(*base.added_tokens, *new),
+    )
+
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """``byte``, a ``tokenizer.json`` file, a directory containing one (local path or fsspec
@@ -255,7 +403,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     A directory (or hub model) with no ``tokenizer.json`` but a ``vocab.json`` and a
     ``tokenizer_config.json`` naming ``Wav2Vec2CTCTokenizer`` is read as that tokenizer: its
     special tokens from ``tokenizer_config.json`` and ``special_tokens_map.json``, its
-    vocabulary rebuilt as a ``tokenizer.json`` that encodes as ``transformers`` does."""
+    vocabulary rebuilt as a ``tokenizer.json`` that encodes as ``transformers`` does.
+
+    ``BASE+{JSON}`` (see :func:`tokenizer_spec_with`) is tokenizer ``BASE`` with special tokens
+    added."""
+    base, recipe = split_tokenizer_spec(spec)
+    if recipe:
+        return add_special_tokens(load_tokenizer(base), recipe, spec)
     if spec == "byte":
         return ByteTokenizer()
     fs, path = _find_tokenizer(spec)
@@ -265,12 +419,16 @@ def load_tokenizer(spec: str) -> Tokenizer:
         tokenizer_json = f.read()
     directory = posixpath.dirname(path)
     config = _tokenizer_config(fs, directory)
+    # special tokens named only in special_tokens_map.json (older exports) count too
+    named = _read_json_object(fs, posixpath.join(directory, "special_tokens_map.json"), missing_ok=True)
+    config = {**{k: v for k, v in named.items() if k in SPECIAL_TOKEN_ROLES}, **config}
     return HfTokenizer(
         spec,
         tokenizer_json,
         _token_text(config.get("eos_token")),
         bos_token=_token_text(config.get("bos_token")),
         chat_template=_chat_template(fs, directory, config),
+        config=config,
     )
 
 
@@ -279,6 +437,7 @@ def check_tokenizer_available(spec: str) -> None:
     files of tokenizer ``spec``, so that a missing tokenizer stops a run before it reads data
     or touches a device. A hub name missing from the Hugging Face cache is downloaded into it
     here when the hub is reachable; offline, the error says how to get it there."""
+    spec = split_tokenizer_spec(spec)[0]
     if spec != "byte":
         _find_tokenizer(spec)
 

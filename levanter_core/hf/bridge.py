@@ -17,10 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from haliax import Axis
 
+from levanter_core import lora
 from levanter_core.errors import CheckpointError, ConfigError
 from levanter_core.fileio import is_local, join, list_names, normalize, read_bytes, write_bytes, write_text_atomically
 from levanter_core.hf.checkpoint import HfCheckpoint, upload_hf_directory, write_hf_checkpoint
@@ -90,6 +92,26 @@ def resolve_source(source: str) -> str:
         raise CheckpointError(
             f"{source!r} is not a local directory and could not be fetched from the Hugging Face hub: {e}"
         ) from None
+
+
+def read_source_hf_config(source: str) -> dict:
+    """The ``config.json`` of ``source`` (a Hugging Face model directory, or a hub name: from
+    the local Hugging Face cache, or downloaded when the hub is reachable), without fetching
+    the weights."""
+    if os.path.isdir(source):
+        return read_hf_config(source)
+    if os.path.exists(source):
+        raise CheckpointError(f"{source} is a file; expected a Hugging Face model directory (with config.json)")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(source, "config.json")
+    except Exception as e:  # offline and not cached, unknown repository, gated model...
+        raise CheckpointError(
+            f"{source!r} is not a local directory, and its config.json is neither in the local Hugging Face "
+            f"cache nor reachable on the hub: {e}"
+        ) from None
+    return read_hf_config(os.path.dirname(path))
 
 
 def read_hf_config(directory: str) -> dict:
@@ -248,11 +270,15 @@ def export_hf(
     dtype: str = "float32",
     max_shard_bytes: int = 2 * 1024**3,
     averaged: bool = True,
+    peft: bool = False,
 ) -> str:
     """Write our checkpoint (a training checkpoint, a run's checkpoint directory, or an
     import; local or in a bucket) as a Hugging Face model directory: ``config.json``, sharded
     safetensors with their index, and the tokenizer files. Returns ``output``, a local
     directory or an object-store URL (see :func:`local_output`).
+
+    A LoRA run's checkpoint is written with its adapters merged into the weights, or, with
+    ``peft``, as a PEFT adapter directory for its base model (:mod:`levanter_core.hf.peft`).
 
     A run with ``trainer.model_averaging`` keeps the running average beside the trained
     weights; evaluation uses the average, and so does the export unless ``averaged`` is
@@ -263,6 +289,8 @@ def export_hf(
     ``config.json``'s, else null, and never one outside the vocabulary."""
     loaded = load_checkpoint_model(checkpoint, averaged=averaged)
     model, config, Vocab, found, run_config = loaded.model, loaded.config, loaded.Vocab, loaded.path, loaded.run_config
+    if peft:
+        return _export_peft(loaded, output)
     if not isinstance(config, HfConvertible):
         raise CheckpointError(f"model type {config.type!r} has no Hugging Face equivalent to export to")
     try:
@@ -287,6 +315,34 @@ def export_hf(
             upload_hf_directory(directory, output)
     logger.info("exported %s to %s", found, output)
     return output
+
+
+def _export_peft(loaded: CheckpointModel, output: str) -> str:
+    from levanter_core.hf.peft import write_peft_adapter
+
+    if loaded.lora is None:
+        raise CheckpointError(f"{loaded.path} was not trained with LoRA (no lora section): it has no adapters to export")
+    base = loaded.stored.get("lora_base") or {}
+    source = base.get("initialize_from_hf")
+    if source is None:
+        found_import = base.get("initialize_from")
+        imported = read_metadata_of(found_import).get("imported_from") if found_import else None
+        source = imported
+    with local_output(output) as directory:
+        modules = write_peft_adapter(loaded.model, loaded.lora, directory, base_model_name_or_path=source)
+        _write_tokenizer((join(loaded.path, HF_TOKENIZER_DIR),), loaded.run_config, directory, loaded.tokenizer)
+        if not is_local(output):
+            upload_hf_directory(directory, output)
+    logger.info("exported the LoRA adapters of %s (%d modules) to %s", loaded.path, len(modules), output)
+    return output
+
+
+def read_metadata_of(checkpoint: str) -> dict:
+    """The run metadata stored with the newest complete checkpoint at ``checkpoint`` ({} if none)."""
+    from levanter_core.checkpoint import discover_latest, read_metadata
+
+    found = discover_latest(checkpoint)
+    return read_metadata(found).get("metadata", {}) if found else {}
 
 
 @contextlib.contextmanager
@@ -318,6 +374,8 @@ class CheckpointModel:
     """The run's metadata stored with the checkpoint (``config``, ``vocab_size``, ``hf_config``...)."""
     tokenizer: Any = None
     """The run's tokenizer, when it had to be loaded to learn the vocabulary size."""
+    lora: Any = None
+    """The run's :class:`~levanter_core.lora.LoraConfig` when ``model`` has LoRA adapters."""
 
 
 def load_checkpoint_model(checkpoint: str, *, averaged: bool = True) -> CheckpointModel:
@@ -345,7 +403,14 @@ def load_checkpoint_model(checkpoint: str, *, averaged: bool = True) -> Checkpoi
     Vocab = Axis("vocab", int(vocab_size))
 
     key = jax.random.PRNGKey(0)
-    template = jax.eval_shape(lambda: config.build(Vocab, key=key))
+    adapters = _run_lora(run_config, found)
+    base_template = jax.eval_shape(lambda: config.build(Vocab, key=key))
+    template = base_template
+    if adapters is not None:
+        template = jax.eval_shape(lambda: lora.loraize(config.build(Vocab, key=key), adapters, key=key))
+    base_pointer = stored.get("lora_base")
+    if base_pointer is not None:
+        template = lora.adapter_params(template)  # the checkpoint holds the adapters alone
     has_average = any(leaf["name"].startswith(f"{AVERAGED_MODEL}/") for leaf in described.get("leaves", []))
     if averaged and has_average:
         # the average of a TrainerState is saved as `model_averaging/model/...`
@@ -356,7 +421,47 @@ def load_checkpoint_model(checkpoint: str, *, averaged: bool = True) -> Checkpoi
         model = load_checkpoint(template, found, subtree="model")
         if has_average:
             logger.info("loaded the trained weights, not the average trainer.model_averaging kept")
-    return CheckpointModel(model, config, Vocab, found, run_config, stored, tokenizer)
+    if base_pointer is not None:
+        base = _load_lora_base(base_pointer, config, Vocab, base_template, found)
+        model = eqx.combine(model, lora.loraize(base, adapters, key=key))
+    return CheckpointModel(model, config, Vocab, found, run_config, stored, tokenizer, adapters)
+
+
+def _run_lora(run_config: dict, found: str):
+    """The ``lora`` section of the run that wrote the checkpoint ``found``, or None."""
+    section = run_config.get("lora")
+    if section is None:
+        return None
+    try:
+        return lora.LoraConfig.model_validate(section)
+    except ValueError as e:
+        raise CheckpointError(f"{found}: its run's lora section does not load: {e}") from None
+
+
+def _load_lora_base(pointer: dict, config: Any, Vocab: Axis, template: Any, found: str) -> Any:
+    """The base weights a LoRA checkpoint points to (its metadata's ``lora_base``)."""
+    from levanter_core.checkpoint import discover_latest, load_checkpoint
+
+    if pointer.get("initialize_from_hf"):
+        source = pointer["initialize_from_hf"]
+        directory = resolve_source(source)
+        hf_vocab = read_hf_config(directory).get("vocab_size")
+        if hf_vocab != Vocab.size:
+            raise CheckpointError(
+                f"{found} holds LoRA adapters for the base model {source}, whose vocabulary is now {hf_vocab} "
+                f"rather than {Vocab.size}: it is not the base the adapters were trained on"
+            )
+        logger.info("loading the base weights of the LoRA adapters from %s", source)
+        return load_hf_weights(config, Vocab, HfCheckpoint(directory))
+    if pointer.get("initialize_from"):
+        base = discover_latest(pointer["initialize_from"])
+        if base is None:
+            raise CheckpointError(
+                f"{found} holds LoRA adapters whose base weights were {pointer['initialize_from']}, "
+                "where there is no complete checkpoint now"
+            )
+        return load_checkpoint(template, base, subtree="model")
+    raise CheckpointError(f"{found}: its lora_base metadata names no base ({pointer})")
 
 
 def write_hf_model(
@@ -383,6 +488,8 @@ def write_hf_model(
             translated = config.to_hf_config(Vocab.size)
         except ValueError as e:  # a setting the Hugging Face architecture does not have
             raise CheckpointError(f"the model cannot be exported: {e}") from None
+    if lora.has_adapters(model):  # a LoRA model is written with its adapters merged into its weights
+        model = lora.merge(model)
     # every parameter is floating point; jnp.dtype knows bfloat16, NumPy alone does not
     tensors = {name: array.astype(jnp.dtype(dtype)) for name, array in to_hf_state_dict(model).items()}
 
@@ -490,11 +597,36 @@ def _tokenizer_directory(spec: str | None) -> str | None:
     return os.path.dirname(path)
 
 
+def _trained_chat_template(run_config: dict, tokenizer) -> str | None:
+    """The chat template a run's ``chat`` data was rendered with when it is not the tokenizer's
+    own (the format's ``chat_template``, or the built-in template for a tokenizer without one):
+    written with the export, so that ``transformers`` and ``levanter sample --chat`` prompt the
+    model as it was trained. None otherwise."""
+    from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE
+
+    data = run_config.get("data") or {}
+    sources = list((data.get("configs") or {}).values()) or [data]
+    for source in sources:
+        fmt = source.get("format") if isinstance(source, dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") == "chat":
+            return fmt.get("chat_template") or (None if tokenizer.chat_template else BUILTIN_CHAT_TEMPLATE)
+    return None
+
+
 def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: str, tokenizer=None) -> None:
-    """Tokenizer files for the export: those an import brought along (``tokenizer_dirs``, local
-    or in a bucket), else the run's tokenizer (its directory's files, or its hub snapshot's, or
-    its ``tokenizer.json`` rebuilt)."""
+    """Tokenizer files for the export: the run's tokenizer grown by ``special_tokens`` (its
+    ``tokenizer.json``, and a ``tokenizer_config.json`` naming the added tokens); else those an
+    import brought along (``tokenizer_dirs``, local or in a bucket), else the run's tokenizer (its
+    directory's files, or its hub snapshot's, or its ``tokenizer.json`` rebuilt)."""
     spec = (run_config.get("data") or {}).get("tokenizer")
+    from levanter_core.data.tokenizer import split_tokenizer_spec
+
+    if spec and split_tokenizer_spec(spec)[1]:  # special tokens added to a tokenizer: write the grown one
+        tokenizer = tokenizer or _run_tokenizer(run_config)
+        template = _trained_chat_template(run_config, tokenizer)
+        for name, text in tokenizer.hf_files(chat_template=template).items():
+            write_text_atomically(os.path.join(output, name), text)
+        return
     for directory in (*tokenizer_dirs, _tokenizer_directory(spec)):
         if directory and "tokenizer.json" in _copy_tokenizer_files(directory, output):
             return

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from levanter_core import __version__
+from levanter_core import __version__, lora
 from levanter_core.config.train import TrainConfig, objective_class
 from levanter_core.errors import CheckpointError, ConfigError
 from levanter_core.fileio import is_local, join, require_filesystem, write_text_atomically
@@ -390,17 +390,24 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         eval_params=config.optimizer.params_for_evaluation,
     )
 
-    def model_init(key):
+    key = jax.random.PRNGKey(trainer_cfg.seed)
+    adapt = _adapter_surgery(config, key)
+
+    def base_init(key):
         return model_config.build(Vocab, key=key)
 
-    key = jax.random.PRNGKey(trainer_cfg.seed)
+    def model_init(key):
+        model = base_init(key)
+        return model if adapt is None else adapt(model)
+
     # The checkpoint describes itself: the architecture actually built (which differs from
     # the config file's under use_hf_model_config) and its vocabulary size.
     checkpoint_config = {**resolved, "model": model_config.model_dump(mode="json")}
-    checkpointer = trainer_cfg.checkpointer.create(
-        run_id,
-        metadata={"config": checkpoint_config, "plugins": plugins, "run_id": run_id, "vocab_size": Vocab.size},
-    )
+    metadata = {"config": checkpoint_config, "plugins": plugins, "run_id": run_id, "vocab_size": Vocab.size}
+    base = _lora_base(config, hf_directory, Vocab)
+    if base is not None:
+        metadata["lora_base"] = base
+    checkpointer = trainer_cfg.checkpointer.create(run_id, metadata=metadata)
     load_hf = None
     if hf_directory is not None:
 
@@ -414,20 +421,47 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             hf_Vocab = Axis("vocab", read_hf_config(hf_directory)["vocab_size"])
             model = load_hf_weights(model_config, hf_Vocab, HfCheckpoint(hf_directory))
             print(f"initialized from Hugging Face model {config.hf_source}", flush=True)
-            if hf_Vocab != Vocab:  # resize_vocab_to_match_tokenizer (_resolve_model refuses otherwise)
+            if hf_Vocab != Vocab and config.resize_vocab_to_match_tokenizer:
                 model = resize_vocab(model, model_config, Vocab, key=jax.random.fold_in(key, 1))
                 print(
                     f"resized its vocabulary from {hf_Vocab.size} to the tokenizer's {Vocab.size} "
                     "(resize_vocab_to_match_tokenizer)",
                     flush=True,
                 )
-            return model
+            elif hf_Vocab != Vocab:  # special tokens were added (_resolve_model refuses any other misfit)
+                # as Levanter's sft: the tokenizer's size, new rows at the mean of the existing ones
+                model = resize_vocab(model, model_config, Vocab, key=None)
+                added = ", ".join(data.tokenizer.added_tokens)
+                print(
+                    f"added special tokens {added}: the vocabulary goes from {hf_Vocab.size} to {Vocab.size} "
+                    "tokens, new embedding and output rows at the mean of the existing rows",
+                    flush=True,
+                )
+            reinit = config.special_tokens.tokens_to_reinit()
+            if reinit:
+                from levanter_core.models.token_rows import reinitialize_rows, token_ids
+
+                ids = token_ids(data.tokenizer, reinit, field="special_tokens.reinit_tokens")
+                model = reinitialize_rows(
+                    model, ids, jax.random.fold_in(key, 2),
+                    embeddings=config.special_tokens.reinit_embeddings, lm_head=config.special_tokens.reinit_lm_head,
+                )  # fmt: skip
+                print(f"re-drew the embedding and output rows of {', '.join(reinit)} (reinit_tokens)", flush=True)
+            return model if adapt is None else adapt(model)
 
     trainer.check_sharding(model_init, key)  # a mapping that does not fit the model fails here, before compiling
     trunk = config.initialize_from_checkpoint_path
+    if base is not None:
+        # A LoRA run's checkpoints hold its adapters; loading one puts them onto the base weights.
+        checkpointer = lora.AdapterCheckpoints(
+            checkpointer,
+            lambda: _initial_state(trainer, trainer_cfg, None, model_init, key, load_hf=load_hf, adapt=adapt)[0],
+        )
     state, resumed_from = _initial_state(
-        trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=trunk
+        trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=trunk, adapt=adapt
     )
+    if config.lora is not None:
+        _say_adapters(state.model, base)
     _check_model_takes_packed_data(state.model, config)
     start_step = int(state.step)
     if resumed_from:
@@ -443,7 +477,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
         flops = model_config.flops_per_token(Vocab.size)
         exporter = None
-        if config.hf_save_path:
+        if config.hf_save_path or config.peft_save_path:
             exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)
             exporter.check()
         loop = _TrainLoop(
@@ -472,19 +506,25 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     return result
 
 
-def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None):
+def _initial_state(
+    trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None, adapt=None
+):
     """Loaded from this run's newest checkpoint that loads, else from ``initialize_from``,
     else from the whole state of ``trunk`` (``initialize_from_checkpoint_path``), else around the
-    weights ``load_hf()`` returns (``initialize_from_hf``), else fresh."""
+    weights ``load_hf()`` returns (``initialize_from_hf``), else fresh. ``adapt`` puts a LoRA
+    run's adapters onto weights loaded without them. Without a ``checkpointer``: the state a
+    run without checkpoints of its own would start from (a LoRA run's base)."""
     from levanter_core.checkpoint import discover_latest, load_checkpoint, read_metadata
 
     partial = cfg.allow_partial_checkpoint
+    lora_run = adapt is not None
+    adapt = adapt or (lambda model: model)
 
     def template():
         # a partial load keeps the fresh values of what the checkpoint lacks, so it needs them
         return trainer.init_state(model_init, key) if partial else trainer.state_template(model_init, key)
 
-    if cfg.load_checkpoint is not False:
+    if checkpointer is not None and cfg.load_checkpoint is not False:
         where = cfg.load_checkpoint_path or checkpointer.path
         resumed = checkpointer.resume(template(), where, allow_partial=True) if partial else checkpointer.resume(
             template(), where
@@ -499,14 +539,24 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None,
         found = discover_latest(cfg.initialize_from)
         if found is None:
             raise CheckpointError(f"trainer.initialize_from: no complete checkpoint under {cfg.initialize_from}")
-        if not any(leaf["name"].startswith("opt_state/") for leaf in read_metadata(found)["leaves"]):
-            # weights alone (e.g. from `levanter import-hf`): fresh optimizer, step 0
+        stored = read_metadata(found)
+        if "lora_base" in stored.get("metadata", {}):
+            raise CheckpointError(
+                f"trainer.initialize_from: {found} holds a LoRA run's adapters, not a model's weights; start "
+                "from the base model it names (its config's initialize_from_hf or trainer.initialize_from), or "
+                "export it merged first (levanter export-hf)"
+            )
+        weights_only = not any(leaf["name"].startswith("opt_state/") for leaf in stored["leaves"])
+        if weights_only or lora_run:
+            # weights alone (e.g. from `levanter import-hf`), or the base of a LoRA run: fresh
+            # optimizer, step 0
             import equinox as eqx
 
-            model = load_checkpoint(eqx.filter_eval_shape(model_init, key), found, subtree="model")
+            base = eqx.filter_eval_shape(lambda k: lora.base_model(model_init(k)), key)
+            model = adapt(load_checkpoint(base, found, subtree="model"))
             return trainer.state_from_model(model, key), None
         return checkpointer.load_state(template(), found, allow_partial=partial), found
-    if trunk:
+    if trunk and checkpointer is not None:
         found = discover_latest(trunk) or trunk
         state = checkpointer.load_state(template(), found, allow_partial=partial)
         print(f"initialized from the training state of {found} (step {int(state.step)})", flush=True)
@@ -514,6 +564,51 @@ def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None,
     if load_hf is not None:
         return trainer.state_from_model(load_hf(), key), None
     return trainer.init_state(model_init, key), None
+
+
+_LORA_STREAM = 0x10A0
+"""Folded into the run's key (``trainer.seed``) for the LoRA adapters' initial values."""
+
+
+def _adapter_surgery(config: TrainConfig, key):
+    """The function that puts the run's LoRA adapters onto a model (``lora``), None without."""
+    import jax
+
+    if config.lora is None:
+        return None
+    adapter_key = jax.random.fold_in(key, _LORA_STREAM)
+    return lambda model: lora.loraize(model, config.lora, key=adapter_key)
+
+
+def _lora_base(config: TrainConfig, hf_directory: str | None, Vocab) -> dict | None:
+    """What a LoRA run's checkpoints point to for the base weights (stored in their metadata
+    as ``lora_base``): the Hugging Face model of ``initialize_from_hf`` or the checkpoint of
+    ``trainer.initialize_from``. None (the checkpoints then hold the whole model) without LoRA,
+    or when the base cannot be read back from a source: a model initialized at random, or an
+    imported one whose vocabulary the run resized."""
+    from levanter_core.checkpoint import discover_latest
+
+    if config.lora is None:
+        return None
+    if hf_directory is not None:
+        from levanter_core.hf.bridge import read_hf_config
+
+        if read_hf_config(hf_directory).get("vocab_size") != Vocab.size:
+            return None
+        return {"initialize_from_hf": config.hf_source}
+    if config.trainer.initialize_from:
+        found = discover_latest(config.trainer.initialize_from)
+        return {"initialize_from": found} if found else None
+    return None
+
+
+def _say_adapters(model, base: dict | None) -> None:
+    total, trained = lora.count_parameters(model), lora.count_parameters(lora.adapter_params(model))
+    where = "point to the base weights" if base else "hold the whole model (its base has no source to point to)"
+    print(
+        f"LoRA: training {trained:,} adapter parameters of {total:,} ({trained / total:.2%}); checkpoints {where}",
+        flush=True,
+    )
 
 
 RUN_SETTINGS = (
@@ -546,7 +641,8 @@ def _resolve_model(config: TrainConfig, tokenizer):
 
     A tokenizer that does not fit the Hugging Face checkpoint stops the run here, before
     anything is built, unless ``resize_vocab_to_match_tokenizer`` asks for the checkpoint's
-    vocabulary to be resized to the tokenizer's."""
+    vocabulary to be resized to the tokenizer's. A tokenizer grown by ``special_tokens`` (whose
+    other ids must match the checkpoint's) makes the vocabulary the tokenizer's size."""
     from haliax import Axis
 
     from levanter_core.checkpoint import discover_latest, read_metadata
@@ -562,7 +658,16 @@ def _resolve_model(config: TrainConfig, tokenizer):
         vocab_size, origin = hf_config.get("vocab_size"), "initialize_from_hf"
         if not isinstance(vocab_size, int):
             raise CheckpointError(f"initialize_from_hf: {directory}/config.json has no integer vocab_size")
+        if config.special_tokens.reinit_tokens:  # refused here, before anything is built
+            from levanter_core.models.token_rows import token_ids
+
+            token_ids(tokenizer, config.special_tokens.tokens_to_reinit(), field="special_tokens.reinit_tokens")
         if config.resize_vocab_to_match_tokenizer:
+            return model_config, Axis("vocab", tokenizer.vocab_size), directory
+        if getattr(tokenizer, "added_tokens", ()):
+            # special_tokens added some: the model takes the tokenizer's size, as in Levanter's sft
+            # (rows past the checkpoint's end are added, padding rows past the tokenizer's end dropped)
+            check_tokenizer_fits(directory, max(vocab_size, tokenizer.vocab_size), tokenizer, source=config.hf_source)
             return model_config, Axis("vocab", tokenizer.vocab_size), directory
         check_tokenizer_fits(directory, vocab_size, tokenizer, source=config.hf_source)
     elif config.trainer.initialize_from and (found := discover_latest(config.trainer.initialize_from)):
@@ -602,6 +707,12 @@ def _make_tracker(config: TrainConfig, info: RunInfo):
     return trackers[0] if len(trackers) == 1 else CompositeTracker(trackers)
 
 
+def _run_subdirectory(path: str | None, run_id: str) -> str | None:
+    if not path:
+        return None
+    return os.path.join(os.path.expanduser(path), run_id) if is_local(path) else join(path, run_id)
+
+
 class HfExporter:
     """Hugging Face exports during training (``hf_save_path``, ``hf_save_steps``, ``hf_upload``,
     ``hf_save_dtype``): the model evaluation uses, as ``levanter export-hf`` would write it, to
@@ -614,8 +725,9 @@ class HfExporter:
         from levanter_core.hf.bridge import read_hf_config
 
         self.config, self.model_config, self.Vocab, self.tokenizer = config, model_config, Vocab, tokenizer
-        path = config.hf_save_path
-        self.directory = os.path.join(os.path.expanduser(path), run_id) if is_local(path) else join(path, run_id)
+        self.run_id = run_id
+        self.directory = _run_subdirectory(config.hf_save_path, run_id)
+        self.peft_directory = _run_subdirectory(config.peft_save_path, run_id)
         self.resolved = resolved
         self.imported = read_hf_config(hf_directory) if hf_directory else None
         dtype = config.hf_save_dtype or "float32"
@@ -626,6 +738,8 @@ class HfExporter:
         """Refuse, before training, a model that has no Hugging Face form."""
         from levanter_core.hf.convert import HfConvertible
 
+        if not self.config.hf_save_path:
+            return
         if not isinstance(self.model_config, HfConvertible):
             raise ConfigError(f"hf_save_path: model type {self.model_config.type!r} has no Hugging Face form to save")
         try:
@@ -644,6 +758,10 @@ class HfExporter:
         if jax.process_count() > 1:  # every process holds a part; process 0 writes the whole
             model = multihost_utils.process_allgather(model, tiled=True)
         self.last_step = step
+        if self.peft_directory is not None and distributed.is_leader():
+            self._export_peft(model, step)
+        if self.directory is None:
+            return None
         output = join(self.directory, f"step-{step}")
         if not distributed.is_leader():
             return output
@@ -656,23 +774,36 @@ class HfExporter:
                 upload_hf_directory(written, output)
             print(f"saved the model in Hugging Face form to {output}", flush=True)
             if self.config.hf_upload:
-                self._upload(written, step)
+                self._upload(written, step, self.config.hf_upload, "hf_upload")
         return output
 
-    def _upload(self, written: str, step: int) -> None:
-        """Send the export in the local directory ``written`` to the hub repository ``hf_upload``."""
+    def _export_peft(self, model, step: int) -> None:
+        """The adapters as a PEFT adapter directory ``{peft_save_path}/{run_id}/step-N``."""
+        from levanter_core.hf.bridge import _write_tokenizer, local_output
+        from levanter_core.hf.checkpoint import upload_hf_directory
+        from levanter_core.hf.peft import write_peft_adapter
+
+        output = join(self.peft_directory, f"step-{step}")
+        with local_output(output) as written:
+            write_peft_adapter(model, self.config.lora, written, base_model_name_or_path=self.config.hf_source)
+            _write_tokenizer((), self.resolved, written, self.tokenizer)
+            if not is_local(output):
+                upload_hf_directory(written, output)
+            print(f"saved the LoRA adapters in PEFT form to {output}", flush=True)
+            if self.config.peft_hf_upload:
+                self._upload(written, step, self.config.peft_hf_upload, "peft_hf_upload")
+
+    def _upload(self, written: str, step: int, repo: str, field: str) -> None:
+        """Send the export in the local directory ``written`` to the hub repository ``repo``
+        (the config's ``field``)."""
         from huggingface_hub import upload_folder
 
         try:
-            upload_folder(
-                repo_id=self.config.hf_upload,
-                folder_path=written,
-                commit_message=f"step {step} of {os.path.basename(self.directory)}",
-            )
-            print(f"uploaded step {step} to the Hugging Face hub repository {self.config.hf_upload}", flush=True)
+            upload_folder(repo_id=repo, folder_path=written, commit_message=f"step {step} of {self.run_id}")
+            print(f"uploaded step {step} to the Hugging Face hub repository {repo}", flush=True)
         except Exception as e:  # the network or the hub; the export on disk stands, training goes on
-            logger.error("hf_upload: could not upload %s to %s: %s", written, self.config.hf_upload, e)
-            print(f"hf_upload: could not upload step {step} to {self.config.hf_upload}: {e}", flush=True)
+            logger.error("%s: could not upload %s to %s: %s", field, written, repo, e)
+            print(f"{field}: could not upload step {step} to {repo}: {e}", flush=True)
 
 
 class _Profile:

@@ -32,6 +32,7 @@ import optax
 from haliax import Axis, NamedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from levanter_core import lora
 from levanter_core.errors import ConfigError, LevanterError
 from levanter_core.objective import LmObjective, Objective, batch_totals, evaluate_batch
 from levanter_core.optim.skipstep import skipped_step
@@ -54,6 +55,8 @@ objective, it trains next-token prediction with that loss."""
 _OPTIMIZER_STREAM = 0x0971
 """Folded into the state's training key for the optimizer's key of each step (``key=``), so it is
 independent of the keys the loss and the next step get from splitting the training key."""
+_LORA_DROPOUT_STREAM = 0x10A4
+"""Folded into a (micro)batch's loss key for the LoRA adapters' dropout keys."""
 
 
 def _batch_axis(example, name: str) -> Axis:
@@ -314,6 +317,8 @@ class Trainer:
 
         def with_sharding(shape, sharding):
             if isinstance(shape, NamedArray):  # infer_resource_partitions gives one sharding per NamedArray
+                if shape.array is None:  # a parameter the optimizer does not train (LoRA's frozen base)
+                    return shape
                 return NamedArray(jax.ShapeDtypeStruct(shape.array.shape, shape.array.dtype, sharding=sharding), shape.axes)
             return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
 
@@ -342,13 +347,26 @@ class Trainer:
     def _compute_loss(self, model, batch, key) -> tuple[jax.Array, dict]:
         # What the loss computation logs with jit_log joins the model's metrics: averaged
         # over microbatches like them, and returned from the step like them.
+        if lora.has_adapters(model):
+            model = lora.with_dropout_keys(model, jax.random.fold_in(key, _LORA_DROPOUT_STREAM))
         with collecting() as logged:
             loss, metrics = self.objective.loss(self.mp.cast_to_compute(model), batch, key=key)
         return loss, {**metrics, **logged}
 
     def _loss_and_grad(self, model, batch, key):
-        """``((loss, metrics), grads)``, averaged over the microbatches."""
-        grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
+        """``((loss, metrics), grads)``, averaged over the microbatches. ``grads`` has the
+        structure of :func:`trainable`'s part of the model."""
+        if lora.has_adapters(model):
+            # Only the adapters are differentiated; the frozen weights are constants of the step.
+            adapters_grad = eqx.filter_value_and_grad(
+                lambda params, b, k: self._compute_loss(eqx.combine(params, model), b, k), has_aux=True
+            )
+
+            def grad_fn(model, b, k):
+                return adapters_grad(trainable(model), b, k)
+
+        else:
+            grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
         Batch = _batch_axis(batch, self.config.batch_axis)
         plan = self.plans[Batch.size]
         n = plan.num_microbatches
@@ -606,7 +624,10 @@ def _is_quantized(model) -> bool:
 
 def trainable(model):
     """The parameters the optimizer updates: every floating-point array, except the state of
-    quantized layers (FP8 scales), which the step replaces instead of updating."""
+    quantized layers (FP8 scales), which the step replaces instead of updating; in a model with
+    LoRA adapters (:mod:`levanter_core.lora`), the adapters alone."""
+    if lora.has_adapters(model):
+        return lora.adapter_params(model)
     params = eqx.filter(model, eqx.is_inexact_array)
     if not _is_quantized(model):
         return params

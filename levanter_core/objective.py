@@ -15,7 +15,8 @@ registers others with the ``register_objectives`` hook::
         register("asr", SpeechRecognition)
 
 A model config names the objective it trains with (:attr:`Objective.name`, through its
-``objective`` class attribute; ``lm`` for every decoder language model).
+``objective`` class attribute; ``lm`` for every decoder language model); a run's ``objective:``
+section picks another (``{type: dpo, beta: 0.1}``), with the settings of :attr:`Objective.options`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ class Objective(abc.ABC):
     that reports show beside the metrics, by index: the second, what the loss averages over, is
     ``tokens``."""
 
+    keeps_reference: ClassVar[bool] = False
+    """Whether the objective compares the model with the model as training started (preference
+    optimization): the trainer then keeps that *reference* frozen beside the model (a copy of
+    the starting weights in :class:`~levanter_core.trainer.state.TrainerState`, checkpointed
+    with it; for a model with LoRA adapters, the model without them, which costs nothing) and
+    passes it as the keyword ``reference`` to :meth:`loss`, :meth:`eval_loss` and
+    :meth:`eval_totals`."""
+
+    options: ClassVar[type | None] = None
+    """The objective's own settings: a :class:`~levanter_core.config.base.ConfigModel` that a
+    run's ``objective:`` section (``{type: NAME, ...settings}``) is validated into, given to
+    :meth:`from_config` as ``config.objective_options``. None: the objective takes none."""
+
     default_format: ClassVar[dict | None] = None
     """The data format (a ``format`` section, ``{"type": "audio"}`` say) that every data source
     written without a ``format`` gets in a run of this objective; None: the sources' own
@@ -74,8 +88,10 @@ class Objective(abc.ABC):
     @classmethod
     def from_config(cls, config: Any) -> "Objective":
         """The objective of the run ``config`` (a :class:`~levanter_core.config.train.TrainConfig`)
-        describes; by default built with no arguments."""
-        return cls()
+        describes; by default built with no arguments, or with the settings of its ``objective:``
+        section (``config.objective_options``, an instance of :attr:`options`) as keywords."""
+        settings = getattr(config, "objective_options", None)
+        return cls() if settings is None else cls(**dict(settings))
 
     @abc.abstractmethod
     def fields(self, batch: Any) -> dict[str, BatchField]:
@@ -147,11 +163,12 @@ class Objective(abc.ABC):
         return eval_metrics(totals, tags, per_set=per_set)
 
 
-def evaluate_batch(objective: Objective, model: Any, example: Any, *constants: Any) -> tuple[jax.Array, Any]:
+def evaluate_batch(objective: Objective, model: Any, example: Any, *constants: Any, **reference: Any) -> tuple[jax.Array, Any]:
     """One evaluation batch's :meth:`~Objective.eval_totals` and :meth:`~Objective.eval_outputs`
     (None for an objective without outputs), traceable: compiled as one program, so what both
-    compute (a speech model's encoder) is computed once."""
-    return objective.eval_totals(model, example, *constants), objective.eval_outputs(model, example)
+    compute (a speech model's encoder) is computed once. ``reference``: the keyword
+    ``reference=`` for objectives that keep one (:attr:`Objective.keeps_reference`), else none."""
+    return objective.eval_totals(model, example, *constants, **reference), objective.eval_outputs(model, example)
 
 
 def batch_totals(objective: Objective, totals: Any, outputs: Any) -> np.ndarray:

@@ -104,3 +104,87 @@ def test_a_model_type_whose_objective_is_not_installed_is_refused_by_name(tmp_pa
     config, _ = load_train_config(run_config(tmp_path, data, steps=1), ["--model.type", "weighted_gpt2"])
     with pytest.raises(ConfigError, match="model.type 'weighted_gpt2' trains with the 'weighted_lm' objective: unknown objective type"):
         run_training(config, progress=False)
+
+
+class AnchorOptions(__import__("levanter_core.config.base", fromlist=["ConfigModel"]).ConfigModel):
+    pull: float = 1.0
+
+
+class AnchoredLm(LmObjective):
+    """Next-token prediction plus ``pull`` times the squared distance of the weights from the
+    reference (the weights as training started): an objective that keeps a reference."""
+
+    name = "anchored_lm"
+    keeps_reference = True
+    options = AnchorOptions
+
+    def __init__(self, pull: float = 1.0):
+        super().__init__()
+        self.pull = pull
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**dict(config.objective_options))
+
+    def loss(self, model, example, *, key, reference):
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+
+        loss, logged = super().loss(model, example, key=key)
+        ours, theirs = (jax.tree.leaves(eqx.filter(m, eqx.is_inexact_array)) for m in (model, reference))
+        distance = sum(jnp.sum((a.astype(jnp.float32) - b.astype(jnp.float32)) ** 2) for a, b in zip(ours, theirs))
+        return loss + self.pull * distance, {**logged, "anchor/distance": distance}
+
+    def eval_loss(self, model, example, *, reference):
+        return super().eval_loss(model, example)
+
+    def eval_totals(self, model, example, *constants, reference):
+        return super().eval_totals(model, example, *constants)
+
+
+class Anchored:
+    @hookimpl
+    def register_objectives(self, register):
+        register("anchored_lm", AnchoredLm)
+
+
+@pytest.fixture
+def anchored():
+    import levanter_model_gpt2.plugin
+
+    plugins.reset(autoload=False)
+    plugins.register_plugin(levanter_model_gpt2.plugin)
+    plugins.register_plugin(Anchored(), name="anchored")
+    yield
+    plugins.reset()
+
+
+def test_a_run_picks_an_objective_that_keeps_the_starting_model_as_reference(tmp_path, anchored):
+    from levanter_core.checkpoint import read_metadata
+
+    plain = _run(tmp_path / "plain", "gpt2")
+    (tmp_path / "anchored").mkdir()
+    data = {"train_urls": [write_jsonl(tmp_path / "anchored" / "train.jsonl", code_docs(30))],
+            "validation_urls": [write_jsonl(tmp_path / "anchored" / "val.jsonl", code_docs(6, offset=300))],
+            "cache_dir": str(tmp_path / "anchored" / "cache")}  # fmt: skip
+    path = run_config(tmp_path / "anchored", data, steps=3, steps_per_eval=3, run_id="anchored")
+    config, _ = load_train_config(path, ["--objective", '{"type": "anchored_lm", "pull": 0.5}'])
+    assert config.objective_options.pull == 0.5
+    run_training(config, progress=False)
+    logged = [m for m in metrics(tmp_path / "anchored", run_id="anchored") if "train/loss" in m]
+    # the reference is the model as it started: no distance at the first step, so the loss is the LM's
+    assert logged[0]["anchor/distance"] == 0.0
+    assert logged[0]["train/loss"] == pytest.approx([m for m in plain if "train/loss" in m][0]["train/loss"], rel=1e-6)
+    assert logged[-1]["anchor/distance"] > 0  # the model moved away from it, the reference did not
+    leaves = [leaf["name"] for leaf in read_metadata(str(tmp_path / "anchored" / "ckpt" / "anchored" / "step-3"))["leaves"]]
+    assert any(name.startswith("reference/") for name in leaves)  # kept with the state, for an exact resume
+
+
+def test_an_unknown_objective_or_setting_names_the_field(tmp_path, anchored):
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(4))], "cache_dir": str(tmp_path / "cache")}
+    path = run_config(tmp_path, data, steps=1)
+    with pytest.raises(ConfigError, match=r"objective \(command line.*unknown objective 'dop'; installed: .*anchored_lm"):
+        load_train_config(path, ["--objective", "dop"])
+    with pytest.raises(ConfigError, match="objective .*the 'anchored_lm' objective's settings: strength: Extra inputs"):
+        load_train_config(path, ["--objective", '{"type": "anchored_lm", "strength": 2}'])

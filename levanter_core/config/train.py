@@ -147,6 +147,13 @@ class TrainConfig(ConfigModel):
     tokenizer's size when it starts from ``initialize_from_hf``, and exports write the grown
     tokenizer. Levanter's ``sft`` configs add its default tokens (``add_missing_defaults``)."""
 
+    objective: str | dict | None = None
+    """What the run trains the model to do, when it is not what the model type trains with
+    (``lm``, next-token prediction, for language models): an installed objective's name (see
+    ``levanter plugins``), or ``{type: NAME, ...}`` with its settings, e.g. ``{type: dpo, beta:
+    0.1}`` (preference optimization, from the levanter-preference plugin). Data sources without a
+    ``format`` get the one the objective reads."""
+
     evaluators: TypedList("evaluator") = ()  # type: ignore[valid-type]
     """Evaluations that plugins provide, run during training (each item's ``type`` picks one; see
     ``levanter plugins``); each runs every ``every`` steps (default: with the run's evaluation,
@@ -210,6 +217,38 @@ class TrainConfig(ConfigModel):
             raw["model"] = {**model, "seq_len": length}
         return raw
 
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, value):
+        """A name, or ``{type: NAME, ...settings}``, of an installed objective whose settings
+        (its ``options`` model) accept the rest; normalized to ``{type: NAME, ...settings}``."""
+        if value is None:
+            return None
+        section = {"type": value} if isinstance(value, str) else dict(value)
+        objective = _installed_objective(section.get("type"))
+        settings = {k: v for k, v in section.items() if k != "type"}
+        if objective.options is None:
+            if settings:
+                raise ValueError(f"the {section['type']!r} objective takes no settings, got {sorted(settings)}")
+            return section
+        try:
+            validated = objective.options.model_validate(settings)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"the {section['type']!r} objective's settings: {problems}") from None
+        return {"type": section["type"], **validated.model_dump(mode="json")}
+
+    @property
+    def objective_options(self):
+        """The settings of the ``objective:`` section, validated into its objective's
+        ``options`` model (None without an ``objective:`` section or settings)."""
+        if self.objective is None:
+            return None
+        objective = _installed_objective(self.objective["type"])
+        if objective.options is None:
+            return None
+        return objective.options.model_validate({k: v for k, v in self.objective.items() if k != "type"})
+
     @field_validator("hf_save_dtype")
     @classmethod
     def _known_dtype(cls, value):
@@ -261,11 +300,28 @@ class TrainConfig(ConfigModel):
         return self.initialize_from_hf or None
 
 
-def objective_class(model_config) -> type:
-    """The :class:`~levanter_core.objective.Objective` subclass a model config trains with (its
-    ``objective``). Raises :class:`ConfigError` when no installed plugin registers it."""
+def _installed_objective(name: Any) -> type:
+    """The installed objective called ``name``; ValueError naming the choices otherwise."""
     from levanter_core.plugins import registry
 
+    objectives = registry("objective")
+    if not isinstance(name, str) or name not in objectives:
+        choices = ", ".join(f"{e.name} ({e.provider})" for e in objectives) or "none"
+        raise ValueError(
+            f"unknown objective {name!r}; installed: {choices} (preference optimization, dpo, comes with the "
+            "levanter-preference plugin)"
+        )
+    return objectives.get(name).config_cls
+
+
+def objective_class(model_config, config: "TrainConfig | None" = None) -> type:
+    """The :class:`~levanter_core.objective.Objective` subclass a run trains with: its
+    ``objective:`` section's (``config``), else the model config's (its ``objective``). Raises
+    :class:`ConfigError` when no installed plugin registers it."""
+    from levanter_core.plugins import registry
+
+    if config is not None and config.objective is not None:
+        return _installed_objective(config.objective["type"])
     name = model_config.objective
     try:
         return registry("objective").get(name).config_cls
@@ -283,9 +339,15 @@ def _objective_format(raw: Any) -> dict | None:
 
     model = raw.get("model") if isinstance(raw, dict) else None
     name = model.get("type") if isinstance(model, dict) else None
-    if not isinstance(name, str) or name not in registry("model"):
+    chosen = raw.get("objective") if isinstance(raw, dict) else None
+    if isinstance(chosen, dict):
+        chosen = chosen.get("type")
+    if isinstance(chosen, str):
+        objective = chosen
+    elif not isinstance(name, str) or name not in registry("model"):
         return None
-    objective = getattr(registry("model").get(name).config_cls, "objective", None)
+    else:
+        objective = getattr(registry("model").get(name).config_cls, "objective", None)
     if not isinstance(objective, str) or objective not in registry("objective"):
         return None
     default = registry("objective").get(objective).config_cls.default_format

@@ -303,7 +303,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
                 ray=ray_config,
                 progress=progress,
                 build=leader,
-                field_lengths=_row_lengths(config.model),
+                field_lengths=_row_lengths(config.model, config),
             )
             try:
                 return _train(config, run, data, progress)
@@ -352,21 +352,21 @@ class _Run:
     wall_start: float
 
 
-def _row_lengths(model_config) -> dict[str, int]:
+def _row_lengths(model_config, config: TrainConfig | None = None) -> dict[str, int]:
     """What one batch row holds of a format's own arrays for this model (the objective's)."""
-    return objective_class(model_config).row_lengths(model_config)
+    return objective_class(model_config, config).row_lengths(model_config)
 
 
 def _objective(config: TrainConfig, model_config):
     """The training objective the model type names, built for this run."""
-    wanted, planned = _row_lengths(model_config), _row_lengths(config.model)
+    wanted, planned = _row_lengths(model_config, config), _row_lengths(config.model, config)
     if wanted != planned:
         raise ConfigError(
             f"the model built ({model_config.type}) needs batch rows of {wanted}, but the data was set up for "
             f"{planned} from the model section; make the model section describe the model trained "
             "(use_hf_model_config changes it)"
         )
-    return objective_class(model_config).from_config(config)
+    return objective_class(model_config, config).from_config(config)
 
 
 def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
@@ -892,6 +892,7 @@ class _TrainLoop:
         self.flops_per_token = flops_per_token
         self._evaluators: list = []  # the plugins' (evaluator, every), built when the loop starts
         self._eval_constants_found: tuple | None = None  # the objective's, for evaluation
+        self.reference = None  # the state's reference model (objectives that keep one), set by run()
         self.entropy_fn = None
         if config.log_entropy:
             from levanter_core.models.lm import lm_eval_entropy
@@ -912,7 +913,7 @@ class _TrainLoop:
         totals, entropies = {}, {}
         for name, dataset in self.data.validation.items():
             batches = eval_batches(dataset, size, limit, rows=rows)
-            found = self.trainer.evaluate_totals(model, batches, *self._eval_constants(model))
+            found = self.trainer.evaluate_totals(model, batches, *self._eval_constants(model), reference=self.reference)
             if found is None:
                 continue
             totals[name] = found
@@ -1017,6 +1018,7 @@ class _TrainLoop:
             self._build_evaluators()
             first_size = self.batches.size_at(start)
             self.trainer.compile_ahead(state, self.data.train.template(first_size), first_size)
+            self.reference = state.reference
             if start == 0:
                 initial = self.evaluate(self.trainer.eval_model(state))
                 if initial:
@@ -1058,6 +1060,7 @@ class _TrainLoop:
                     self._say_if_still_building()
                 self.profile.before_step(index)
                 state, metrics = self.trainer.train_step(state, batch, self.batches.size_at(index))
+                self.reference = state.reference  # (the step takes the state's buffers, its reference's too)
                 self.profile.after_step(index, metrics)
                 if pending is not None:
                     self._finish(pending, throughput, bar, result)

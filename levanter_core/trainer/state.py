@@ -27,3 +27,7 @@ class TrainerState(eqx.Module, Generic[M]):
     training_key: jax.Array
     model_averaging: ModelAveraging[M] | None = None
     """The running average of the weights (``trainer.model_averaging``); None when off."""
+    reference: M | None = None
+    """The model as training started, frozen, for objectives that compare with it
+    (:attr:`~levanter_core.objective.Objective.keeps_reference`, preference optimization);
+    None otherwise, and for a model with LoRA adapters, whose base is that model."""

@@ -264,12 +264,17 @@ class Trainer:
         average that starts at the model when averaging is on."""
         model = self.quantize(self.mp.cast_to_param(model))
         averaging = self.config.model_averaging
+        reference = None
+        if self.objective.keeps_reference and not lora.has_adapters(model):
+            reference = jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_array))  # buffers of its own
+            reference = eqx.combine(reference, model)
         return TrainerState(
             jnp.zeros((), jnp.int32),
             model,
             self.optimizer.init(trainable(model)),
             training_key,
             averaging.create(model) if averaging is not None else None,
+            reference,
         )
 
     def _initializer(self, model_init: Callable[[jax.Array], Any], key: jax.Array) -> Callable[[], TrainerState]:
@@ -343,30 +348,56 @@ class Trainer:
         for path, array in arrays:
             _check_divisible(self.config, self.parameter_mapping, self.mesh, path, array)
 
+    def reference_of(self, model, stored=None):
+        """The reference model the objective compares ``model`` with
+        (:attr:`~levanter_core.objective.Objective.keeps_reference`): ``stored`` (a state's
+        ``reference``), else, for a model with LoRA adapters, the model without them; None for
+        objectives that keep none."""
+        if not self.objective.keeps_reference:
+            return None
+        if stored is not None:
+            return stored
+        if lora.has_adapters(model):
+            return lora.base_model(model)
+        raise ValueError(f"the {self.objective.name!r} objective compares with a reference model, but there is none")
+
+    def _with_reference(self, reference) -> dict:
+        """The ``reference=`` keyword for the objective's calls (none when it keeps no reference)."""
+        if not self.objective.keeps_reference:
+            return {}
+        return {"reference": self.mp.cast_to_compute(reference)}
+
     # -- compiled pieces -------------------------------------------------------------------
-    def _compute_loss(self, model, batch, key) -> tuple[jax.Array, dict]:
+    def _compute_loss(self, model, batch, key, reference=None) -> tuple[jax.Array, dict]:
         # What the loss computation logs with jit_log joins the model's metrics: averaged
         # over microbatches like them, and returned from the step like them.
         if lora.has_adapters(model):
             model = lora.with_dropout_keys(model, jax.random.fold_in(key, _LORA_DROPOUT_STREAM))
         with collecting() as logged:
-            loss, metrics = self.objective.loss(self.mp.cast_to_compute(model), batch, key=key)
+            loss, metrics = self.objective.loss(
+                self.mp.cast_to_compute(model), batch, key=key, **self._with_reference(reference)
+            )
         return loss, {**metrics, **logged}
 
-    def _loss_and_grad(self, model, batch, key):
+    def _loss_and_grad(self, model, batch, key, reference=None):
         """``((loss, metrics), grads)``, averaged over the microbatches. ``grads`` has the
-        structure of :func:`trainable`'s part of the model."""
+        structure of :func:`trainable`'s part of the model. ``reference``: the objective's
+        (:meth:`reference_of`), a constant of the step."""
         if lora.has_adapters(model):
             # Only the adapters are differentiated; the frozen weights are constants of the step.
             adapters_grad = eqx.filter_value_and_grad(
-                lambda params, b, k: self._compute_loss(eqx.combine(params, model), b, k), has_aux=True
+                lambda params, b, k: self._compute_loss(eqx.combine(params, model), b, k, reference), has_aux=True
             )
 
             def grad_fn(model, b, k):
                 return adapters_grad(trainable(model), b, k)
 
         else:
-            grad_fn = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
+            model_grad = eqx.filter_value_and_grad(self._compute_loss, has_aux=True)
+
+            def grad_fn(model, b, k):
+                return model_grad(model, b, k, reference)
+
         Batch = _batch_axis(batch, self.config.batch_axis)
         plan = self.plans[Batch.size]
         n = plan.num_microbatches
@@ -395,7 +426,7 @@ class Trainer:
             return (jax.tree.map(jnp.add, sums, values), jax.tree.map(jnp.add, grad_sum, grads)), None
 
         first = microbatch(jax.tree.map(lambda a: a[0], stacked))
-        value_shapes = eqx.filter_eval_shape(self._compute_loss, model, first, key)
+        value_shapes = eqx.filter_eval_shape(self._compute_loss, model, first, key, reference)
         zero_values = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), value_shapes)
         init = (zero_values, jax.tree.map(jnp.zeros_like, trainable(model)))
         (sums, grad_sum), _ = jax.lax.scan(accumulate, init, (stacked, jax.random.split(key, n)))
@@ -403,7 +434,8 @@ class Trainer:
 
     def _step(self, state: TrainerState, batch):
         key, next_key = jax.random.split(state.training_key)
-        (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key)
+        reference = self.reference_of(state.model, state.reference)
+        (loss, model_metrics), grads = self._loss_and_grad(state.model, batch, key, reference)
         params = trainable(state.model)
         overwrites = None
         if self.quantization is not None:
@@ -412,7 +444,7 @@ class Trainer:
         optimizer = optax.with_extra_args_support(self.optimizer)
         extras = {
             "loss": loss,
-            "objective": self._batch_objective(state.model, batch),
+            "objective": self._batch_objective(state.model, batch, reference),
             "key": jax.random.fold_in(state.training_key, _OPTIMIZER_STREAM),
             "step": state.step,
         }
@@ -433,9 +465,9 @@ class Trainer:
         skipped = skipped_step(state.opt_state, opt_state)
         if skipped is not None:
             metrics["optim/skipped_step"] = skipped
-        return TrainerState(state.step + 1, model, opt_state, next_key, averaging), metrics
+        return TrainerState(state.step + 1, model, opt_state, next_key, averaging, state.reference), metrics
 
-    def _batch_objective(self, model, batch) -> BatchObjective:
+    def _batch_objective(self, model, batch, reference=None) -> BatchObjective:
         """The objective on this step's batch (its first microbatch when it is split) as a
         function of the trainable parameters, for the optimizer (:mod:`levanter_core.optim.step`)."""
         Batch = _batch_axis(batch, self.config.batch_axis)
@@ -451,7 +483,7 @@ class Trainer:
             return self.mp.cast_to_compute(eqx.combine(params, model))
 
         def loss(params, key):
-            return self._compute_loss(eqx.combine(params, model), batch, key)[0]
+            return self._compute_loss(eqx.combine(params, model), batch, key, reference)[0]
 
         def sampled_loss(params, key):
             try:
@@ -464,8 +496,8 @@ class Trainer:
 
         return BatchObjective(loss, sampled_loss, lambda: self.objective.data_points(batch))
 
-    def _eval_loss(self, model, batch):
-        return self.objective.eval_loss(self.mp.cast_to_compute(model), batch)
+    def _eval_loss(self, model, batch, reference=None):
+        return self.objective.eval_loss(self.mp.cast_to_compute(model), batch, **self._with_reference(reference))
 
     # -- host side ---------------------------------------------------------------------------
     def local_rows(self, Batch: Axis) -> np.ndarray:
@@ -566,16 +598,26 @@ class Trainer:
         self._flat_steps.append((structure, step))
         return step
 
-    def evaluate(self, model, batches: Iterator, fn: Callable[..., jax.Array] | None = None) -> float | None:
+    def evaluate(
+        self, model, batches: Iterator, fn: Callable[..., jax.Array] | None = None, *, reference=None
+    ) -> float | None:
         """Mean loss over ``batches`` (each ``[eval_batch_size, seq_len]`` ids or a
         ``data.Batch``); None if there are none. ``fn(model, example, *, key)``: another scalar
-        to average instead of the evaluation loss (the entropy, say)."""
-        step = self._eval_step if fn is None else self._eval_steps.get(fn)
-        if step is None:
-            step = self._eval_steps[fn] = hax.named_jit(
-                lambda model, batch: fn(self.mp.cast_to_compute(model), batch, key=None),
-                axis_resources=self.compute_mapping,
-            )
+        to average instead of the evaluation loss (the entropy, say). ``reference``: a state's
+        reference model, for objectives that keep one (see :meth:`reference_of`)."""
+        if fn is None:
+            reference = self.reference_of(model, reference)
+
+            def step(model, batch):
+                return self._eval_step(model, batch, reference)
+
+        else:
+            step = self._eval_steps.get(fn)
+            if step is None:
+                step = self._eval_steps[fn] = hax.named_jit(
+                    lambda model, batch: fn(self.mp.cast_to_compute(model), batch, key=None),
+                    axis_resources=self.compute_mapping,
+                )
         losses = []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:
@@ -584,24 +626,28 @@ class Trainer:
             return None
         return float(np.mean([float(x) for x in losses]))
 
-    def evaluate_totals(self, model, batches: Iterator, *constants) -> np.ndarray | None:
+    def evaluate_totals(self, model, batches: Iterator, *constants, reference=None) -> np.ndarray | None:
         """The objective's evaluation totals (:meth:`~levanter_core.objective.Objective.eval_totals`,
         with ``constants``; for language modelling ``[nats, tokens, bytes]`` given the bytes per
         token id) summed over ``batches``; None if there are none. Sums accumulate in float64 on
-        the host."""
+        the host. ``reference``: a state's reference model, for objectives that keep one (see
+        :meth:`reference_of`)."""
         if self._totals_step is None:
             replicated = NamedSharding(self.mesh, PartitionSpec())
 
-            def totals(model, batch, *constants):
-                found, outputs = evaluate_batch(self.objective, self.mp.cast_to_compute(model), batch, *constants)
+            def totals(model, batch, reference, *constants):
+                found, outputs = evaluate_batch(
+                    self.objective, self.mp.cast_to_compute(model), batch, *constants, **self._with_reference(reference)
+                )
                 # outputs are gathered whole onto every device, so that every process reads all of them
                 return found, jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), outputs)
 
             self._totals_step = hax.named_jit(totals, axis_resources=self.compute_mapping)
+        reference = self.reference_of(model, reference)
         parts = []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:
-                found, outputs = self._totals_step(model, self.to_device(batch, self.EvalBatch), *constants)
+                found, outputs = self._totals_step(model, self.to_device(batch, self.EvalBatch), reference, *constants)
                 parts.append(batch_totals(self.objective, found, outputs))
         if not parts:
             return None

@@ -269,3 +269,14 @@ def test_typos_in_the_data_section_get_suggestions(good, tmp_path):
 def test_an_unknown_format_type_lists_the_formats(good):
     message = load_error(good, ["--data.format", "{type: markdown}"])
     assert "data.format" in message and "chat" in message and "supervised" in message
+
+
+def test_train_batch_size_minus_one_needs_a_per_device_size(good):
+    """Levanter's ``train_batch_size: -1``: ``per_device_parallelism`` sequences on each data-parallel
+    device, worked out when the run starts (``TrainerConfig.for_devices``)."""
+    config, _ = load_train_config(good, ["--trainer.train_batch_size", "-1", "--trainer.per_device_parallelism", "3"])
+    assert config.trainer.for_devices(4).train_batch_size == 12
+    with pytest.raises(ConfigError, match="train_batch_size -1 means per_device_parallelism"):
+        load_train_config(good, ["--trainer.train_batch_size", "-1"])
+    with pytest.raises(ConfigError, match="must be a positive number of sequences"):
+        load_train_config(good, ["--trainer.train_batch_size", "-2"])

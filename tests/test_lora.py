@@ -312,22 +312,24 @@ def test_levanter_lora_llama2_config_loads_and_runs_on_a_local_base(llama_dir, t
         warnings.simplefilter("ignore", DeprecationWarning)  # trainer.wandb
         config, _ = load_train_config(
             str(REFERENCE / "config/lora_llama2.yaml"),
-            ["--initialize_from_hf", llama_dir, "--data.tokenizer", "byte", "--data.type", "python_stdlib",
-             "--trainer.train_batch_size", "4"],  # Levanter's -1 ("per device times devices") is not supported
-        )  # fmt: skip
+            ["--initialize_from_hf", llama_dir, "--data.tokenizer", "byte", "--data.type", "python_stdlib"],
+        )
     assert config.lora == lora.LoraConfig()  # Levanter's defaults: r 8, alpha 8, every linear layer
     assert config.peft_save_path == "lora_llama2" and config.model.seq_len == 2048 and config.model.type == "llama"
     assert config.trainer.num_train_steps == 5000 and config.optimizer.learning_rate == 3e-4
+    assert config.trainer.train_batch_size == -1 and config.trainer.per_device_parallelism == 4  # 4 x devices
     monkeypatch.chdir(tmp_path)  # peft_save_path is relative
     monkeypatch.setenv("WANDB_MODE", "offline")  # its trainer.wandb section
     result = train_briefly(
         str(REFERENCE / "config/lora_llama2.yaml"), str(tmp_path), steps=2,
         overrides=["--initialize_from_hf", llama_dir, "--data.tokenizer", "byte", "--data.type", "python_stdlib",
-                   "--max_train_length", "32", "--trainer.train_batch_size", "2",
-                   "--trainer.per_device_parallelism", "2", "--trainer.tensor_parallel_axes", "[]",
-                   "--trainer.mp", "p=f32"],
+                   "--max_train_length", "32", "--trainer.tensor_parallel_axes", "[]", "--trainer.mp", "p=f32"],
     )  # fmt: skip
     assert result.final_step == 2
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "logs" / result.run_id / "config.yaml").read_text())
+    assert saved["trainer"]["train_batch_size"] == 4 * jax.device_count()  # -1 worked out for the devices
     assert (tmp_path / "lora_llama2" / result.run_id / "step-2" / ADAPTER_CONFIG).exists()
 
 

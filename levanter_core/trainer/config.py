@@ -191,7 +191,9 @@ class TrainerConfig(ConfigModel):
     """Sequences per optimizer step (the global batch, across all devices): a number, or a
     schedule ``[{start: 0, value: 64}, {start: 1000, value: 128}, ...]`` whose first stage starts
     at step 0 (the step is compiled once per batch size; each step reads the sequences after the
-    previous step's, so the data is the same whatever the schedule cuts it into)."""
+    previous step's, so the data is the same whatever the schedule cuts it into). -1:
+    ``per_device_parallelism`` x the data-parallel devices (no gradient accumulation), as in
+    Levanter; worked out when the run starts."""
     per_device_parallelism: int = Field(
         -1, validation_alias=AliasChoices("per_device_parallelism", "per_device_train_parallelism")
     )
@@ -326,8 +328,8 @@ class TrainerConfig(ConfigModel):
     @classmethod
     def _check_schedule(cls, v: int | list[BatchSizeStage]) -> int | list[BatchSizeStage]:
         if isinstance(v, int):
-            if v < 1:
-                raise ValueError(f"must be a positive number of sequences, got {v}")
+            if v < 1 and v != -1:
+                raise ValueError(f"must be a positive number of sequences (or -1: per_device_parallelism x devices), got {v}")
             return v
         starts = [stage.start for stage in v]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
@@ -360,10 +362,28 @@ class TrainerConfig(ConfigModel):
             raise ValueError(f"batch_axis {self.batch_axis!r} cannot also be a tensor_parallel_axes entry")
         return self
 
+    @model_validator(mode="after")
+    def _batch_per_device(self):
+        if self.train_batch_size == -1 and self.per_device_parallelism < 1:
+            raise ValueError(
+                "train_batch_size -1 means per_device_parallelism sequences on each data-parallel device: "
+                "set per_device_parallelism too (or give train_batch_size a number)"
+            )
+        return self
+
+    def for_devices(self, data_parallel: int) -> "TrainerConfig":
+        """This config with ``train_batch_size: -1`` worked out for ``data_parallel`` devices
+        (``per_device_parallelism`` each); itself otherwise."""
+        if self.train_batch_size != -1:
+            return self
+        return self.model_copy(update={"train_batch_size": self.per_device_parallelism * data_parallel})
+
     # -- derived -------------------------------------------------------------------------
     @property
     def batch_schedule(self) -> "BatchSchedule":
         """``train_batch_size`` as a schedule (one stage for a plain number)."""
+        if self.train_batch_size == -1:
+            raise ValueError("train_batch_size -1 is worked out for the devices when the run starts (for_devices)")
         stages = [(0, self.train_batch_size)] if isinstance(self.train_batch_size, int) else [
             (stage.start, stage.value) for stage in self.train_batch_size
         ]

@@ -257,6 +257,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     process reads its share of each batch and writes its part of each checkpoint."""
     preflight(config)
     configure_jax(config)
+    config = _batch_for_devices(config)
 
     from levanter_core import distributed
     from levanter_core.data.pipeline import build_lm_data
@@ -311,6 +312,22 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
                 data.close()
     finally:
         directory.close()  # the last upload, whether the run succeeded or not
+
+
+def _batch_for_devices(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``trainer.train_batch_size: -1`` worked out for this run's devices:
+    ``per_device_parallelism`` on each data-parallel one (Levanter's meaning)."""
+    if config.trainer.train_batch_size != -1:
+        return config
+    from levanter_core.trainer.mesh import data_axis_size, make_mesh
+
+    trainer = config.trainer.for_devices(data_axis_size(make_mesh(config.trainer)))
+    print(
+        f"trainer.train_batch_size -1: {trainer.train_batch_size} sequences per step "
+        f"({config.trainer.per_device_parallelism} per data-parallel device)",
+        flush=True,
+    )
+    return config.model_copy(update={"trainer": trainer})
 
 
 def levanter_differences(config: TrainConfig) -> list[str]:

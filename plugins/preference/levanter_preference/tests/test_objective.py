@@ -1,0 +1,184 @@
+"""The ``dpo`` objective on one batch: its loss and metrics equal the DPO formula computed
+independently in PyTorch from Hugging Face Llamas' logits, the gradient reaches the policy and
+never the reference, and the blockwise log-probabilities equal the plain ones, gradients too."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from levanter_preference.objective import DpoObjective, blocked_log_probs
+from levanter_preference.tests.conftest import PAIRS, preference_batch
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+SEQ_LEN = 96
+
+
+def placed(objective, batch):
+    """The objective's example of a host batch, as the trainer makes it (on one device)."""
+    arrays = {
+        name: hax.named(jnp.asarray(np.asarray(field.values, field.dtype)), ("batch", *field.axes))
+        for name, field in objective.fields(batch).items()
+    }
+    return objective.example(arrays)
+
+
+@eqx.filter_jit
+def dpo_loss(objective, policy, reference, example):
+    """``objective.loss`` on the example, compiled (op by op, it takes seconds)."""
+    return objective.loss(policy, example, key=None, reference=reference)
+
+
+@pytest.fixture(scope="module")
+def models(llamas):
+    from levanter_core.hf.bridge import load_hf_model
+
+    return tuple(load_hf_model(directory).model for directory in llamas)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    return preference_batch(tmp_path_factory.mktemp("pairs"), PAIRS, seq_len=SEQ_LEN)
+
+
+def torch_dpo(policy_dir: str, reference_dir: str, batch, beta: float, label_smoothing: float) -> dict:
+    """The DPO loss and its statistics for ``batch``, from the Hugging Face models' own logits:
+    log-softmax, the next token's log-probability gathered, summed where the masks score it
+    (float64 from the logits on)."""
+    import transformers
+
+    ids = {"chosen": torch.as_tensor(batch.tokens, dtype=torch.long),
+           "rejected": torch.as_tensor(batch.fields["rejected_ids"], dtype=torch.long)}  # fmt: skip
+    masks = {"chosen": torch.as_tensor(batch.fields["chosen_mask"], dtype=torch.float64),
+             "rejected": torch.as_tensor(batch.fields["rejected_mask"], dtype=torch.float64)}  # fmt: skip
+
+    def log_probs(directory):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+        out = {}
+        for side in ("chosen", "rejected"):
+            with torch.no_grad():
+                logits = model(ids[side]).logits.double()
+            per_token = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[side][:, 1:, None])[..., 0]
+            out[side] = (per_token * masks[side][:, :-1]).sum(-1)
+        return out
+
+    pi, ref = log_probs(policy_dir), log_probs(reference_dir)
+    chosen_rewards = beta * (pi["chosen"] - ref["chosen"])
+    rejected_rewards = beta * (pi["rejected"] - ref["rejected"])
+    m = chosen_rewards - rejected_rewards
+    losses = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(m) - label_smoothing * torch.nn.functional.logsigmoid(-m)
+    return {
+        "loss": losses.mean().item(),
+        "dpo/rewards_chosen": chosen_rewards.mean().item(),
+        "dpo/rewards_rejected": rejected_rewards.mean().item(),
+        "dpo/margin": m.mean().item(),
+        "dpo/accuracy": (chosen_rewards > rejected_rewards).double().mean().item(),
+        "dpo/logps_chosen": pi["chosen"].mean().item(),
+        "dpo/logps_rejected": pi["rejected"].mean().item(),
+    }
+
+
+@pytest.mark.parametrize(("beta", "label_smoothing"), [(0.1, 0.0), (0.5, 0.2)])
+def test_the_dpo_loss_equals_the_formula_computed_in_torch(llamas, models, batch, beta, label_smoothing):
+    policy, reference = models
+    objective = DpoObjective(beta=beta, label_smoothing=label_smoothing)
+
+    loss, metrics = dpo_loss(objective, policy, reference, placed(objective, batch))
+
+    expected = torch_dpo(*llamas, batch, beta, label_smoothing)
+    found = {"loss": float(loss), **{name: float(value) for name, value in metrics.items()}}
+    assert found.keys() == expected.keys()
+    assert 0 < expected["dpo/accuracy"] < 1 and abs(expected["dpo/margin"]) > 0.01  # the models disagree
+    for name in ("loss", "dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin", "dpo/accuracy"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-5), name
+    for name in ("dpo/logps_chosen", "dpo/logps_rejected"):  # sums of ~20 log-probabilities of ~-6 each
+        assert found[name] == pytest.approx(expected[name], abs=1e-4), name
+
+
+def test_evaluation_sums_what_the_loss_averages(models, batch):
+    policy, reference = models
+    objective = DpoObjective(beta=0.1)
+    example = placed(objective, batch)
+
+    loss, metrics = dpo_loss(objective, policy, reference, example)
+    totals = np.asarray(eqx.filter_jit(objective.eval_totals)(policy, example, reference=reference))
+
+    assert totals[1] == len(PAIRS)
+    assert totals[0] / totals[1] == pytest.approx(float(loss), abs=1e-6)
+    assert float(eqx.filter_jit(objective.eval_loss)(policy, example, reference=reference)) == pytest.approx(
+        float(loss), abs=1e-6
+    )
+    assert totals[2] / totals[1] == pytest.approx(float(metrics["dpo/accuracy"]))
+    assert totals[3] / totals[1] == pytest.approx(float(metrics["dpo/margin"]), abs=1e-6)
+    reported = objective.eval_metrics({"a": totals, "b": totals / 2}, {"mine": ["b"]}, per_set=True)
+    assert reported["eval/loss"] == pytest.approx(totals[0] / totals[1])
+    assert reported["eval/dpo_accuracy"] == reported["eval/b/dpo_accuracy"] == pytest.approx(totals[2] / totals[1])
+    assert reported["eval/mine/dpo_margin"] == pytest.approx(totals[3] / totals[1])
+
+
+def test_a_policy_equal_to_its_reference_starts_at_log_2(models, batch):
+    policy, _ = models
+    objective = DpoObjective(beta=0.1)
+    loss, metrics = dpo_loss(objective, policy, policy, placed(objective, batch))
+    assert float(loss) == pytest.approx(np.log(2), abs=1e-6)
+    assert float(metrics["dpo/margin"]) == 0 and float(metrics["dpo/accuracy"]) == 0  # ties are not wins
+
+
+def test_a_pair_with_nothing_scored_on_a_side_is_left_out(models, batch):
+    policy, reference = models
+    objective = DpoObjective(beta=0.1)
+    cut = {**batch.fields, "rejected_mask": batch.fields["rejected_mask"].copy()}
+    cut["rejected_mask"][1] = 0  # its answer was cut off by seq_len, say
+    damaged = placed(objective, type(batch)(batch.tokens, fields=cut))
+    kept = [0, 2, 3]
+    rest = placed(objective, type(batch)(batch.tokens[kept], fields={k: v[kept] for k, v in batch.fields.items()}))
+
+    assert float(objective.data_points(damaged)) == 3
+    found = dpo_loss(objective, policy, reference, damaged)
+    expected = dpo_loss(objective, policy, reference, rest)
+    assert float(found[0]) == pytest.approx(float(expected[0]), abs=1e-6)
+    assert float(found[1]["dpo/margin"]) == pytest.approx(float(expected[1]["dpo/margin"]), abs=1e-6)
+
+
+def test_the_gradient_reaches_the_policy_and_never_the_reference(models, batch):
+    policy, reference = models
+    objective = DpoObjective(beta=0.1)
+    example = placed(objective, batch)
+
+    @eqx.filter_jit
+    def gradients(p, r):
+        def loss(p, r):
+            return objective.loss(p, example, key=None, reference=r)[0]
+
+        return eqx.filter_grad(loss)(p, r), eqx.filter_grad(lambda r, p: loss(p, r))(r, p)
+
+    to_policy, to_reference = gradients(policy, reference)
+    policy_norm = sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(eqx.filter(to_policy, eqx.is_array)))
+    reference_leaves = jax.tree.leaves(eqx.filter(to_reference, eqx.is_array))
+    assert policy_norm > 1e-6
+    assert reference_leaves and all(not np.any(np.asarray(g)) for g in reference_leaves)
+
+
+def test_blockwise_log_probs_equal_the_plain_ones_with_their_gradients():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    hidden = jax.random.normal(keys[0], (3, 13, 8))
+    head = jax.random.normal(keys[1], (8, 40))
+    targets = jax.random.randint(keys[2], (3, 13), 0, 40)
+    weights = (jnp.arange(13) % 3 != 0).astype(jnp.float32)
+
+    def plain(h, w):
+        return jnp.take_along_axis(jax.nn.log_softmax(h @ w, axis=-1), targets[..., None], axis=-1)[..., 0]
+
+    expected = jax.jit(jax.grad(lambda h, w: jnp.sum(plain(h, w) * weights), argnums=(0, 1)))(hidden, head)
+    for block in (None, 1, 4):  # one block, one position each, blocks that leave a partial one
+        values = jax.jit(lambda h, w: blocked_log_probs(h, w, targets, block=block))(hidden, head)
+        np.testing.assert_allclose(values, plain(hidden, head), atol=1e-5)
+        found = jax.jit(jax.grad(lambda h, w: jnp.sum(blocked_log_probs(h, w, targets, block=block) * weights), argnums=(0, 1)))
+        for a, b in zip(found(hidden, head), expected):
+            np.testing.assert_allclose(a, b, atol=1e-5)

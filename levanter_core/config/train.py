@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
+from levanter_core.config.levanter_examples import is_levanter_example, translate_levanter_example
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, translate_levanter_sft
 from levanter_core.config.storage import StorageConfig, object_store_urls, storage_problem
@@ -360,6 +361,8 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
     Raises :class:`ConfigError` with one message for people on any problem.
     """
     raw, sources = load_config_dict(path, overrides)
+    if is_levanter_example(raw):  # Levanter's alpaca / alpaca_lora / gsm8k_lora examples' config
+        raw, sources = translate_levanter_example(raw, sources)
     if is_levanter_sft(raw):  # Levanter's sft / sft_mixture programs' config
         raw, sources = translate_levanter_sft(raw, sources)
     return validate_train_config(raw, sources), raw

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import string
 from typing import Literal, NamedTuple
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from levanter_core.config.base import Typed, TypedConfig
 from levanter_core.data.tokenizer import Tokenizer
@@ -299,13 +301,26 @@ def _roles(messages: list[dict]) -> str:
 
 class SupervisedFormat(FormatConfig):
     """Input/output pairs: each record's input, the separator and its output are encoded
-    as one text, trained on the output (and the end-of-text token after it)."""
+    as one text, trained on the output (and the end-of-text token after it).
+
+    The input may instead be made from a template filled with the record's fields
+    (``prompt_input``, and ``prompt_no_input`` for records without an input), as Stanford
+    Alpaca's instruction-tuning prompts are::
+
+        format:
+          type: supervised
+          input_field: input
+          output_field: output
+          prompt_input: "### Instruction:\\n{instruction}\\n\\n### Input:\\n{input}\\n\\n### Response:"
+          prompt_no_input: "### Instruction:\\n{instruction}\\n\\n### Response:"
+    """
 
     type: Literal["supervised"] = "supervised"
     """``supervised``: an input and an output field per record, trained on the output."""
 
     input_field: str = Field("prompt", min_length=1)
-    """The field of a record that holds the input (the prompt)."""
+    """The field of a record that holds the input (the prompt). With ``prompt_input``, the field
+    whose emptiness picks ``prompt_no_input``."""
 
     output_field: str = Field("response", min_length=1)
     """The field of a record that holds the output to learn (the response)."""
@@ -316,15 +331,55 @@ class SupervisedFormat(FormatConfig):
     mask_inputs: bool = True
     """Train on the output only. ``false``: train on the input and separator too."""
 
+    prompt_input: str | None = None
+    """A template that makes the input (instead of ``input_field``): a Python format string
+    filled with the record's fields by name (``str.format_map``: ``{instruction}`` is the
+    record's ``instruction``; ``{{`` and ``}}`` are literal braces). A record without a field
+    the template names is bad data (its file and line, and the field). None: the input is
+    ``input_field``."""
+
+    prompt_no_input: str | None = None
+    """With ``prompt_input``: the template used instead for a record whose ``input_field`` is
+    missing, null or empty (Alpaca's prompt for instructions without an input). None: always
+    ``prompt_input``."""
+
+    output_replacements: tuple[tuple[str, str], ...] = ()
+    """Text replaced in the output before training on it: ``[old, new]`` pairs applied in order
+    (GSM8K's answers: ``[["####", "The answer is"], ["\\n", " "]]``)."""
+
+    output_suffix: str = ""
+    """Text put after the output, before the end-of-text token; trained on (``".\\n"``)."""
+
     @property
     def packed(self) -> bool:
         return True
+
+    @field_validator("prompt_input", "prompt_no_input")
+    @classmethod
+    def _template_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            _template_fields(value)
+        return value
+
+    @field_validator("output_replacements")
+    @classmethod
+    def _replaces_something(cls, value: tuple) -> tuple:
+        if any(not old for old, _ in value):
+            raise ValueError("an output replacement needs a non-empty text to replace")
+        return value
+
+    def fingerprint(self) -> dict:
+        """Every field, but the prompt and output options where unset, so that caches built
+        before they existed keep their key."""
+        optional = ("prompt_input", "prompt_no_input", "output_replacements", "output_suffix")
+        unset = {name for name in optional if getattr(self, name) == type(self).model_fields[name].default}
+        return self.model_dump(mode="json", exclude=unset)
 
     def encode_batch(self, values, wheres, tokenizer, eos_id):
         examples: list[tuple[str, list[tuple[int, int]]] | DataError] = []
         for value, where in zip(values, wheres):
             try:
-                prompt, output = self._field(value, self.input_field, where), self._output(value, where)
+                prompt, output = self._prompt(value, where), self._output(value, where)
             except DataError as e:
                 examples.append(e)
                 continue
@@ -332,17 +387,39 @@ class SupervisedFormat(FormatConfig):
             examples.append((text, [(len(text) - len(output) if self.mask_inputs else 0, len(text))]))
         return _encode_targets(examples, tokenizer, add_special_tokens=True, eos_id=eos_id)
 
+    def _prompt(self, value, where: str) -> str:
+        if self.prompt_input is None:
+            return self._field(value, self.input_field, where)
+        self._check_record(value, where)
+        no_input = self.prompt_no_input is not None and value.get(self.input_field) in (None, "")
+        name = "prompt_no_input" if no_input else "prompt_input"
+        template = self.prompt_no_input if no_input else self.prompt_input
+        try:
+            return template.format_map(value)
+        except KeyError as e:
+            keys = ", ".join(map(repr, value)) or "none"
+            raise DataError(
+                f"{where}: format.{name} names the field {e.args[0]!r}, which the record lacks (the record's "
+                f"fields: {keys})"
+            ) from None
+        except (ValueError, TypeError, IndexError, AttributeError) as e:
+            raise DataError(f"{where}: format.{name} cannot be filled from this record: {e}") from None
+
     def _output(self, value: dict, where: str) -> str:
         output = self._field(value, self.output_field, where)
         if not output:
             raise DataError(f"{where}: field {self.output_field!r} is empty, so there is nothing to train on")
-        return output
+        for old, new in self.output_replacements:
+            output = output.replace(old, new)
+        return output + self.output_suffix
+
+    def _check_record(self, value, where: str) -> None:
+        if not isinstance(value, dict):
+            wanted = f"{self.input_field!r} and {self.output_field!r}" if self.prompt_input is None else "fields"
+            raise DataError(f"{where}: expected a JSON object with {wanted}, found {_clip(value)}")
 
     def _field(self, value, field: str, where: str) -> str:
-        if not isinstance(value, dict):
-            raise DataError(
-                f"{where}: expected a JSON object with {self.input_field!r} and {self.output_field!r}, found {_clip(value)}"
-            )
+        self._check_record(value, where)
         if field not in value:
             keys = ", ".join(map(repr, value)) or "none"
             which = "input_field" if field == self.input_field else "output_field"
@@ -351,6 +428,24 @@ class SupervisedFormat(FormatConfig):
         if not isinstance(text, str):
             raise DataError(f"{where}: field {field!r} should be a string, found {type(text).__name__} {_clip(text)}")
         return text
+
+
+def _template_fields(template: str) -> list[str]:
+    """The record fields a ``str.format_map`` template names (``{a}``, ``{a[0]}``, ``{a.b}``
+    name ``a``); ValueError for a template that cannot be filled by name."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"not a valid template ({e}; write {{{{ and }}}} for literal braces)") from None
+    fields = []
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        root = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not root or root.isdigit():
+            raise ValueError(f"the template's fields are filled by name; {{{name}}} has none")
+        fields.append(root)
+    return fields
 
 
 def _encode_targets(
@@ -410,3 +505,19 @@ def _clip(value, limit: int = 80) -> str:
 DataFormat = Typed("data_format", "text")
 """The ``format`` of a data source, chosen by its ``type`` (default ``text``) among the
 registered formats (``text``, ``chat`` and ``supervised`` are built in)."""
+
+
+# -- for plugins' formats --------------------------------------------------------------------
+# The pieces a plugin's format builds on (levanter-preference renders conversations and masks
+# answers as `chat` and `supervised` do), under names that are part of the public API.
+
+compile_chat_template = _compile
+"""Compile a Jinja chat template as the ``chat`` format does (sandboxed, with Hugging Face's
+helpers); render it with the format's rendering conventions."""
+
+encode_targets = _encode_targets
+"""Tokenize ``(text, target character spans)`` examples in one batch into :class:`Encoded` ids
+and target masks (a :class:`DataError` in an example's place is passed through)."""
+
+clip_text = _clip
+"""A record (or part of one) shortened for an error message."""

@@ -339,3 +339,9 @@ def per_token_cross_entropy(model, hidden: NamedArray, targets: NamedArray) -> N
     Rows = hidden.rearrange((..., "position", "embed")).axes[:-1]
     losses = token_losses(h, head, t, block=block, cap=cap)
     return hax.named(losses.reshape(tuple(ax.size for ax in Rows)), Rows).rearrange(targets.axes)
+
+
+loss_inputs = _loss_inputs
+"""The model's hidden states, output head and per-position arrays as the plain arrays the
+blockwise cross-entropy of :mod:`~levanter_core.models.cross_entropy` takes (public: objectives
+in plugins, such as levanter-preference's DPO, score tokens the same way)."""

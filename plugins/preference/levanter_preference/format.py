@@ -42,9 +42,9 @@ from levanter_core.data.formats import (
     ChatFormat,
     Encoded,
     FormatConfig,
-    _clip,
-    _compile,
-    _encode_targets,
+    clip_text,
+    compile_chat_template,
+    encode_targets,
 )
 from levanter_core.data.tokenizer import Tokenizer
 from levanter_core.errors import DataError
@@ -112,8 +112,8 @@ class PreferenceFormat(FormatConfig):
         chats = [side for p in pairs if isinstance(p, _Pair) and p.chat for side in (p.chosen, p.rejected)]
         texts = [side for p in pairs if isinstance(p, _Pair) and not p.chat for side in (p.chosen, p.rejected)]
         encoded = {
-            True: iter(_encode_targets(chats, tokenizer, add_special_tokens=False, eos_id=None)),
-            False: iter(_encode_targets(texts, tokenizer, add_special_tokens=True, eos_id=eos_id)),
+            True: iter(encode_targets(chats, tokenizer, add_special_tokens=False, eos_id=None)),
+            False: iter(encode_targets(texts, tokenizer, add_special_tokens=True, eos_id=eos_id)),
         }
         out: list[Encoded | DataError] = []
         for pair, where in zip(pairs, wheres):
@@ -138,7 +138,7 @@ class PreferenceFormat(FormatConfig):
         if not isinstance(value, dict):
             raise DataError(
                 f"{where}: expected a JSON object with {self.chosen_key!r} and {self.rejected_key!r} answers, "
-                f"found {_clip(value)}"
+                f"found {clip_text(value)}"
             )
         chosen = self._answer(value, self.chosen_key, "chosen_key", where)
         rejected = self._answer(value, self.rejected_key, "rejected_key", where)
@@ -146,7 +146,7 @@ class PreferenceFormat(FormatConfig):
         if prompt is not None and not isinstance(prompt, (str, list)):
             raise DataError(
                 f"{where}: {self.prompt_key!r} should be a string or a list of messages, "
-                f"found {type(prompt).__name__} {_clip(prompt)}"
+                f"found {type(prompt).__name__} {clip_text(prompt)}"
             )
         if any(isinstance(x, list) for x in (prompt, chosen, rejected)):
             return self._conversations(prompt, chosen, rejected, where, tokenizer)
@@ -163,7 +163,7 @@ class PreferenceFormat(FormatConfig):
         if not isinstance(answer, (str, list)):
             raise DataError(
                 f"{where}: {key!r} should be a string or a list of messages, "
-                f"found {type(answer).__name__} {_clip(answer)}"
+                f"found {type(answer).__name__} {clip_text(answer)}"
             )
         return answer
 
@@ -191,7 +191,7 @@ class PreferenceFormat(FormatConfig):
         shared = 0
         while shared < min(map(len, conversations)) and conversations[0][shared] == conversations[1][shared]:
             shared += 1
-        template = _compile(self.chat_template or tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE)
+        template = compile_chat_template(self.chat_template or tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE)
         specials = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
         renderer = ChatFormat(chat_template=self.chat_template)
         sides = []

@@ -35,7 +35,7 @@ from pydantic import Field
 from levanter_core.config.base import ConfigModel
 from levanter_core.errors import ConfigError
 from levanter_core.models.cross_entropy import soft_cap
-from levanter_core.models.lm import _loss_inputs
+from levanter_core.models.lm import loss_inputs
 from levanter_core.objective import BatchField, Objective
 from levanter_preference.format import CHOSEN_MASK, FIELDS, REJECTED_IDS, REJECTED_MASK
 
@@ -218,7 +218,7 @@ def token_log_probs(model, hidden: NamedArray, targets: NamedArray) -> NamedArra
     """``log softmax(hidden @ head)[target]`` at each position (float32, soft-capped logits
     where the model caps them), with the axes of ``targets``: computed in blocks of positions
     (the model's ``cross_entropy_block_size``, as its loss is), differentiable."""
-    h, head, (t,), block, cap = _loss_inputs(model, hidden, targets)
+    h, head, (t,), block, cap = loss_inputs(model, hidden, targets)
     Rows = hidden.rearrange((..., "position", "embed")).axes[:-1]
     found = blocked_log_probs(h, head, t, block=block, cap=cap)
     return hax.named(found.reshape(tuple(ax.size for ax in Rows)), Rows).rearrange(targets.axes)

@@ -5,7 +5,6 @@ Face base model with the same logits, and Levanter's LoRA configs."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -111,6 +110,58 @@ def test_adapters_on_every_family_export_merged_and_as_peft(family, tmp_path):
         warnings.simplefilter("ignore")
         adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
     np.testing.assert_allclose(hf_logits(adapted, TOKENS), ours, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_adapters_on_whisper_the_encoder_decoder(tmp_path):
+    """Speech too: every linear layer of Whisper's encoder and decoder stacks gets adapters, and
+    the merged export and the PEFT adapter (a sequence-to-sequence one) give our logits."""
+    from levanter_core.hf.peft import task_type_of
+
+    hf_config = transformers.WhisperConfig(
+        vocab_size=96, num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=48, max_source_positions=16,
+        max_target_positions=24, pad_token_id=95, bos_token_id=95, eos_token_id=95, decoder_start_token_id=94,
+    )  # fmt: skip
+    base_dir = str(tmp_path / "base")
+    random_hf_model(hf_config, auto_class=transformers.AutoModelForSpeechSeq2Seq).save_pretrained(base_dir)
+    loaded = load_hf_model(base_dir)
+    layers = lora.target_layers(loaded.model, lora.LoraConfig())
+    assert "model.encoder.layers.fc1" in layers and "model.decoder.layers.encoder_attn.q_proj" in layers
+    model = trained_like(lora.loraize(loaded.model, lora.LoraConfig(r=4, alpha=8), key=jax.random.PRNGKey(0)))
+
+    import haliax as hax
+
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    ids = rng.integers(0, 96, size=(2, 10))
+    named = (hax.named(jnp.asarray(features), ("batch", "mels", "frames")),
+             hax.named(jnp.asarray(ids, dtype=jnp.int32), ("batch", "position")))  # fmt: skip
+
+    def ours_of(m):
+        logits = eqx.filter_jit(lambda m, f, t: m(f, t))(m, *named)
+        return np.asarray(logits.rearrange(("batch", "position", "vocab")).array)
+
+    def theirs_of(m):
+        with torch.no_grad():
+            return m(input_features=torch.as_tensor(features), decoder_input_ids=torch.as_tensor(ids)).logits.numpy()
+
+    ours = ours_of(model)
+    assert np.abs(ours - ours_of(loaded.model)).max() > 1e-3
+    merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
+    write_hf_model(model, loaded.config, loaded.Vocab, merged_dir, run_config={"data": {"tokenizer": "byte"}},
+                   imported_hf_config=loaded.hf_config)  # fmt: skip
+    np.testing.assert_allclose(theirs_of(transformers.AutoModelForSpeechSeq2Seq.from_pretrained(merged_dir)), ours, atol=1e-4)
+    task = task_type_of(loaded.config, loaded.Vocab.size)
+    assert task == "SEQ_2_SEQ_LM"
+    write_peft_adapter(model, lora.LoraConfig(r=4, alpha=8), adapter_dir, base_model_name_or_path=base_dir, task_type=task)
+    base = transformers.AutoModelForSpeechSeq2Seq.from_pretrained(base_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    # (PEFT's sequence-to-sequence wrapper passes input_ids, which Whisper's decoder refuses; the
+    # wrapped model, adapters in place, is what it runs)
+    np.testing.assert_allclose(theirs_of(adapted.get_base_model()), ours, atol=1e-4)
 
 
 def _tiny_llama(directory: str, **overrides) -> str:

@@ -318,7 +318,7 @@ def export_hf(
 
 
 def _export_peft(loaded: CheckpointModel, output: str) -> str:
-    from levanter_core.hf.peft import write_peft_adapter
+    from levanter_core.hf.peft import task_type_of, write_peft_adapter
 
     if loaded.lora is None:
         raise CheckpointError(f"{loaded.path} was not trained with LoRA (no lora section): it has no adapters to export")
@@ -329,7 +329,8 @@ def _export_peft(loaded: CheckpointModel, output: str) -> str:
         imported = read_metadata_of(found_import).get("imported_from") if found_import else None
         source = imported
     with local_output(output) as directory:
-        modules = write_peft_adapter(loaded.model, loaded.lora, directory, base_model_name_or_path=source)
+        task = task_type_of(loaded.config, loaded.Vocab.size)
+        modules = write_peft_adapter(loaded.model, loaded.lora, directory, base_model_name_or_path=source, task_type=task)
         _write_tokenizer((join(loaded.path, HF_TOKENIZER_DIR),), loaded.run_config, directory, loaded.tokenizer)
         if not is_local(output):
             upload_hf_directory(directory, output)

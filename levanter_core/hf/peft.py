@@ -166,11 +166,27 @@ def _per_layer(linear) -> np.ndarray:
     return array.reshape(-1, *array.shape[-2:])
 
 
+def task_type_of(model_config: Any, vocab_size: int) -> str:
+    """PEFT's ``task_type`` for a model of ``model_config``: ``SEQ_2_SEQ_LM`` for an
+    encoder-decoder (Whisper), else ``CAUSAL_LM``; it picks the class PEFT wraps the base in."""
+    try:
+        hf_config = model_config.to_hf_config(vocab_size)
+    except (AttributeError, ValueError):
+        return "CAUSAL_LM"
+    return "SEQ_2_SEQ_LM" if hf_config.get("is_encoder_decoder") else "CAUSAL_LM"
+
+
 def write_peft_adapter(
-    model: Any, config: lora.LoraConfig, output: str, *, base_model_name_or_path: str | None
+    model: Any,
+    config: lora.LoraConfig,
+    output: str,
+    *,
+    base_model_name_or_path: str | None,
+    task_type: str = "CAUSAL_LM",
 ) -> list[str]:
     """Write ``model``'s adapters (trained with ``config``) as a PEFT adapter directory
-    ``output`` (local); returns the adapted modules' names."""
+    ``output`` (local); returns the adapted modules' names. ``task_type``: PEFT's, see
+    :func:`task_type_of`."""
     from safetensors.numpy import save_file
 
     tensors, modules, transposed = peft_tensors(model)
@@ -178,7 +194,7 @@ def write_peft_adapter(
     save_file(tensors, os.path.join(output, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": config.r,
         "lora_alpha": config.alpha,

@@ -798,11 +798,14 @@ class HfExporter:
         """The adapters as a PEFT adapter directory ``{peft_save_path}/{run_id}/step-N``."""
         from levanter_core.hf.bridge import _write_tokenizer, local_output
         from levanter_core.hf.checkpoint import upload_hf_directory
-        from levanter_core.hf.peft import write_peft_adapter
+        from levanter_core.hf.peft import task_type_of, write_peft_adapter
 
         output = join(self.peft_directory, f"step-{step}")
         with local_output(output) as written:
-            write_peft_adapter(model, self.config.lora, written, base_model_name_or_path=self.config.hf_source)
+            write_peft_adapter(
+                model, self.config.lora, written, base_model_name_or_path=self.config.hf_source,
+                task_type=task_type_of(self.model_config, self.Vocab.size),
+            )  # fmt: skip
             _write_tokenizer((), self.resolved, written, self.tokenizer)
             if not is_local(output):
                 upload_hf_directory(written, output)

@@ -335,9 +335,12 @@ class AdapterCheckpoints:
     onto the base weights, which ``base_state()`` (a fresh state built from the base model the
     checkpoint's metadata points to) provides. Everything else is the checkpointer's own."""
 
-    def __init__(self, checkpointer: Any, base_state: Any):
+    def __init__(self, checkpointer: Any, base_state: Any, base: dict | None = None):
+        """``base``: this run's ``lora_base`` pointer; a checkpoint whose adapters were trained
+        on another base is refused rather than put onto this one."""
         self._inner = checkpointer
         self._base_state = base_state
+        self._base = base
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -347,10 +350,27 @@ class AdapterCheckpoints:
 
     def resume(self, template: Any, where: str | None = None, *, allow_partial: bool = False):
         found = self._inner.resume(strip_base(template), where, allow_partial=allow_partial)
-        return None if found is None else (self._with_base(found[0]), found[1])
+        if found is None:
+            return None
+        self._check_base(found[1])
+        return self._with_base(found[0]), found[1]
 
     def load_state(self, template: Any, path: str, *, allow_partial: bool = False) -> Any:
-        return self._with_base(self._inner.load_state(strip_base(template), path, allow_partial=allow_partial))
+        loaded = self._inner.load_state(strip_base(template), path, allow_partial=allow_partial)
+        self._check_base(path)
+        return self._with_base(loaded)
+
+    def _check_base(self, path: str) -> None:
+        from levanter_core.checkpoint import read_metadata
+        from levanter_core.errors import CheckpointError
+
+        stored = read_metadata(path).get("metadata", {}).get("lora_base")
+        if self._base is not None and stored is not None and stored != self._base:
+            raise CheckpointError(
+                f"{path} holds LoRA adapters trained on the base {stored}, but this run's base is now "
+                f"{self._base} (a newer checkpoint under trainer.initialize_from, say): the adapters would be put "
+                "onto other weights. Point the run at the base they were trained on."
+            )
 
     def _with_base(self, loaded: Any) -> Any:
         return eqx.combine(loaded, self._base_state())

@@ -150,3 +150,36 @@ def test_whisper_train_reports_both_sides(tmp_path):
         for piece in ("features", "encoder forward + backward", "loss forward + backward", "whole step"):
             assert pieces[piece] > 0, piece
     assert "profile: encoder forward + backward" in done.stdout
+
+
+# -- bench/lora.py -------------------------------------------------------------------------------
+
+
+def test_lora_bench_compares_adapters_with_full_fine_tuning(tmp_path):
+    """The whole script on the tiny GPT-2 preset, one step a round (about 20 s on 2 cores)."""
+    out = tmp_path / "lora.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "lora.py"), "--model", "tiny", "--ranks", "4", "8",
+         "--steps", "1", "--rounds", "2", "--warmup", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "lora-r8" in done.stdout and "optimizer state" in done.stdout
+    results = json.loads(out.read_text())
+    assert results["machine"]["jax_backend"] == "cpu" and results["batch"] == {"sequences": 4, "seq_len": 32}
+    full, r4, r8 = (results["variants"][name] for name in ("full", "lora-r4", "lora-r8"))
+    assert full["trained_parameters"] == full["parameters"]
+    # r x (in + out) for each adapted layer of the one block: c_attn 32 -> 96, c_proj 32 -> 32,
+    # c_fc 32 -> 128, mlp c_proj 128 -> 32
+    assert r8["trained_parameters"] == 2 * r4["trained_parameters"] == 8 * (128 + 64 + 160 + 160)
+    assert r8["parameters"] == full["parameters"] + r8["trained_parameters"]
+    for v in (full, r4, r8):  # Adam's two moments of every trained parameter, and a few scalars
+        assert 0 <= v["optimizer_state_bytes"] - 2 * 4 * v["trained_parameters"] < 1024
+        assert len(v["rounds_seconds"]) == 2 and v["step_seconds"] == min(v["rounds_seconds"]) > 0
+    # a LoRA checkpoint holds the adapters and their optimizer state; its whole state keeps the base
+    assert r8["checkpoint_bytes"] - 3 * 4 * r8["trained_parameters"] < 1024
+    assert r8["state_bytes"] - r8["checkpoint_bytes"] == 4 * full["parameters"]
+    assert r8["vs_full"]["optimizer_state_bytes"] == pytest.approx(
+        r8["optimizer_state_bytes"] / full["optimizer_state_bytes"]
+    )
+    assert full["vs_full"]["step_seconds"] == 1.0

@@ -280,3 +280,15 @@ def test_train_batch_size_minus_one_needs_a_per_device_size(good):
         load_train_config(good, ["--trainer.train_batch_size", "-1"])
     with pytest.raises(ConfigError, match="must be a positive number of sequences"):
         load_train_config(good, ["--trainer.train_batch_size", "-2"])
+
+
+def test_levanters_heads_tensor_parallelism_splits_kv_heads_too():
+    """Levanter's ``tensor_parallel_axes: [mlp, heads]`` on a grouped-query attention model (whose
+    head axis is ``kv_heads``) shards the heads, as it means in Levanter."""
+    from levanter_core.trainer.config import TrainerConfig
+
+    config = TrainerConfig(tensor_parallel_axes=["mlp", "heads"])
+    assert config.compute_axis_mapping()["kv_heads"] == config.parameter_axis_mapping()["heads"] == "model"
+    assert "kv_heads" not in TrainerConfig(tensor_parallel_axes=["mlp"]).compute_axis_mapping()
+    kept = TrainerConfig(tensor_parallel_axes=["heads"], axis_resources={"kv_heads": "data"})
+    assert kept.compute_axis_mapping()["kv_heads"] == "data"  # an explicit mapping wins

@@ -374,7 +374,7 @@ def test_levanter_lora_llama2_config_loads_and_runs_on_a_local_base(llama_dir, t
     result = train_briefly(
         str(REFERENCE / "config/lora_llama2.yaml"), str(tmp_path), steps=2,
         overrides=["--initialize_from_hf", llama_dir, "--data.tokenizer", "byte", "--data.type", "python_stdlib",
-                   "--max_train_length", "32", "--trainer.tensor_parallel_axes", "[]", "--trainer.mp", "p=f32"],
+                   "--max_train_length", "32", "--trainer.mp", "p=f32"],  # its tensor_parallel_axes [mlp, heads] too
     )  # fmt: skip
     assert result.final_step == 2
     import yaml
@@ -394,3 +394,55 @@ def test_levanter_mpt_lora_config_says_what_it_needs():
         load_train_config(str(REFERENCE / "config/lora/mpt_biomed.yaml"))
     message = str(raised.value)
     assert "initialize_from_hf" in message and "mpt_biomed.yaml" in message and "mosaicml/mpt-7b" in message
+
+
+def test_a_lora_run_exports_every_1000_steps_unless_told(tmp_path, llama_dir):
+    from levanter_core.config.train import load_train_config
+
+    config = _lora_run(tmp_path, llama_dir, steps=2)
+    raw = json.loads(Path(config).read_text())
+    del raw["hf_save_steps"]
+    Path(config).write_text(json.dumps(raw))
+    assert load_train_config(config)[0].hf_save_steps == 1000  # Levanter's lora_lm default
+    assert load_train_config(config, ["--lora", "null", "--peft_save_path", "null"])[0].hf_save_steps == 10000
+
+
+@pytest.mark.slow
+def test_peft_save_path_on_a_fused_family_is_refused_before_training(tmp_path):
+    from conftest import run_cli
+
+    from levanter_core.data.tokenizer import ByteTokenizer
+
+    base = str(tmp_path / "phi3")
+    random_hf_model(transformers.Phi3Config(**{**LLAMA, "vocab_size": 300}, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2)).save_pretrained(base)  # fmt: skip
+    Path(base, "tokenizer.json").write_text(ByteTokenizer().to_tokenizer_json())
+    result = run_cli("train", _lora_run(tmp_path, base, steps=4), "--no-progress")
+    assert result.returncode == 2, result.stderr
+    assert "peft_save_path: these adapters have no PEFT form" in result.stderr + result.stdout
+    assert "model.layers.self_attn.q_proj" in result.stderr + result.stdout
+    assert not (tmp_path / "ckpt" / "run").exists() or not list((tmp_path / "ckpt" / "run").glob("step-*"))
+
+
+def test_averaged_adapters_leave_the_base_exact(llama_dir):
+    import optax
+
+    from levanter_core.objective import LmObjective
+    from levanter_core.trainer.config import TrainerConfig
+    from levanter_core.trainer.mesh import make_mesh
+    from levanter_core.trainer.trainer import Trainer
+
+    loaded = load_hf_model(llama_dir)
+    model = lora.loraize(loaded.model, lora.LoraConfig(r=2, alpha=4), key=jax.random.PRNGKey(0))
+    config = TrainerConfig(train_batch_size=2, num_train_steps=3, mp="p=f32", model_averaging={"type": "ema", "beta": 0.999})
+    trainer = Trainer(config, optax.adamw(1e-2), LmObjective(), mesh=make_mesh(config))
+    state = trainer.state_from_model(model, jax.random.PRNGKey(0))
+    base = [np.asarray(x) for x in jax.tree.leaves(lora.base_model(model))]
+    for _ in range(2):
+        state, _ = trainer.train_step(state, (TOKENS[:, :8] % 257).astype(np.int32))
+    averaged = state.model_averaging.model
+    for x, y in zip(base, jax.tree.leaves(lora.base_model(averaged))):
+        np.testing.assert_array_equal(x, np.asarray(y))  # an EMA of a constant would drift in the last bits
+    assert not np.array_equal(
+        np.asarray(jax.tree.leaves(lora.adapter_params(averaged))[1]), np.zeros(1)
+    )  # fmt: skip

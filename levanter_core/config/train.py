@@ -45,6 +45,10 @@ _HarnessSection = Annotated[
 ]
 
 
+LORA_HF_SAVE_STEPS = 1000
+"""``hf_save_steps`` of a LoRA run that does not set it (Levanter's ``lora_lm`` default)."""
+
+
 class TrainConfig(ConfigModel):
     """A training run: ``data``, ``model``, ``trainer`` and ``optimizer`` sections."""
 
@@ -113,7 +117,8 @@ class TrainConfig(ConfigModel):
     """Also upload each export to this Hugging Face hub repository (needs the network and a token;
     ``huggingface_hub`` is installed with the core)."""
     hf_save_steps: int = Field(10000, ge=1)
-    """How often to export with ``hf_save_path``."""
+    """How often to export with ``hf_save_path`` (and ``peft_save_path``); 1000 in a run with
+    ``lora`` that leaves it out, as in Levanter's LoRA program."""
     hf_save_dtype: str | None = None
     """Data type of exported tensors (``float32``, ``bfloat16``, ``float16``). None: the
     parameters' own."""
@@ -200,8 +205,9 @@ class TrainConfig(ConfigModel):
     def _levanter_fine_tuning_names(cls, raw: Any) -> Any:
         """Levanter's LoRA program names ``hf_save_path`` ``merged_hf_save_path`` (and
         ``hf_upload`` ``merged_hf_upload``), trains adapters with the default ``lora`` section
-        when its config leaves it out, and sets the training length with ``max_train_length``:
-        these are taken here into the fields that do the work."""
+        when its config leaves it out, exports every 1000 steps by default, and sets the
+        training length with ``max_train_length``: these are taken here into the fields that do
+        the work."""
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
@@ -213,6 +219,8 @@ class TrainConfig(ConfigModel):
                 raw[name] = value
         if "lora" not in raw and any(raw.get(f) for f in ("peft_save_path", "peft_hf_upload", "merged_hf_save_path")):
             raw["lora"] = {}  # Levanter's LoRA program: its lora section defaults to LoRA's defaults
+        if raw.get("lora") is not None and "hf_save_steps" not in raw:
+            raw["hf_save_steps"] = LORA_HF_SAVE_STEPS
         length, model = raw.get("max_train_length"), raw.get("model")
         if isinstance(length, int) and isinstance(model, dict):
             raw["model"] = {**model, "seq_len": length}

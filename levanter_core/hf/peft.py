@@ -64,13 +64,25 @@ def _probe(model: Any, weight_of) -> dict[str, np.ndarray]:
     return to_hf_state_dict(jax.tree_util.tree_map_with_path(fill, background, is_leaf=_is_lora_linear))
 
 
-def adapter_names(model: Any) -> dict[tuple[str, int], "Placement"]:
+def check_peft_form(model: Any) -> None:
+    """Raise :class:`CheckpointError` when ``model``'s adapters have no PEFT form (a layer whose
+    weight Hugging Face fuses with another's): one probe, what a run with ``peft_save_path``
+    checks before it trains."""
+    adapter_names(model, names_only=True)
+
+
+def adapter_names(model: Any, *, names_only: bool = False) -> dict[tuple[str, int], "Placement"]:
     """For each adapted layer ``(its path in the model, index in its stack)``, where its weight
     sits among Hugging Face's tensors (:class:`Placement`), found by three probes: one number
     per layer (which tensor), then each weight filled with its inputs' positions, then its
     outputs' (their order and orientation there). Raises :class:`CheckpointError` for layers
     whose weight Hugging Face fuses with another's."""
     codes: dict[int, tuple[str, int]] = {}
+    readable = {
+        jax.tree_util.keystr(path): lora.layer_name(path)
+        for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_lora_linear)[0]
+        if _is_lora_linear(node)
+    }
 
     def numbered(name, linear):  # one number per layer of the stack
         stacking = _stacking(linear)
@@ -93,12 +105,16 @@ def adapter_names(model: Any) -> dict[tuple[str, int], "Placement"]:
         if len(layers) == 1 and name.endswith(".weight") and tensor.ndim == 2:
             located[layers[0]] = name
         else:
-            fused.update(_readable(layer) for layer, _ in layers)
+            fused.update(readable[layer] for layer, _ in layers)
     if fused:
         raise CheckpointError(
-            "a PEFT adapter cannot hold these adapters: Hugging Face stores the weights of "
-            f"{', '.join(sorted(fused))} fused with other tensors; export the merged model instead (without --peft)"
+            "these adapters have no PEFT form: Hugging Face stores the weights of "
+            f"{', '.join(sorted(fused))} fused with other tensors, which one PEFT adapter per module cannot "
+            "express; export the merged model instead (levanter export-hf without --peft; hf_save_path in a run), "
+            "or leave those layers out of lora.target_modules"
         )
+    if names_only:
+        return {}
     ins = _probe(model, lambda name, linear: positions(linear.In))
     outs = _probe(model, lambda name, linear: positions(linear.Out))
     found = {}
@@ -122,11 +138,6 @@ class Placement(NamedTuple):
     """For each of Hugging Face's outputs, ours (a family may reorder rows, e.g. rotary ones)."""
     inputs: np.ndarray
     """For each of Hugging Face's inputs, ours."""
-
-
-def _readable(key: str) -> str:
-    """A layer's path as :func:`jax.tree_util.keystr` writes it, as a dotted name."""
-    return ".".join(part for part in key.replace("[", ".").replace("]", "").split(".") if part)
 
 
 def peft_tensors(model: Any) -> tuple[dict[str, np.ndarray], list[str], bool]:

@@ -217,7 +217,9 @@ class TrainerConfig(ConfigModel):
     tensor_parallel_axes: list[str] | None = None
     """Logical axes split over the mesh's ``model`` axis (tensor parallelism), both at rest
     and while computing, e.g. ``[mlp, heads]``. Their sizes must be multiples of
-    ``model_axis_size``."""
+    ``model_axis_size``. ``heads`` also splits ``kv_heads``, the head axis of the attention
+    layers with grouped key-value heads (Llama and the other kit families), so that Levanter's
+    ``[mlp, heads]`` means tensor parallelism over the heads for them too."""
     model_axis_size: int = Field(1, ge=1)
     """Devices on the ``model`` (tensor-parallel) mesh axis. The devices left over, divided by
     the replica sizes, form the ``data`` (FSDP) axis."""
@@ -395,12 +397,21 @@ class TrainerConfig(ConfigModel):
             return []
         return [self.fsdp_axis] if isinstance(self.fsdp_axis, str) else list(self.fsdp_axis)
 
+    def tensor_parallel_logical_axes(self) -> list[str]:
+        """``tensor_parallel_axes`` with ``kv_heads`` added where ``heads`` is named (and
+        ``kv_heads`` is not mapped otherwise): a grouped-query attention layer's head axis."""
+        axes = list(self.tensor_parallel_axes or [])
+        mapped = set(self.axis_resources) | set(self.compute_axis_resources) | set(self.parameter_axis_resources)
+        if "heads" in axes and "kv_heads" not in axes and "kv_heads" not in mapped:
+            axes.append("kv_heads")
+        return axes
+
     def compute_axis_mapping(self) -> dict[str, Any]:
         """Logical -> mesh axes while computing: the batch over every data-parallel axis, the
         tensor-parallel axes over ``model``; then ``axis_resources`` and ``compute_axis_resources``.
         FSDP axes are absent: parameters are gathered whole along them for compute."""
         mapping: dict[str, Any] = {self.batch_axis: DATA_PARALLEL_AXES}
-        for axis in self.tensor_parallel_axes or []:
+        for axis in self.tensor_parallel_logical_axes():
             mapping[axis] = MODEL_AXIS
         mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
         mapping.update({k: _as_mesh_axes(v) for k, v in self.compute_axis_resources.items()})
@@ -411,7 +422,7 @@ class TrainerConfig(ConfigModel):
         ``data``, the tensor-parallel axes over ``model``; then ``axis_resources`` and
         ``parameter_axis_resources``. Replicas hold whole copies of the FSDP shards."""
         mapping: dict[str, Any] = {axis: FSDP_AXIS for axis in self.fsdp_axes}
-        for axis in self.tensor_parallel_axes or []:
+        for axis in self.tensor_parallel_logical_axes():
             mapping[axis] = MODEL_AXIS
         mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
         mapping.update({k: _as_mesh_axes(v) for k, v in self.parameter_axis_resources.items()})
@@ -425,6 +436,8 @@ class TrainerConfig(ConfigModel):
                 return f"trainer.{name}.{axis}"
         if axis in (self.tensor_parallel_axes or []):
             return "trainer.tensor_parallel_axes"
+        if axis in self.tensor_parallel_logical_axes():
+            return "trainer.tensor_parallel_axes (heads, which splits kv_heads)"
         return "trainer.fsdp_axis"
 
 

@@ -473,6 +473,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         checkpointer = lora.AdapterCheckpoints(
             checkpointer,
             lambda: _initial_state(trainer, trainer_cfg, None, model_init, key, load_hf=load_hf, adapt=adapt)[0],
+            base,
         )
     state, resumed_from = _initial_state(
         trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=trunk, adapt=adapt
@@ -496,7 +497,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         exporter = None
         if config.hf_save_path or config.peft_save_path:
             exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)
-            exporter.check()
+            exporter.check(state.model)
         loop = _TrainLoop(
             config, trainer, data, tracker, checkpointer, run_directory=run.directory, flops_per_token=flops,
             progress=progress, exporter=exporter,
@@ -751,10 +752,20 @@ class HfExporter:
         self.dtype = self._DTYPES.get(dtype, dtype)
         self.last_step: int | None = None
 
-    def check(self) -> None:
-        """Refuse, before training, a model that has no Hugging Face form."""
+    def check(self, model=None) -> None:
+        """Refuse, before training, a model that has no Hugging Face form, or (``model``, with
+        ``peft_save_path``) adapters that have no PEFT form."""
+        import jax
+
         from levanter_core.hf.convert import HfConvertible
 
+        if self.peft_directory is not None and model is not None and jax.process_count() == 1:
+            from levanter_core.hf.peft import check_peft_form
+
+            try:
+                check_peft_form(model)
+            except CheckpointError as e:
+                raise ConfigError(f"peft_save_path: {e}") from None
         if not self.config.hf_save_path:
             return
         if not isinstance(self.model_config, HfConvertible):

@@ -143,6 +143,8 @@ def _check_axis_names(config: TrainerConfig, parameter_axes: set[str]) -> None:
     ]
     for field, names, known in fields:
         for name in names:
+            if name == "heads" and field == "trainer.tensor_parallel_axes" and "kv_heads" in parameter_axes:
+                continue  # Levanter's [mlp, heads]: here kv_heads (see TrainerConfig.tensor_parallel_axes)
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -458,6 +460,9 @@ class Trainer:
         averaging = state.model_averaging
         if averaging is not None:
             averaging = averaging.update(model, state.step)
+            if lora.has_adapters(model):  # only the adapters are averaged: the frozen base stays exact
+                exact = eqx.combine(lora.adapter_params(averaging.model), model)
+                averaging = eqx.tree_at(lambda a: a.model, averaging, exact)
         metrics = {**model_metrics, "train/loss": loss, "optim/grad_norm": optax.global_norm(grads)}
         if self.config.watch is not None:
             watched = {"params": trainable(model), "grads": grads, "updates": updates}

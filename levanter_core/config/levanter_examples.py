@@ -44,8 +44,8 @@ import re
 from typing import Any
 
 from levanter_core.config.loader import Sources
-from levanter_core.config.sft import SFT_FIELDS, TranslatedSources
-from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.config.sft import SFT_FIELDS, ProgramTranslation, TranslatedSources
+from levanter_core.errors import LevanterError
 
 ALPACA_PROMPTS = {
     "prompt_input": (
@@ -117,19 +117,11 @@ def _named_for_lora(path: str) -> bool:
     return "lora" in re.split(r"[^a-z0-9]+", name.lower()) or os.path.basename(folder) == "alpaca-lora"
 
 
-class _Translation:
+class _Translation(ProgramTranslation):
     def __init__(self, raw: dict, sources: Sources):
-        self.raw, self.sources = raw, sources
-        self.written: dict[tuple, tuple] = {}
+        super().__init__(raw, sources)
         self.program = "alpaca"  # (for messages until the program is known)
         self.program = self.which_program()
-
-    def fail(self, path: tuple, message: str):
-        dotted = ".".join(map(str, path))
-        raise ConfigError(
-            f"invalid config {self.sources.main_file} (Levanter's {self.program}):\n"
-            f"  {dotted} ({self.sources.place_of(path)}): {message}"
-        )
 
     def move(self, ours: tuple, theirs: tuple) -> None:
         """Errors in ``ours`` name ``theirs``, where the file wrote it (if it did)."""

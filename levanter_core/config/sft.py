@@ -157,11 +157,16 @@ def translate_levanter_sft(raw: dict, sources: Sources) -> tuple[dict, Translate
     return _Translation(raw, sources).run()
 
 
-class _Translation:
+class ProgramTranslation:
+    """A Levanter program's config (``raw``) being rewritten into a training config: where each
+    moved field was written (:attr:`written`, for :class:`TranslatedSources`), and the error for
+    a field that has no meaning here, naming the program, the field and its line."""
+
+    program: str = "train_lm"
+
     def __init__(self, raw: dict, sources: Sources):
         self.raw, self.sources = raw, sources
         self.written: dict[tuple, tuple] = {}
-        self.program = "sft_mixture" if "mixture_weights" in raw else "sft"
 
     def fail(self, path: tuple, message: str):
         dotted = ".".join(map(str, path))
@@ -169,6 +174,12 @@ class _Translation:
             f"invalid config {self.sources.main_file} (Levanter's {self.program}):\n"
             f"  {dotted} ({self.sources.place_of(path)}): {message}"
         )
+
+
+class _Translation(ProgramTranslation):
+    def __init__(self, raw: dict, sources: Sources):
+        super().__init__(raw, sources)
+        self.program = "sft_mixture" if "mixture_weights" in raw else "sft"
 
     def move(self, ours: tuple, theirs: tuple) -> None:
         self.written[ours] = theirs

@@ -86,6 +86,13 @@ class Objective(abc.ABC):
         return {}
 
     @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse, when the run's config (a :class:`~levanter_core.config.train.TrainConfig`)
+        loads, before any data is read, a run this objective cannot train: raise ``ValueError``
+        with a message that names the field (data whose format it cannot read, say). By default
+        nothing is refused."""
+
+    @classmethod
     def from_config(cls, config: Any) -> "Objective":
         """The objective of the run ``config`` (a :class:`~levanter_core.config.train.TrainConfig`)
         describes; by default built with no arguments, or with the settings of its ``objective:``

@@ -301,6 +301,17 @@ class TrainConfig(ConfigModel):
             object.__setattr__(self, "data", self.data.model_copy(update={"tokenizer": spec}))  # frozen section
         return self
 
+    @model_validator(mode="after")
+    def _objective_accepts_the_run(self):
+        """The run's objective (its ``objective:`` section's, else the model type's) may refuse
+        what it cannot train (:meth:`~levanter_core.objective.Objective.check_config`)."""
+        try:
+            objective = objective_class(self.model, self)
+        except (ConfigError, ValueError):
+            return self  # not installed: reported where the objective is needed
+        objective.check_config(self)
+        return self
+
     @property
     def hf_source(self) -> str | None:
         """What ``initialize_from_hf`` names: a path or hub name, resolving ``true``."""

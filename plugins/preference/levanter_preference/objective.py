@@ -33,7 +33,6 @@ from haliax import NamedArray
 from pydantic import Field
 
 from levanter_core.config.base import ConfigModel
-from levanter_core.errors import ConfigError
 from levanter_core.models.cross_entropy import soft_cap
 from levanter_core.models.lm import loss_inputs
 from levanter_core.objective import BatchField, Objective
@@ -98,18 +97,16 @@ class DpoObjective(Objective):
         self.label_smoothing = settings.label_smoothing
 
     @classmethod
-    def from_config(cls, config) -> "DpoObjective":
-        """The objective with the ``objective:`` section's settings, for data whose format
-        stores preference pairs (every source's: the ``preference`` format, or one with its
-        document fields)."""
+    def check_config(cls, config) -> None:
+        """Refuse, when the config loads, data whose format does not store preference pairs
+        (every source's must: the ``preference`` format, or one with its document fields)."""
         for name, source in config.data.configs.items():
             if not set(FIELDS) <= set(source.format.document_fields()):
-                raise ConfigError(
+                raise ValueError(
                     f"{config.data.field_of(name)}.format: the dpo objective reads preference pairs (a chosen and a "
                     f"rejected answer per record), but this source's format is {source.format.type!r}; set "
                     "format: {type: preference} (or leave the format out, which means preference for this objective)"
                 )
-        return super().from_config(config)
 
     @classmethod
     def row_lengths(cls, model_config) -> dict[str, int]:

@@ -130,11 +130,11 @@ def test_bad_objective_settings_name_the_field(tmp_path, data, llama_dir):
     assert loaded.data.configs[next(iter(loaded.data.configs))].format.type == "preference"  # the objective's default
 
 
-def test_data_of_another_format_is_refused_by_name(tmp_path, data, llama_dir):
+def test_data_of_another_format_is_refused_by_name_when_the_config_loads(tmp_path, data, llama_dir):
     from levanter_core.config.train import load_train_config
     from levanter_core.errors import ConfigError
-    from levanter_preference.objective import DpoObjective
 
-    loaded, _ = load_train_config(run_config(tmp_path, data, llama_dir, steps=2), ["--data.format", '{"type": "text"}'])
+    # refused as the config loads, before a cache is built or a device touched
     with pytest.raises(ConfigError, match=r"data\.format: the dpo objective reads preference pairs .* 'text'"):
-        DpoObjective.from_config(loaded)
+        load_train_config(run_config(tmp_path, data, llama_dir, steps=2), ["--data.format", '{"type": "text"}'])
+    assert not (tmp_path / "cache").exists()

@@ -323,6 +323,12 @@ def test_a_lora_run_resumes_bit_for_bit_and_exports_what_it_trained(llama_dir, t
         adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     np.testing.assert_allclose(hf_logits(merged, tokens), ours, atol=1e-4)
     np.testing.assert_allclose(hf_logits(adapted, tokens), ours, atol=1e-4)
+    # sampling and serving load it with the adapters merged: the same logits, plain linear layers
+    from levanter_core.models.source import load_model_source
+
+    served = load_model_source(str(tmp_path / "ckpt" / "run")).model
+    assert not lora.has_adapters(served)
+    np.testing.assert_allclose(our_logits(served, tokens), ours, atol=1e-4)
     untouched = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
     assert np.abs(hf_logits(untouched, tokens) - ours).max() > 1e-3  # it did train
     adapter_config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())

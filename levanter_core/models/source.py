@@ -11,6 +11,7 @@ from typing import Any
 
 from haliax import Axis
 
+from levanter_core import lora
 from levanter_core.errors import CheckpointError
 
 
@@ -74,6 +75,8 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
     else:
         found = load_checkpoint_model(source)
         model, config, Vocab = found.model, found.config, found.Vocab
+        if lora.has_adapters(model):  # a LoRA run's: generate with the adapters merged (one matmul a layer)
+            model = lora.merge(model)
         hf_config = found.stored.get("hf_config") or {}
         run_config = found.run_config or {}
         tokenizer_dir = os.path.join(found.path, HF_TOKENIZER_DIR)

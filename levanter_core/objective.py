@@ -60,6 +60,15 @@ class Objective(abc.ABC):
     passes it as the keyword ``reference`` to :meth:`loss`, :meth:`eval_loss` and
     :meth:`eval_totals`."""
 
+    sequences_per_row: ClassVar[int] = 1
+    """How many sequences of ``seq_len`` tokens one batch row holds (a preference pair's chosen
+    and rejected answers: 2): throughput counts the tokens of each."""
+
+    flops_scale: ClassVar[float] = 1.0
+    """The step's work per token relative to training a language model on it (a forward and a
+    backward pass, three forwards' worth): an objective that also runs a frozen reference forward
+    does four, 4/3. Model FLOP/s (and so MFU) are scaled by it."""
+
     options: ClassVar[type | None] = None
     """The objective's own settings: a :class:`~levanter_core.config.base.ConfigModel` that a
     run's ``objective:`` section (``{type: NAME, ...settings}``) is validated into, given to

@@ -493,7 +493,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         tracker.log_hyperparameters(resolved)
         for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
-        flops = model_config.flops_per_token(Vocab.size)
+        flops = model_config.flops_per_token(Vocab.size) * trainer.objective.flops_scale
         exporter = None
         if config.hf_save_path or config.peft_save_path:
             exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)
@@ -919,7 +919,9 @@ class _TrainLoop:
         schedule = config.optimizer.lr_scheduler(self.num_steps)
         self.learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(self.num_steps)), np.float64)
         self.batches = config.trainer.batch_schedule
-        self.tokens_per_step = trainer.plan.batch_size * config.model.seq_len
+        # the tokens of a batch row: its sequences' (a preference pair holds two)
+        self.row_tokens = config.model.seq_len * trainer.objective.sequences_per_row
+        self.tokens_per_step = trainer.plan.batch_size * self.row_tokens
         self.flops_per_token = flops_per_token
         self._evaluators: list = []  # the plugins' (evaluator, every), built when the loop starts
         self._eval_constants_found: tuple | None = None  # the objective's, for evaluation
@@ -1197,7 +1199,7 @@ class _TrainLoop:
         }
         self.trainer.check_finite(metrics["train/loss"], step)
         metrics["optim/learning_rate"] = float(self.learning_rates[step - 1])
-        throughput.tokens_per_step = self.batches.size_at(step - 1) * self.config.model.seq_len
+        throughput.tokens_per_step = self.batches.size_at(step - 1) * self.row_tokens
         rate = throughput.tick()
         if rate is not None:
             metrics["throughput/tokens_per_second"] = rate

@@ -90,6 +90,8 @@ class DpoObjective(Objective):
     eval_counts = {1: "pairs"}
     keeps_reference = True
     options = DpoOptions
+    sequences_per_row = 2  # a pair: the chosen and the rejected sequence
+    flops_scale = 4 / 3  # the policy's forward and backward, and the reference's forward
 
     def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0):
         settings = DpoOptions(beta=beta, label_smoothing=label_smoothing)

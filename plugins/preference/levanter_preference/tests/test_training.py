@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +109,17 @@ def test_a_dpo_run_ranks_held_out_pairs_better(tmp_path, data, llama_dir, weight
     trained = [m for m in map(json.loads, (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines())
                if "dpo/accuracy" in m]  # fmt: skip
     assert trained and {"dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin", "dpo/logps_chosen"} <= trained[-1].keys()
+    # throughput counts both sequences of a pair, and model FLOP/s the reference's forward pass too
+    from levanter_core.config.train import load_train_config
+
+    model = load_train_config(run_config(tmp_path, data, llama_dir, steps=steps, **extra))[0].model
+    timed = [m for m in trained if "throughput/model_gflops_per_second" in m][-1]
+    per_token = timed["throughput/model_gflops_per_second"] * 1e9 / timed["throughput/tokens_per_second"]
+    assert per_token == pytest.approx(model.flops_per_token(model_vocab(llama_dir)) * 4 / 3, rel=1e-9)
+
+
+def model_vocab(llama_dir: str) -> int:
+    return json.loads((Path(llama_dir) / "config.json").read_text())["vocab_size"]
 
 
 def test_bad_objective_settings_name_the_field(tmp_path, data, llama_dir):

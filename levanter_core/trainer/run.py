@@ -493,7 +493,9 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
         tracker.log_hyperparameters(resolved)
         for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
-        flops = model_config.flops_per_token(Vocab.size) * trainer.objective.flops_scale
+        flops = model_config.flops_per_token(Vocab.size)  # None: a model that does not count them
+        if flops is not None:
+            flops *= trainer.objective.flops_scale
         exporter = None
         if config.hf_save_path or config.peft_save_path:
             exporter = HfExporter(config, run_id, model_config, Vocab, data.tokenizer, resolved, hf_directory)

@@ -198,6 +198,13 @@ def _axis_names(spec) -> set[str]:
     return {a.name for a in hax.axis_spec_to_tuple(spec)}
 
 
+def stack_axes(linear: hnn.Linear) -> tuple[Axis, ...]:
+    """The axes of ``linear``'s weight that are neither its inputs nor its outputs: a scanned
+    stack's ``layers`` (empty outside a stack)."""
+    inner = _axis_names(linear.In) | _axis_names(linear.Out)
+    return tuple(a for a in linear.weight.axes if a.name not in inner)
+
+
 def _is_output_head(linear: hnn.Linear) -> bool:
     return "vocab" in _axis_names(linear.Out)
 
@@ -252,8 +259,7 @@ def loraize(model: M, config: LoraConfig, *, key: jax.Array) -> M:
 
 def _wrap(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraLinear:
     In, Out = hax.axis_spec_to_tuple(linear.In), hax.axis_spec_to_tuple(linear.Out)
-    inner = _axis_names(linear.In) | _axis_names(linear.Out)
-    stacking = tuple(a for a in linear.weight.axes if a.name not in inner)  # a scanned stack's `layers`
+    stacking = stack_axes(linear)  # a scanned stack's `layers`
     R = Axis(LORA_R, config.r)
     fan_in = math.prod(a.size for a in In)
     bound = 1.0 / math.sqrt(fan_in)  # PEFT's kaiming_uniform_(a=sqrt(5)) on (r, fan_in)
@@ -299,8 +305,7 @@ def with_dropout_keys(model: M, key: jax.Array) -> M:
     def give(node):
         if not _is_adapter(node) or node.dropout == 0:
             return node
-        weight = node.lora_A.weight
-        stacking = tuple(a for a in weight.axes if a.name != LORA_R and a.name not in _axis_names(node.lora_A.In))
+        stacking = stack_axes(node.lora_A)
         count = math.prod(a.size for a in stacking)
         keys = jax.random.split(jax.random.fold_in(key, next(counter)), max(count, 1))
         keys = jax.random.key_data(keys) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys

@@ -40,11 +40,6 @@ PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the base model's own module names in an adapter's tensor names."""
 
 
-def _stacking(linear) -> tuple:
-    inner = {a.name for a in (*hax.axis_spec_to_tuple(linear.In), *hax.axis_spec_to_tuple(linear.Out))}
-    return tuple(a for a in linear.weight.axes if a.name not in inner)
-
-
 def _is_lora_linear(node: Any) -> bool:
     return isinstance(node, lora.LoraLinear)
 
@@ -85,7 +80,7 @@ def adapter_names(model: Any, *, names_only: bool = False) -> dict[tuple[str, in
     }
 
     def numbered(name, linear):  # one number per layer of the stack
-        stacking = _stacking(linear)
+        stacking = lora.stack_axes(linear)
         count = math.prod(a.size for a in stacking)
         first = len(codes) + 1
         codes.update({first + i: (name, i) for i in range(count)})
@@ -169,7 +164,7 @@ def peft_tensors(model: Any) -> tuple[dict[str, np.ndarray], list[str], bool]:
 def _per_layer(linear) -> np.ndarray:
     """``linear``'s weight as host floats ``(layers, out, in)`` (one layer outside a stack),
     its axes flattened as Haliax's export flattens them."""
-    stacking = _stacking(linear)
+    stacking = lora.stack_axes(linear)
     flat = linear.flatten_for_export()
     Out, In = flat.Out, flat.In
     weight = flat.weight.rearrange((*stacking, Out, In))

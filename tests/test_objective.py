@@ -62,13 +62,18 @@ class Weighted(WeightedModel):
         register("weighted_lm", WeightedLm)
 
 
-@pytest.fixture
-def weighted():
+def _gpt2_and(plugin, name: str):
+    """Only the GPT-2 model plugin and ``plugin`` registered, for the fixture's test."""
     import levanter_model_gpt2.plugin
 
     plugins.reset(autoload=False)
     plugins.register_plugin(levanter_model_gpt2.plugin)
-    plugins.register_plugin(Weighted(), name="weighted")
+    plugins.register_plugin(plugin, name=name)
+
+
+@pytest.fixture
+def weighted():
+    _gpt2_and(Weighted(), "weighted")
     yield
     plugins.reset()
 
@@ -151,11 +156,7 @@ class Anchored:
 
 @pytest.fixture
 def anchored():
-    import levanter_model_gpt2.plugin
-
-    plugins.reset(autoload=False)
-    plugins.register_plugin(levanter_model_gpt2.plugin)
-    plugins.register_plugin(Anchored(), name="anchored")
+    _gpt2_and(Anchored(), "anchored")
     yield
     plugins.reset()
 

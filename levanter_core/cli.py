@@ -166,20 +166,25 @@ def configs(
 def plugins(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
-    """List installed plugins: distribution, version, hooks, and the type names each registers."""
+    """List installed plugins: distribution, version, hooks, and the type names each registers.
+
+    A type name that several distributions register (a clash) is shown with the qualified
+    names, DISTRIBUTION:NAME, that select each of them; other types are not affected."""
     from levanter_core.plugins import get_manager
 
     manager = get_manager()
     registry_error = None
+    clashes: list[dict] = []
     try:
-        manager.registries()
-    except UserError as e:  # e.g. a duplicate type name: still show what is installed
+        clashes = manager.clashes()
+    except UserError as e:  # e.g. a badly registered type: still show what is installed
         registry_error = str(e)
     infos = list(manager.plugins.values())
     if as_json:
-        payload = {"plugins": [i.as_dict() for i in infos], "error": registry_error}
+        payload = {"plugins": [i.as_dict() for i in infos], "clashes": clashes, "error": registry_error}
         print(json.dumps(payload, indent=2))
     else:
+        clashed = {(c["kind"], c["name"]) for c in clashes}
         for info in infos:
             where = f"{info.distribution} {info.version}" if info.distribution else "(in-process)"
             print(f"{info.name}  [{where}]")
@@ -188,7 +193,10 @@ def plugins(
                 continue
             print(f"    hooks: {', '.join(info.hooks) or '-'}")
             for kind, names in sorted(info.types.items()):
-                print(f"    {kind}: {', '.join(names)}")
+                shown = [f"{n} (clash)" if (kind, n) in clashed else n for n in names]
+                print(f"    {kind}: {', '.join(shown)}")
+        for clash in clashes:
+            print(f"clash: {clash['message']}")
         if registry_error:
             print(f"error: {registry_error}", file=sys.stderr)
     if registry_error or any(i.error for i in infos):

@@ -2,7 +2,8 @@
 ``levanter export-hf`` and the ``initialize_from_hf`` training option.
 
 Which of our model types reads a Hugging Face ``config.json`` is decided by the
-``model_type_for_hf_config`` hook (the first plugin that claims it wins); the per-model
+``model_type_for_hf_config`` hook (two plugins that claim it for different types are a clash:
+see :meth:`levanter_core.plugins.PluginManager.model_type_for_hf_config`); the per-model
 translation is the plugin's :class:`~levanter_core.hf.convert.HfConvertible` config.
 """
 
@@ -132,22 +133,25 @@ def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
     """Our model config for a Hugging Face config, through the plugin that claims it."""
     from levanter_core.plugins import get_manager, registry
 
-    name = get_manager().hook().model_type_for_hf_config(hf_config=hf_config)
+    entry = get_manager().model_type_for_hf_config(hf_config)
     models = registry("model")
-    if name is None:
+    if entry is None:
         convertible = [e for e in models if issubclass(e.config_cls, HfConvertible)]
         choices = ", ".join(f"{e.name} ({e.provider})" for e in convertible) or "none"
         raise CheckpointError(
             f"no installed model plugin handles {source} (model_type {hf_config.get('model_type')!r}, "
             f"architectures {hf_config.get('architectures')}). Types with Hugging Face support: {choices}"
         )
-    entry = models.get(name)
+    name = models.name_of(entry)
     if not issubclass(entry.config_cls, HfConvertible):
         raise CheckpointError(f"model type {name!r} ({entry.provider}) cannot be converted from Hugging Face")
     try:
-        return entry.config_cls.from_hf_config(hf_config)
+        config = entry.config_cls.from_hf_config(hf_config)
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
+    # A clashed name is recorded qualified, so that the config saved with an import or a run
+    # selects the same type again.
+    return config.model_copy(update={"type": name}) if name != entry.name else config
 
 
 def load_hf_model(source: str, *, config: Any | None = None) -> HfModel:

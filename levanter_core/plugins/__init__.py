@@ -11,12 +11,13 @@ from typing import Any
 
 from levanter_core.plugins.hookspecs import hookimpl, hookspec
 from levanter_core.plugins.manager import AUTOLOAD_ENV, TRACE_ENV, PluginInfo, PluginManager
-from levanter_core.plugins.registry import KINDS, Entry, Registry
+from levanter_core.plugins.registry import KINDS, PREFER_ENV, Entry, Registry
 
 __all__ = [
     "AUTOLOAD_ENV",
     "TRACE_ENV",
     "KINDS",
+    "PREFER_ENV",
     "Entry",
     "PluginInfo",
     "PluginManager",

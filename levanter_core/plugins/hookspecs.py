@@ -106,4 +106,7 @@ def register_commands(app: Any) -> None:
 def model_type_for_hf_config(hf_config: dict) -> str | None:
     """Map a Hugging Face ``config.json`` (as a dict, with ``model_type`` and
     ``architectures``) to one of our registered model type names, or return
-    ``None`` if this plugin does not handle it. The first non-None answer wins."""
+    ``None`` if this plugin does not handle it. A name this plugin registers means its own
+    type; a qualified name (``DISTRIBUTION:NAME``) is accepted too. Every plugin is asked
+    (:meth:`levanter_core.plugins.PluginManager.model_type_for_hf_config`): when two answer with
+    different types, the import stops naming both, unless ``LEVANTER_PLUGINS_PREFER`` chooses."""

@@ -5,6 +5,10 @@ the ``levanter`` group in the order ``importlib.metadata`` lists them, then any
 plugin registered in-process with :func:`register_plugin`. A plugin that fails
 to import, implements an unknown hook, or raises from a registration hook is
 recorded as failed (``levanter plugins`` shows it) and the others still load.
+
+A type name that two distributions register, or a Hugging Face config that two plugins
+claim, is a clash of that name alone (see :mod:`levanter_core.plugins.registry`):
+:meth:`PluginManager.clashes` lists them, and using one names both and how to choose.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ import pluggy
 from levanter_core import __version__
 from levanter_core.errors import PluginError
 from levanter_core.plugins import hookspecs
-from levanter_core.plugins.registry import KINDS, Entry, Registry
+from levanter_core.plugins.registry import (
+    KINDS,
+    PREFER_ENV,
+    Entry,
+    Registry,
+    _same_distribution,
+    _who,
+    preferred_distribution,
+)
 
 ENTRY_POINT_GROUP = "levanter"
 AUTOLOAD_ENV = "LEVANTER_PLUGINS_AUTOLOAD"
@@ -144,6 +156,74 @@ class PluginManager:
 
     def hook(self):
         return self.pm.hook
+
+    def clashes(self) -> list[dict[str, Any]]:
+        """Every type name registered by more than one plugin: its kind, the config field that
+        selects it, each registration (distribution, version, plugin, qualified name) and how to
+        choose one. (Builds the registries.)"""
+        found = []
+        for kind, reg in self.registries().items():
+            for name, entries in reg.clashes().items():
+                found.append(
+                    {
+                        "kind": kind,
+                        "name": name,
+                        "field": reg.kind.field,
+                        "registrations": [
+                            {
+                                "distribution": e.distribution,
+                                "version": e.version,
+                                "plugin": e.plugin,
+                                "qualified_name": e.qualified_name,
+                            }
+                            for e in entries
+                        ],
+                        "message": reg.describe_clash(name),
+                    }
+                )
+        return found
+
+    def model_type_for_hf_config(self, hf_config: dict) -> Entry | None:
+        """The model type that reads the Hugging Face config ``hf_config``: the entry every plugin
+        that claims it (``model_type_for_hf_config``) agrees on, or None when no plugin does.
+
+        Each plugin's answer is its own type when it names one it registered (a plugin claiming
+        ``phi3`` means its ``phi3``, whoever else registers the name). Plugins that answer with
+        different types are a clash: :data:`PREFER_ENV`, keyed by the Hugging Face
+        ``model_type`` or by our type name, settles it; otherwise a :class:`PluginError` names
+        them all and how to choose."""
+        models = self.registry("model")
+        answers: list[tuple[PluginInfo, Entry]] = []
+        for impl in reversed(self.pm.hook.model_type_for_hf_config.get_hookimpls()):  # pluggy's call order
+            info = self.plugins[impl.plugin_name]
+            name = impl.function(**{arg: hf_config for arg in impl.argnames})
+            if name is None:
+                continue
+            own = [e for e in models if e.name == name and e.plugin == info.name] if ":" not in str(name) else []
+            try:
+                entry = own[0] if len(own) == 1 else models.get(name)
+            except KeyError:
+                raise PluginError(
+                    f"plugin {info.name!r} ({info.distribution or 'in process'}) maps Hugging Face model_type "
+                    f"{hf_config.get('model_type')!r} to {name!r}, which is not a model type: "
+                    f"{models.describe_unknown(name)}"
+                ) from None
+            answers.append((info, entry))
+        chosen = list({e.qualified_name: e for _, e in answers}.values())
+        if len(chosen) > 1:
+            hf_type = hf_config.get("model_type")
+            for key in (hf_type, *(e.name for e in chosen)):
+                preferred = preferred_distribution(str(key))
+                picked = [e for e in chosen if _same_distribution(e.qualifier, preferred)]
+                if len(picked) == 1:
+                    return picked[0]
+            claims = " and ".join(f"{_who(e)} as model type {e.name!r}" for e in chosen)
+            raise PluginError(
+                f"a Hugging Face config of model_type {hf_type!r} is claimed by {claims}. Choose one by setting "
+                f"{PREFER_ENV}={hf_type}={chosen[-1].qualifier} in the environment (or "
+                f"{' or '.join(e.qualifier for e in chosen[:-1])}); or uninstall one of them"
+            )
+        return chosen[0] if chosen else None
 
     def failures(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.error]

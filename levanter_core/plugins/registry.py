@@ -5,6 +5,13 @@ string (``"levanter_model_llama.llama:LlamaConfig"``). The string form keeps dis
 cheap: ``levanter plugins`` and ``levanter --help`` list every type without importing any
 implementation (nor JAX), and a type's module is imported the first time something needs
 its class, usually because a config names it.
+
+Two distributions may register the same name (a third-party ``phi3`` beside the one
+``levanter-model-llama`` ships). That *clash* touches that name only: every other type
+works, ``levanter plugins`` shows it, and a config that names it stops with an error naming
+both distributions. A qualified name, ``DISTRIBUTION:NAME`` (``levanter-model-phi3:phi3``),
+picks one of them, anywhere a type name is written; so does the setting
+:data:`PREFER_ENV` (``LEVANTER_PLUGINS_PREFER=phi3=levanter-model-phi3``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 import re
 from typing import Iterator
 
@@ -52,6 +60,11 @@ KINDS: dict[str, Kind] = {
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+PREFER_ENV = "LEVANTER_PLUGINS_PREFER"
+"""Which distribution a clashed name means: comma-separated ``NAME=DISTRIBUTION`` pairs
+(``phi3=levanter-model-phi3``). ``NAME`` is a type name (of any kind) or a Hugging Face
+``model_type`` that several plugins claim."""
 
 
 _TARGET_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -100,13 +113,29 @@ class Entry:
             return f"{self.distribution} {self.version}"
         return f"in-process plugin {self.plugin!r}"
 
+    @property
+    def qualifier(self) -> str:
+        """What a qualified name puts before the colon: the distribution (the plugin's name
+        for a plugin registered in process)."""
+        return self.distribution or self.plugin
+
+    @property
+    def qualified_name(self) -> str:
+        """``DISTRIBUTION:NAME``: this entry, even when another distribution registers ``name``."""
+        return f"{self.qualifier}:{self.name}"
+
 
 class Registry:
-    """The type names of one kind. Built by :func:`levanter_core.plugins.registry_for`."""
+    """The type names of one kind. Built by :func:`levanter_core.plugins.registry_for`.
+
+    A name is looked up bare (``phi3``) or qualified by the distribution that registered it
+    (``levanter-model-phi3:phi3``). A bare name that several distributions register is a clash:
+    it is "in" the registry, but :meth:`get` refuses it (a :class:`PluginError` naming them
+    all) unless :data:`PREFER_ENV` says which one it means."""
 
     def __init__(self, kind: Kind):
         self.kind = kind
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, list[Entry]] = {}  # name -> every registration of it, in order
 
     def add(self, entry: Entry) -> None:
         if not isinstance(entry.name, str) or not _NAME_RE.match(entry.name):
@@ -122,38 +151,80 @@ class Registry:
                 )
         else:
             _check_subclass(entry, entry.target)
-        previous = self._entries.get(entry.name)
-        if previous is not None:
-            raise PluginError(
-                f"{self.kind.name} type {entry.name!r} is registered twice: by {_who(previous)} "
-                f"and by {_who(entry)}. "
-                "Uninstall one of them."
-            )
-        self._entries[entry.name] = entry
+        # A second registration of a name is a clash of that name alone (see the module's docstring).
+        self._entries.setdefault(entry.name, []).append(entry)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and bool(self._candidates(name))
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(sorted(self._entries.values(), key=lambda e: e.name))
+        """Every registration, clashed ones included, by name then distribution."""
+        every = (e for found in self._entries.values() for e in found)
+        return iter(sorted(every, key=lambda e: (e.name, e.qualifier)))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(found) for found in self._entries.values())
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """The names that select one type: each name registered once, and the qualified names of
+        each clashed one."""
+        return sorted(self.name_of(e) for e in self)
+
+    def name_of(self, entry: Entry) -> str:
+        """What a config writes to select ``entry``: its name, qualified when the name clashes."""
+        return entry.qualified_name if len(self._entries.get(entry.name, ())) > 1 else entry.name
+
+    def clashes(self) -> dict[str, list[Entry]]:
+        """The names registered more than once, with their registrations."""
+        return {name: list(found) for name, found in sorted(self._entries.items()) if len(found) > 1}
 
     def get(self, name: str) -> Entry:
-        """The entry for ``name``; raises ``KeyError`` with the installed choices."""
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise KeyError(self.describe_unknown(name)) from None
+        """The entry for ``name`` (bare or ``DISTRIBUTION:NAME``); raises ``KeyError`` with the
+        installed choices for an unknown name, and :class:`PluginError` for a clashed name that
+        :data:`PREFER_ENV` does not settle (the message says how to choose)."""
+        found = self._candidates(name) if isinstance(name, str) else []
+        if not found:
+            raise KeyError(self.describe_unknown(name))
+        if len(found) > 1 and ":" not in name:
+            found = [e for e in found if _same_distribution(e.qualifier, preferred_distribution(name))] or found
+        if len(found) > 1:
+            raise PluginError(self.describe_clash(name))
+        return found[0]
+
+    def _candidates(self, name: str) -> list[Entry]:
+        qualifier, _, bare = name.rpartition(":")
+        found = self._entries.get(bare, [])
+        if qualifier:
+            found = [e for e in found if _same_distribution(e.qualifier, qualifier)]
+        return found
+
+    def describe_clash(self, name: str) -> str:
+        """Which distributions register ``name`` and how to choose one of them."""
+        qualifier, _, bare = name.rpartition(":")
+        found = self._entries.get(bare, [])
+        who = " and ".join(_who(e) for e in found)
+        if qualifier:  # one distribution registering a name twice: nothing tells them apart
+            return (
+                f"{self.kind.name.replace('_', ' ')} type {name!r} is registered {len(found)} times by {who}, "
+                f"so even the qualified name is ambiguous: fix or uninstall {qualifier}"
+            )
+        choices = " or ".join(f"`{e.qualified_name}`" for e in found)
+        return (
+            f"{self.kind.name.replace('_', ' ')} type {bare!r} is registered by {who}. "
+            f"Choose one: write {choices} as {self.kind.field} (a qualified name, DISTRIBUTION:NAME), "
+            f"or set {PREFER_ENV}={bare}={found[-1].qualifier} in the environment; or uninstall one of them"
+        )
 
     def describe_choices(self) -> str:
         if not self._entries:
             return f"no {self.kind.name} types are installed"
-        return ", ".join(f"{e.name} ({e.provider})" for e in self)
+        parts = []
+        for name, found in sorted(self._entries.items()):
+            if len(found) == 1:
+                parts.append(f"{name} ({found[0].provider})")
+            else:
+                parts.append(f"{name} (a clash: {', '.join(e.qualified_name for e in found)})")
+        return ", ".join(parts)
 
     def describe_unknown(self, name: str) -> str:
         return f"unknown {self.kind.name.replace('_', ' ')} type {name!r}; installed: {self.describe_choices()}"
@@ -161,10 +232,31 @@ class Registry:
     def entry_for_class(self, cls: type) -> Entry | None:
         """The entry whose config class is ``cls`` (imports only the entries that could be it)."""
         path = f"{cls.__module__}:{cls.__qualname__}"
-        for entry in self._entries.values():
+        for entry in self:
             if entry.target is cls or entry.target == path or (entry.loaded and entry.config_cls is cls):
                 return entry
         return None
+
+
+def preferred_distribution(name: str) -> str | None:
+    """The distribution :data:`PREFER_ENV` names for ``name``, if any."""
+    for pair in os.environ.get(PREFER_ENV, "").split(","):
+        key, sep, distribution = pair.partition("=")
+        if sep and key.strip() == name and distribution.strip():
+            return distribution.strip()
+    return None
+
+
+def _same_distribution(a: str | None, b: str | None) -> bool:
+    """Whether two distribution names are the same one (``Levanter_Model.phi3`` is
+    ``levanter-model-phi3``, as package installers compare them)."""
+    if a is None or b is None:
+        return False
+    return _normalized(a) == _normalized(b)
+
+
+def _normalized(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
 def _check_subclass(entry: Entry, cls) -> None:

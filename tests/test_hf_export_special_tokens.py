@@ -127,3 +127,49 @@ def test_a_tokenizer_with_named_special_tokens(tmp_path):
     assert (reloaded.pad_token_id, reloaded.bos_token_id, reloaded.eos_token_id) == tuple(
         vocabulary.token_to_id(t) for t in ("<pad>", "<s>", "</s>")
     )
+
+
+# -- the chat template of a run trained on chat data --------------------------------------------
+
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>> {% endif %}"
+)
+
+
+@pytest.mark.parametrize("case", ["byte tokenizer, built-in template", "tokenizer directory, the format's template"])
+def test_a_chat_run_exported_without_added_tokens_carries_its_template(case, tmp_path):
+    """A run trained on chat data with no special tokens added: the export's tokenizer renders
+    conversations in transformers as training rendered them (the snippet of docs/sft.md)."""
+    from levanter_core.data.formats import render_chat_prompt
+    from levanter_core.data.tokenizer import load_tokenizer
+    from levanter_core.hf.bridge import export_hf
+    from levanter_core.testing import train_bpe_tokenizer
+
+    if case.startswith("byte"):
+        tokenizer, vocab_size, template, fmt = "byte", BYTE_VOCAB, None, {"type": "chat"}
+    else:
+        directory = tmp_path / "tokenizer"
+        directory.mkdir()
+        train_bpe_tokenizer(["hello there, how are you"] * 20, str(directory / "tokenizer.json"), vocab_size=280,
+                            special_tokens=("</s>",))  # fmt: skip
+        # the tokenizer has a template of its own; the run chose another
+        (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+        tokenizer, vocab_size, template = str(directory), load_tokenizer(str(directory)).vocab_size, CUSTOM_TEMPLATE
+        fmt = {"type": "chat", "chat_template": template}
+    config = FAMILIES["gpt2"]()
+    model = config.build(Axis("vocab", vocab_size), key=jax.random.PRNGKey(0))
+    metadata = {
+        "config": {"model": config.model_dump(mode="json"), "data": {"tokenizer": tokenizer, "format": fmt}},
+        "vocab_size": vocab_size,
+    }
+    write_checkpoint({"model": model}, str(tmp_path / "ckpt"), step=1, metadata=metadata)
+    exported = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "exported"))
+
+    theirs = transformers.AutoTokenizer.from_pretrained(exported)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == render_chat_prompt(messages, load_tokenizer(tokenizer), template=template)
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True)
+    assert len(ids) > 0

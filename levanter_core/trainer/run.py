@@ -262,6 +262,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     from levanter_core import distributed
     from levanter_core.data.pipeline import build_lm_data
     from levanter_core.distributed.ray_cluster import ray_for_run
+    from levanter_core.trainer.extend import warn_if_restarting
 
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer
@@ -287,6 +288,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
                 )
             for note in levanter_differences(config):
                 print(f"note: {note}", flush=True)
+            warn_if_restarting(config, resolved, run_id)  # "train longer" names a new run: say so
         if distributed.process_count() > 1:
             print(_describe_processes(), flush=True)
         run = _Run(run_id, directory, resolved, plugins, record_files, wall_start)

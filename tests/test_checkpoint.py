@@ -421,3 +421,56 @@ def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path):
     assert sorted(os.listdir(path)) == ["step-1"]
     loaded = load_checkpoint(eqx.filter_eval_shape(make_state, 0, 4096), str(path))
     assert [x.tobytes() for x in raw_leaves(loaded)] == [x.tobytes() for x in raw_leaves(big)]
+
+
+# -- checksums -------------------------------------------------------------------------------
+
+
+def flip_one_bit(chunk_file: str) -> None:
+    """Flip one bit in the middle of a chunk file, as a bad disk or a faulty copy would: in a
+    zstd frame of random weights that lands in the stored bytes of one value, which decompress
+    without complaint."""
+    with open(chunk_file, "rb") as f:
+        raw = bytearray(f.read())
+    raw[len(raw) // 2] ^= 0x04
+    with open(chunk_file, "wb") as f:
+        f.write(raw)
+
+
+def test_a_flipped_bit_in_a_chunk_is_damage_naming_the_array_and_the_previous_checkpoint_loads(tmp_path, capsys):
+    ckpt = checkpointer(tmp_path)
+    states = {step: make_state(seed=step, out_size=512) for step in (2, 4)}  # a 6 KiB weight
+    for step, state in states.items():
+        ckpt.save(state, step, temporary=False)
+    ckpt.wait_until_finished()
+    flip_one_bit(str(tmp_path / "step-4" / "model" / "weight" / "0.0"))
+
+    state, path = checkpointer(tmp_path).resume(eqx.filter_eval_shape(make_state, 0, 512))
+
+    assert path == str(tmp_path / "step-2")
+    assert [x.tobytes() for x in raw_leaves(state)] == [x.tobytes() for x in raw_leaves(states[2])]
+    out = capsys.readouterr().out
+    assert f"skipped damaged checkpoint {tmp_path}/step-4" in out
+    assert "model/weight: chunk 0.0 reads with crc32" in out and "checksums do not match" in out
+    assert [d for d in os.listdir(tmp_path) if d.startswith("step-4.damaged-")]
+
+
+def test_every_chunk_is_checksummed_and_checked_also_where_a_shard_holds_several(tmp_path):
+    """A shard too big for one chunk is cut into several, each with its own checksum; loading
+    puts them together again, and a flipped bit in any one of them is found."""
+    big = {"w": jnp.arange(4096 * 8, dtype=jnp.float32).reshape(4096, 8) * 1.5, "s": jnp.float32(2.0)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("levanter_core.checkpoint.tensorstore._MAX_CHUNK_BYTES", 32 << 10)  # 4 chunks of w
+        saved = save_now(tmp_path, big, 1)
+    leaves = {leaf["name"]: leaf for leaf in read_metadata(saved)["leaves"]}
+    assert sorted(leaves["w"]["crc32"]) == ["0.0", "1.0", "2.0", "3.0"] and list(leaves["s"]["crc32"]) == ["0"]
+
+    devices = np.array(jax.devices()[:1])
+    template = {"w": jax.ShapeDtypeStruct((4096, 8), jnp.float32, sharding=NamedSharding(Mesh(devices, ("d",)), PartitionSpec())),
+                "s": jax.ShapeDtypeStruct((), jnp.float32)}  # fmt: skip
+    loaded = load_checkpoint(template, saved)
+    assert np.asarray(loaded["w"]).tobytes() == np.asarray(big["w"]).tobytes() and float(loaded["s"]) == 2.0
+
+    flip_one_bit(os.path.join(saved, "w", "2.0"))
+    with pytest.raises(DamagedCheckpointError, match=r"w: chunk 2\.0 reads with crc32 [0-9a-f]{8}, it was saved with"):
+        load_checkpoint(template, saved)

@@ -91,6 +91,26 @@ def test_a_damaged_checkpoint_in_a_bucket_is_set_aside_and_the_previous_one_load
     assert "step-4" not in names and any(n.startswith("step-4.damaged-") for n in names), names
 
 
+def test_a_flipped_bit_in_a_chunk_in_the_bucket_is_damage_and_the_previous_checkpoint_loads(bucket, capsys):
+    import jax
+
+    base = f"{bucket}/ckpt/run"
+    weights = {step: {"w": jax.random.normal(jax.random.key(step), (128, 16))} for step in (2, 4)}
+    for step, tree in weights.items():
+        write_checkpoint(tree, f"{base}/step-{step}", step=step)
+    fs, chunk = fileio.filesystem(f"{base}/step-4/w/0.0")
+    raw = bytearray(fs.cat_file(chunk))
+    raw[len(raw) // 2] ^= 0x04  # in the stored bytes of one weight: zstd decompresses it without complaint
+    fs.pipe_file(chunk, bytes(raw))
+
+    checkpointer = TensorStoreCheckpointer(base, save_interval=None, keep=[])
+    restored, path = checkpointer.resume(shapes(weights[2]))
+    assert path == f"{base}/step-2"
+    np.testing.assert_array_equal(restored["w"], weights[2]["w"])
+    assert "w: chunk 0.0 reads with crc32" in capsys.readouterr().out
+    assert any(n.startswith("step-4.damaged-") for n in fileio.list_names(base))
+
+
 def test_a_bucket_that_does_not_exist_is_a_clear_error(s3_server, monkeypatch):
     from levanter_core.errors import CheckpointError
 

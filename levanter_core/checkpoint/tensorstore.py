@@ -3,8 +3,9 @@
 On disk, under the checkpointer's path (``{base_path}/{run_id}``)::
 
     step-1000/
-      metadata.json        step, temporary, timestamp, every leaf's name/shape/dtype,
-                           and the run's metadata (resolved config, plugin versions)
+      metadata.json        step, temporary, timestamp, every leaf's name/shape/dtype and the
+                           CRC-32 of each of its chunks, and the run's metadata (resolved
+                           config, plugin versions)
       step/                one zarr array per array leaf, named by its path in the state
       model/transformer/blocks/attn/c_attn/weight/
       opt_state/0/mu/transformer/blocks/attn/c_attn/weight/
@@ -30,6 +31,13 @@ full, is *damaged*: resuming skips it for the newest checkpoint that loads, and 
 as ``step-N.damaged-<token>`` so that nothing is lost and a new save of step N is not refused.
 
 On an object store, setting a damaged checkpoint aside copies it (the store has no rename).
+
+zstd chunks carry no checksum of their own, so a bit flipped on the disk or in the store would
+decompress into a different weight without a word. Every chunk's CRC-32 is therefore computed at
+save, from the bytes in host memory, and recorded in ``metadata.json`` (``leaves[i]["crc32"]``,
+chunk key -> checksum, keys as zarr names the chunk files: ``"0.1"``); loading reads whole chunks
+and checks each one before it reaches a device. A mismatch makes the checkpoint damaged, naming
+the array and the chunk. Checkpoints saved before checksums were recorded load unverified.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -44,7 +53,8 @@ import re
 import secrets
 import shutil
 import threading
-from typing import Any, Callable
+import zlib
+from typing import Any, Callable, Iterator
 
 import haliax as hax
 import jax
@@ -52,7 +62,6 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 from jax.experimental import multihost_utils
-from jax.experimental.array_serialization import serialization
 
 from levanter_core import distributed
 from levanter_core.checkpoint.config import Checkpointer
@@ -71,6 +80,8 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.=-]")
 # TensorStore reports missing or unreadable data as a ValueError whose message starts with a
 # status code ("NOT_FOUND: chunk {0, 0} ... is missing"); other ValueErrors are not about the data.
 _TENSORSTORE_STATUS = re.compile(r"^[A-Z_]+: ")
+# The checksum recorded for every chunk (see the module docstring); the name is the metadata key.
+CHECKSUM = "crc32"
 # Arrays are chunked along their shards, and shards further split until a chunk holds at most
 # this much, so that writing and reading run in parallel and no two processes share a chunk.
 _MAX_CHUNK_BYTES = 64 << 20
@@ -389,14 +400,20 @@ class _Save:
                 os.makedirs(self.staging, exist_ok=True)
             elif not self._clear_place():
                 return
-            _write_arrays(self.staging, self.arrays)
+            checksums = _write_arrays(self.staging, self.arrays)
+            # each process checksummed the chunks it wrote; process 0 records them all
+            gathered = distributed.gather(f"checkpoint_checksums_{self.token}", json.dumps(checksums))
             distributed.barrier(f"checkpoint_written_{self.token}")  # no device collective: safe here
             if jax.process_index() == 0:
+                merged: dict[str, dict[str, int]] = {}
+                for part in gathered:
+                    for name, sums in json.loads(part).items():
+                        merged.setdefault(name, {}).update(sums)
                 described = {
                     "step": self.step,
                     "temporary": self.temporary,
                     "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "leaves": self.leaves,
+                    "leaves": [{**leaf, CHECKSUM: merged.get(leaf["name"], {})} for leaf in self.leaves],
                     "metadata": self.metadata,
                 }
                 fileio.write_text(join(self.staging, METADATA_FILE), json.dumps(described, indent=1))
@@ -478,8 +495,12 @@ def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
     return {"driver": "zarr", "kvstore": fileio.kvstore_spec(join(checkpoint, name)), **options}
 
 
-def _write_arrays(directory: str, arrays: list[_HostArray]) -> None:
-    async def write(array: _HostArray) -> None:
+def _write_arrays(directory: str, arrays: list[_HostArray]) -> dict[str, dict[str, int]]:
+    """Write this process's shards of ``arrays`` under ``directory``; return the checksum of
+    every chunk written, by array name and chunk key. The checksums are computed while
+    TensorStore compresses and writes, from the same host memory."""
+
+    async def write(array: _HostArray) -> dict[str, int]:
         spec = _zarr_spec(
             directory,
             array.name,
@@ -494,16 +515,55 @@ def _write_arrays(directory: str, arrays: list[_HostArray]) -> None:
             store = await ts.open(spec, create=True, open=True)
         else:
             store = await ts.open(spec, open=True, assume_metadata=True)
-        await asyncio.gather(*(store[index].write(value) for index, value in array.shards))
+        writes = [store[index].write(value) for index, value in array.shards]  # under way at once
+        checksums = await asyncio.to_thread(_shard_checksums, array)
+        await asyncio.gather(*writes)
+        return checksums
 
     async def write_all():
         # wait for every write, even after one fails, so that none is still writing
         # into the directory while the caller removes it
         return await asyncio.gather(*(write(a) for a in arrays), return_exceptions=True)
 
-    for result in asyncio.run(write_all()):
+    results = asyncio.run(write_all())
+    for result in results:
         if isinstance(result, BaseException):
             raise result
+    return {array.name: checksums for array, checksums in zip(arrays, results)}
+
+
+def _shard_checksums(array: _HostArray) -> dict[str, int]:
+    """The checksum of every chunk of ``array`` that lies in the shards this process writes."""
+    checksums = {}
+    for index, value in array.shards:
+        region = _box(index, array.shape)
+        for key, chunk in _chunks_in(region, array.chunks, array.shape):
+            if all(lo <= c0 and c1 <= hi for (lo, hi), (c0, c1) in zip(region, chunk)):
+                local = tuple(slice(c0 - lo, c1 - lo) for (lo, _), (c0, c1) in zip(region, chunk))
+                checksums[key] = _checksum(value[local])
+    return checksums
+
+
+def _checksum(value: np.ndarray) -> int:
+    """The CRC-32 of ``value``'s bytes in C order (zlib releases the GIL while it computes)."""
+    return zlib.crc32(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+
+
+def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The ``(start, stop)`` of each dimension that the shard ``index`` (slices) covers."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape)) + tuple((0, n) for n in shape[len(index) :])
+
+
+def _chunks_in(
+    box: tuple[tuple[int, int], ...], chunks: tuple[int, ...], shape: tuple[int, ...]
+) -> Iterator[tuple[str, tuple[tuple[int, int], ...]]]:
+    """Every chunk of an array of ``shape`` cut into ``chunks`` that overlaps ``box``: its key
+    (zarr's name of its file, ``"2.0"``; ``"0"`` for a scalar) and its own box, cut at the
+    array's end."""
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunks)]
+    for grid in itertools.product(*ranges):
+        key = ".".join(str(g) for g in grid) or "0"
+        yield key, tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, chunks, shape))
 
 
 def _move_into_place(staging: str, final: str) -> None:
@@ -523,8 +583,19 @@ def _move_into_place(staging: str, final: str) -> None:
 # -- reading ---------------------------------------------------------------------------------
 
 
+class _ChecksumMismatch(Exception):
+    """A chunk whose bytes differ from those saved (see the module docstring)."""
+
+
 def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[str, jax.Array]:
-    """Read each ``name -> (template leaf, stored description)``; every failure is reported at once."""
+    """Read each ``name -> (template leaf, stored description)``, checking every chunk against
+    its recorded checksum; every failure is reported at once."""
+    unverified = [name for name, (_, stored) in wanted.items() if CHECKSUM not in stored]
+    if unverified:
+        logger.info(
+            "%s was saved without checksums (before they were recorded): %d array(s) load unverified",
+            checkpoint, len(unverified),
+        )  # fmt: skip
 
     async def read(template: Any, stored: dict) -> jax.Array:
         # a template without a sharding loads whole on this process's first device (with several
@@ -539,26 +610,82 @@ def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[s
             # zarr would silently read a missing chunk as zeros
             fill_missing_data_reads=False,
         )
-        target = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=sharding)
-        arr = await serialization.async_deserialize(target, spec)
+        store = await ts.open(spec, open=True, read=True)
+        arr = await _read_verified(store, stored.get(CHECKSUM), tuple(target.shape), sharding)
         return jax.random.wrap_key_data(arr, impl=stored["key_impl"]) if _is_key(template) else arr
 
     async def read_all():
         return await asyncio.gather(*(read(t, s) for t, s in wanted.values()), return_exceptions=True)
 
     results = dict(zip(wanted, asyncio.run(read_all())))
-    failures = []
+    unreadable, changed = [], []
     for name, result in results.items():
         if isinstance(result, ValueError) and _TENSORSTORE_STATUS.match(str(result)):
-            failures.append(f"  {name}: {_tensorstore_message(result)}")
+            unreadable.append(f"  {name}: {_tensorstore_message(result)}")
+        elif isinstance(result, _ChecksumMismatch):
+            changed.append(f"  {name}: {result}")
         elif isinstance(result, BaseException):
             raise result
-    if failures:
-        raise DamagedCheckpointError(
-            f"checkpoint {checkpoint} is damaged: {len(failures)} array(s) cannot be read in full:\n"
-            + "\n".join(failures)
+    problems = []
+    if unreadable:
+        problems.append(f"{len(unreadable)} array(s) cannot be read in full:\n" + "\n".join(unreadable))
+    if changed:
+        problems.append(
+            f"{len(changed)} array(s) differ from what was saved (their checksums do not match; "
+            "the files changed after they were written):\n" + "\n".join(changed)
         )
+    if problems:
+        raise DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: " + "\n".join(problems))
     return results
+
+
+async def _read_verified(
+    store: ts.TensorStore, checksums: dict[str, int] | None, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """The array in ``store``, placed as ``sharding`` says (on this process's devices), read
+    whole chunk by whole chunk so that each is checked against ``checksums`` (chunk key ->
+    checksum; None: none recorded) before it is used. Raises :class:`_ChecksumMismatch`."""
+    chunks = tuple(store.chunk_layout.read_chunk.shape or ())  # None for a scalar
+    read: dict[str, asyncio.Future] = {}
+
+    async def chunk(key: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        data = await store[tuple(slice(lo, hi) for lo, hi in box)].read()
+        expected = None if checksums is None else checksums.get(key)
+        if expected is not None:
+            found = await asyncio.to_thread(_checksum, data)
+            if found != expected:
+                raise _ChecksumMismatch(
+                    f"chunk {key} reads with {CHECKSUM} {found:08x}, it was saved with {expected:08x}"
+                )
+        return data
+
+    # one read per chunk, however many of this process's devices need it
+    regions: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        regions.setdefault(_box(index, shape), []).append(device)
+    needed = {key: box for region in regions for key, box in _chunks_in(region, chunks, shape)}
+    for key, box in needed.items():
+        read[key] = asyncio.ensure_future(chunk(key, box))
+    try:
+        await asyncio.gather(*read.values())
+    finally:
+        for future in read.values():  # after one failed, the others are not waited for
+            future.cancel()
+
+    pieces = []
+    for region, devices in regions.items():
+        parts = list(_chunks_in(region, chunks, shape))
+        if len(parts) == 1 and parts[0][1] == region:
+            host = read[parts[0][0]].result()  # the region is one chunk: no copy
+        else:
+            host = np.empty([hi - lo for lo, hi in region], dtype=store.dtype.numpy_dtype)
+            for key, box in parts:
+                overlap = [(max(lo, c0), min(hi, c1)) for (lo, hi), (c0, c1) in zip(region, box)]
+                into = tuple(slice(a - lo, b - lo) for (lo, _), (a, b) in zip(region, overlap))
+                out_of = tuple(slice(a - c0, b - c0) for (c0, _), (a, b) in zip(box, overlap))
+                host[into] = read[key].result()[out_of]
+        pieces += [jax.device_put(host, device) for device in devices]
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
 def _tensorstore_message(error: ValueError) -> str:

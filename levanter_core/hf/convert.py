@@ -14,6 +14,9 @@ plain ``eqx.Module`` whether the layers are stacked (``hnn.Stacked``) or unrolle
 from __future__ import annotations
 
 import abc
+import copy
+import dataclasses
+import logging
 from typing import Any, ClassVar, Self
 
 import equinox as eqx
@@ -34,6 +37,8 @@ from haliax.state_dict import (
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.checkpoint import HfCheckpoint
+
+logger = logging.getLogger(__name__)
 
 
 class HfConvertible(abc.ABC):
@@ -58,6 +63,14 @@ class HfConvertible(abc.ABC):
     def hf_ignored_tensors(self) -> frozenset[str]:
         """Tensor names a Hugging Face checkpoint may hold that this model does not use
         (e.g. ``lm_head.weight`` when the embeddings are tied)."""
+        return frozenset()
+
+    def hf_position_tensors(self) -> frozenset[str]:
+        """Tensor names (Hugging Face's) with one row per position, such as learned position
+        embeddings (GPT-2's ``transformer.wpe.weight``). A model whose ``seq_len`` is shorter
+        than the checkpoint's positions loads their first ``seq_len`` rows, as Levanter does
+        (training a base model on shorter sequences: ``max_train_length``); a longer one is an
+        error naming ``seq_len`` and the checkpoint's positions."""
         return frozenset()
 
 
@@ -117,11 +130,41 @@ def load_hf_weights(config: Any, Vocab: Axis, checkpoint: HfCheckpoint, *, dtype
     expected = hf_state_dict_shapes(config, Vocab)
     checkpoint = checkpoint.with_base_model_prefix(expected)
     ignored = config.hf_ignored_tensors() if isinstance(config, HfConvertible) else frozenset()
+    checkpoint, rows = _positions_cut_to(config, expected, checkpoint)
     check_fits(expected, checkpoint, ignored=ignored)
-    state_dict = {name: checkpoint.read(name).astype(dtype) for name in expected}
+    state_dict = {name: checkpoint.read(name)[: rows.get(name)].astype(dtype) for name in expected}
     key = jax.random.PRNGKey(0)
     template = eqx.filter_eval_shape(lambda: config.build(Vocab, key=key))
     return from_hf_state_dict(template, state_dict)
+
+
+def _positions_cut_to(
+    config: Any, expected: dict[str, jax.ShapeDtypeStruct], checkpoint: HfCheckpoint
+) -> tuple[HfCheckpoint, dict[str, int]]:
+    """``checkpoint`` seen with its position tensors (:meth:`HfConvertible.hf_position_tensors`)
+    cut to the model's ``seq_len`` rows, and the rows to read of each one cut. Raises
+    :class:`CheckpointError` naming ``seq_len`` when the model has more positions than the
+    checkpoint."""
+    names = config.hf_position_tensors() if isinstance(config, HfConvertible) else frozenset()
+    rows, tensors = {}, dict(checkpoint.tensors)
+    for name in sorted(names & expected.keys() & tensors.keys()):
+        want, found = tuple(expected[name].shape), tensors[name].shape
+        if len(want) != len(found) or want[1:] != tuple(found[1:]) or want[0] == found[0]:
+            continue  # another architecture altogether: check_fits lists it
+        if want[0] > found[0]:
+            raise CheckpointError(
+                f"model.seq_len is {want[0]} (max_train_length, when set, gives it), but the Hugging Face "
+                f"checkpoint {checkpoint.directory} has learned position embeddings for {found[0]} positions only "
+                f"({name}: {list(found)}): set model.seq_len (or max_train_length) to {found[0]} or less"
+            )
+        logger.info("using the first %d of the %d positions of %s (model.seq_len %d)", want[0], found[0], name, want[0])
+        rows[name] = want[0]
+        tensors[name] = dataclasses.replace(tensors[name], shape=want)
+    if not rows:
+        return checkpoint, rows
+    view = copy.copy(checkpoint)
+    view.tensors = tensors
+    return view, rows
 
 
 def from_hf_state_dict(template: Any, state_dict: dict[str, Any]) -> Any:

@@ -220,6 +220,10 @@ class Gpt2Config(LmConfig, HfMapped):
         masks = {f"transformer.h.{i}.attn.{name}" for i in range(self.num_layers) for name in ("bias", "masked_bias")}
         return frozenset({"lm_head.weight", *masks})
 
+    def hf_position_tensors(self) -> frozenset[str]:
+        # learned position embeddings: a shorter seq_len than the checkpoint's n_positions uses the first rows
+        return frozenset({"transformer.wpe.weight"})
+
 
 def _dropout(x: NamedArray, pdrop: float, key) -> NamedArray:
     """Dropout during training; ``key=None`` means inference and disables it."""

@@ -451,7 +451,7 @@ def test_a_flipped_bit_in_a_chunk_is_damage_naming_the_array_and_the_previous_ch
     assert [x.tobytes() for x in raw_leaves(state)] == [x.tobytes() for x in raw_leaves(states[2])]
     out = capsys.readouterr().out
     assert f"skipped damaged checkpoint {tmp_path}/step-4" in out
-    assert "model/weight: chunk 0.0 reads with crc32" in out and "checksums do not match" in out
+    assert "model/weight: chunk 0.0 reads with xxh3_64" in out and "checksums do not match" in out
     assert [d for d in os.listdir(tmp_path) if d.startswith("step-4.damaged-")]
 
 
@@ -463,7 +463,7 @@ def test_every_chunk_is_checksummed_and_checked_also_where_a_shard_holds_several
         patch.setattr("levanter_core.checkpoint.tensorstore._MAX_CHUNK_BYTES", 32 << 10)  # 4 chunks of w
         saved = save_now(tmp_path, big, 1)
     leaves = {leaf["name"]: leaf for leaf in read_metadata(saved)["leaves"]}
-    assert sorted(leaves["w"]["crc32"]) == ["0.0", "1.0", "2.0", "3.0"] and list(leaves["s"]["crc32"]) == ["0"]
+    assert sorted(leaves["w"]["xxh3_64"]) == ["0.0", "1.0", "2.0", "3.0"] and list(leaves["s"]["xxh3_64"]) == ["0"]
 
     devices = np.array(jax.devices()[:1])
     template = {"w": jax.ShapeDtypeStruct((4096, 8), jnp.float32, sharding=NamedSharding(Mesh(devices, ("d",)), PartitionSpec())),
@@ -472,5 +472,5 @@ def test_every_chunk_is_checksummed_and_checked_also_where_a_shard_holds_several
     assert np.asarray(loaded["w"]).tobytes() == np.asarray(big["w"]).tobytes() and float(loaded["s"]) == 2.0
 
     flip_one_bit(os.path.join(saved, "w", "2.0"))
-    with pytest.raises(DamagedCheckpointError, match=r"w: chunk 2\.0 reads with crc32 [0-9a-f]{8}, it was saved with"):
+    with pytest.raises(DamagedCheckpointError, match=r"w: chunk 2\.0 reads with xxh3_64 [0-9a-f]{16}, it was saved with"):
         load_checkpoint(template, saved)

@@ -107,7 +107,7 @@ def test_a_flipped_bit_in_a_chunk_in_the_bucket_is_damage_and_the_previous_check
     restored, path = checkpointer.resume(shapes(weights[2]))
     assert path == f"{base}/step-2"
     np.testing.assert_array_equal(restored["w"], weights[2]["w"])
-    assert "w: chunk 0.0 reads with crc32" in capsys.readouterr().out
+    assert "w: chunk 0.0 reads with xxh3_64" in capsys.readouterr().out
     assert any(n.startswith("step-4.damaged-") for n in fileio.list_names(base))
 
 

@@ -4,7 +4,7 @@ On disk, under the checkpointer's path (``{base_path}/{run_id}``)::
 
     step-1000/
       metadata.json        step, temporary, timestamp, every leaf's name/shape/dtype and the
-                           CRC-32 of each of its chunks, and the run's metadata (resolved
+                           checksum of each of its chunks, and the run's metadata (resolved
                            config, plugin versions)
       step/                one zarr array per array leaf, named by its path in the state
       model/transformer/blocks/attn/c_attn/weight/
@@ -33,10 +33,11 @@ as ``step-N.damaged-<token>`` so that nothing is lost and a new save of step N i
 On an object store, setting a damaged checkpoint aside copies it (the store has no rename).
 
 zstd chunks carry no checksum of their own, so a bit flipped on the disk or in the store would
-decompress into a different weight without a word. Every chunk's CRC-32 is therefore computed at
-save, from the bytes in host memory, and recorded in ``metadata.json`` (``leaves[i]["crc32"]``,
-chunk key -> checksum, keys as zarr names the chunk files: ``"0.1"``); loading reads whole chunks
-and checks each one before it reaches a device. A mismatch makes the checkpoint damaged, naming
+decompress into a different weight without a word. Every chunk's checksum (XXH3-64, the fast
+non-cryptographic hash of zstd's author) is therefore computed at save, from the bytes in host
+memory, and recorded in ``metadata.json`` (``leaves[i]["xxh3_64"]``: chunk key -> hex digest,
+keys as zarr names the chunk files: ``"0.1"``); loading reads whole chunks and checks each one
+before it reaches a device. A mismatch makes the checkpoint damaged, naming
 the array and the chunk. Checkpoints saved before checksums were recorded load unverified.
 """
 
@@ -53,7 +54,6 @@ import re
 import secrets
 import shutil
 import threading
-import zlib
 from typing import Any, Callable, Iterator
 
 import haliax as hax
@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
+import xxhash
 from jax.experimental import multihost_utils
 
 from levanter_core import distributed
@@ -81,7 +82,7 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.=-]")
 # status code ("NOT_FOUND: chunk {0, 0} ... is missing"); other ValueErrors are not about the data.
 _TENSORSTORE_STATUS = re.compile(r"^[A-Z_]+: ")
 # The checksum recorded for every chunk (see the module docstring); the name is the metadata key.
-CHECKSUM = "crc32"
+CHECKSUM = "xxh3_64"
 # Arrays are chunked along their shards, and shards further split until a chunk holds at most
 # this much, so that writing and reading run in parallel and no two processes share a chunk.
 _MAX_CHUNK_BYTES = 64 << 20
@@ -405,7 +406,7 @@ class _Save:
             gathered = distributed.gather(f"checkpoint_checksums_{self.token}", json.dumps(checksums))
             distributed.barrier(f"checkpoint_written_{self.token}")  # no device collective: safe here
             if jax.process_index() == 0:
-                merged: dict[str, dict[str, int]] = {}
+                merged: dict[str, dict[str, str]] = {}
                 for part in gathered:
                     for name, sums in json.loads(part).items():
                         merged.setdefault(name, {}).update(sums)
@@ -495,12 +496,12 @@ def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
     return {"driver": "zarr", "kvstore": fileio.kvstore_spec(join(checkpoint, name)), **options}
 
 
-def _write_arrays(directory: str, arrays: list[_HostArray]) -> dict[str, dict[str, int]]:
+def _write_arrays(directory: str, arrays: list[_HostArray]) -> dict[str, dict[str, str]]:
     """Write this process's shards of ``arrays`` under ``directory``; return the checksum of
     every chunk written, by array name and chunk key. The checksums are computed while
     TensorStore compresses and writes, from the same host memory."""
 
-    async def write(array: _HostArray) -> dict[str, int]:
+    async def write(array: _HostArray) -> dict[str, str]:
         spec = _zarr_spec(
             directory,
             array.name,
@@ -532,7 +533,7 @@ def _write_arrays(directory: str, arrays: list[_HostArray]) -> dict[str, dict[st
     return {array.name: checksums for array, checksums in zip(arrays, results)}
 
 
-def _shard_checksums(array: _HostArray) -> dict[str, int]:
+def _shard_checksums(array: _HostArray) -> dict[str, str]:
     """The checksum of every chunk of ``array`` that lies in the shards this process writes."""
     checksums = {}
     for index, value in array.shards:
@@ -544,9 +545,9 @@ def _shard_checksums(array: _HostArray) -> dict[str, int]:
     return checksums
 
 
-def _checksum(value: np.ndarray) -> int:
-    """The CRC-32 of ``value``'s bytes in C order (zlib releases the GIL while it computes)."""
-    return zlib.crc32(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+def _checksum(value: np.ndarray) -> str:
+    """The XXH3-64 digest (hex) of ``value``'s bytes in C order."""
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
 
 
 def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -640,7 +641,7 @@ def _read_arrays(checkpoint: str, wanted: dict[str, tuple[Any, dict]]) -> dict[s
 
 
 async def _read_verified(
-    store: ts.TensorStore, checksums: dict[str, int] | None, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+    store: ts.TensorStore, checksums: dict[str, str] | None, shape: tuple[int, ...], sharding: jax.sharding.Sharding
 ) -> jax.Array:
     """The array in ``store``, placed as ``sharding`` says (on this process's devices), read
     whole chunk by whole chunk so that each is checked against ``checksums`` (chunk key ->
@@ -655,7 +656,7 @@ async def _read_verified(
             found = await asyncio.to_thread(_checksum, data)
             if found != expected:
                 raise _ChecksumMismatch(
-                    f"chunk {key} reads with {CHECKSUM} {found:08x}, it was saved with {expected:08x}"
+                    f"chunk {key} reads with {CHECKSUM} {found}, it was saved with {expected}"
                 )
         return data
 

@@ -66,11 +66,50 @@ def test_paths_are_local_so_the_config_loads_anywhere(name):
         assert "://" not in path
 
 
-def test_every_config_the_docs_run_is_shipped():
-    named = set()
-    for doc in [os.path.join(REPO, "README.md"), *glob.glob(os.path.join(REPO, "docs", "*.md"))]:
-        with open(doc) as f:
-            named |= {(os.path.basename(doc), m) for m in re.findall(r"\bconfig/[\w.-]+\.yaml\b", f.read())}
-    missing = sorted(f"{doc}: {path}" for doc, path in named if not os.path.exists(os.path.join(REPO, path)))
+DOCS = ["README.md", "docs/*.md", "plugins/*/README.md"]
+"""The documents whose commands a new user copies."""
+
+_FENCED = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1", re.S | re.M)
+# A path into this repository: one of its top-level folders, not inside a longer path or URL
+# (``levanter/config/harness/x.yaml``, a clone of Levanter's repository, is not one)
+_REPO_PATH = re.compile(r"(?<![\w/.$~-])((?:config|docs|plugins|tests|bench|examples|levanter_core)/[\w./-]*\w)")
+# `levanter train NAME` (or cache) with a name that is not a file: a config a plugin ships
+_CONFIG_NAME = re.compile(r"\blevanter (?:train|cache) +([a-z][\w.:-]*)(?=[\s`]|$)")
+
+
+def _documents() -> dict[str, str]:
+    found = sorted({path for pattern in DOCS for path in glob.glob(os.path.join(REPO, pattern))})
+    return {os.path.relpath(path, REPO): open(path).read() for path in found}
+
+
+def _exists(path: str, doc: str) -> bool:
+    """Whether ``path`` (as a document writes it) names something in the repository: from its
+    root, from the document's folder, or (a file tree drawn in the document) at the end of a
+    longer path."""
+    if os.path.exists(os.path.join(REPO, path)) or os.path.exists(os.path.join(REPO, os.path.dirname(doc), path)):
+        return True
+    return bool(glob.glob(os.path.join(REPO, "**", path), recursive=True))
+
+
+def test_every_path_and_config_name_in_the_docs_code_exists():
+    """What README.md, docs/*.md and the plugins' READMEs show in code blocks (the commands a new
+    user copies) names files and folders of this repository that exist, and `levanter train
+    NAME` names a config an installed plugin ships (also in inline code)."""
+    from levanter_core.plugins.configs import packaged_configs
+
+    shipped = {c.name for c in packaged_configs()} | {c.qualified for c in packaged_configs()}
+    missing, named = [], set()
+    for doc, text in _documents().items():
+        blocks = [m.group(2) for m in _FENCED.finditer(text)]
+        for block in blocks:
+            for path in _REPO_PATH.findall(block):
+                named.add((os.path.basename(doc), path))
+                if "..." not in path and not _exists(path, doc):
+                    missing.append(f"{doc}: {path}")
+        commands = blocks + re.findall(r"`([^`\n]+)`", _FENCED.sub("", text))
+        for command in commands:
+            for name in _CONFIG_NAME.findall(command):
+                if not name.endswith((".yaml", ".yml")) and name not in shipped:
+                    missing.append(f"{doc}: levanter train {name} (no plugin ships a config of that name)")
     assert not missing, missing
     assert ("gpu-cluster.md", "config/gpt2_small.yaml") in named and ("tpu-pod.md", "config/gpt2_small.yaml") in named

@@ -1114,7 +1114,7 @@ class _TrainLoop:
                 if evaluating or saving or drawing or exporting or sampling or plugin_evals:
                     # Let the step finish first, so that its time is not mistaken for evaluation's.
                     jax.block_until_ready(metrics)
-                side_start = time.perf_counter()
+                throughput.pause()  # what follows is not training; its time is left out of the step's
                 pending["host"] = self.data_metrics()
                 if drawing:
                     self.draw_viz(self.trainer.eval_model(state), step)
@@ -1139,7 +1139,7 @@ class _TrainLoop:
                     carried["checkpoint/save_blocked_seconds"] = self.checkpointer.last_save_blocked_seconds
                 else:
                     self.checkpointer.check_for_errors()  # a background save that failed stops the run
-                throughput.exclude(time.perf_counter() - side_start)
+                throughput.resume()
             if pending is not None:
                 self._finish(pending, throughput, bar, result)
         finally:

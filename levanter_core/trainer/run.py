@@ -260,6 +260,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     config = _batch_for_devices(config)
 
     from levanter_core import distributed
+    from levanter_core.checkpoint.lock import hold_run_lock
     from levanter_core.data.pipeline import build_lm_data
     from levanter_core.distributed.ray_cluster import ray_for_run
     from levanter_core.trainer.extend import warn_if_restarting
@@ -269,9 +270,16 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     leader = distributed.is_leader()
     progress = progress and leader  # one progress bar, process 0's
     run_id = agreed_run_id(config, config_path)
+    # One trainer per run: a second one stops here, before it touches the run's files.
+    lock = hold_run_lock(trainer_cfg.checkpointer.expanded_path(run_id))
     # Under an object-store log_dir, everything is written into a local mirror that is uploaded
     # as the run goes (see run_sync); the mirror starts as a copy of what a resumed run left.
-    directory = RunDirectory.open(trainer_cfg.log_dir, run_id, leader=leader)
+    try:
+        directory = RunDirectory.open(trainer_cfg.log_dir, run_id, leader=leader)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         run_dir = directory.path
         resolved, plugins = resolved_config(config), plugin_versions()
@@ -314,6 +322,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
                 data.close()
     finally:
         directory.close()  # the last upload, whether the run succeeded or not
+        if lock is not None:
+            lock.release()
 
 
 def _batch_for_devices(config: TrainConfig) -> TrainConfig:

@@ -407,20 +407,28 @@ def sample(
     ] = None,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0: all.")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens holding this much probability.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the random draws; the same seed gives the same text [default: 0].")] = None,
-    stop: Annotated[
-        Optional[list[str]], typer.Option("--stop", help="A string that ends a sample (repeat for several).")
+    seed: Annotated[
+        Optional[int],
+        typer.Option(help="Seed of the random draws (64 bits, signed); the same seed gives the same text [default: 0]."),
     ] = None,
-    n: Annotated[Optional[int], typer.Option("-n", help="Samples per prompt [default: 1].")] = None,
+    stop: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--stop",
+            help="A string that ends a sample (repeat for several). Backslash escapes are read as in Python: "
+            "--stop '\\n\\n' stops at a blank line; write \\\\ for a backslash.",
+        ),
+    ] = None,
+    n: Annotated[Optional[int], typer.Option("-n", help="Samples per prompt [default: 1].", min=1, max=10_000)] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Put each --prompt through the tokenizer's chat template as a user message.")] = False,
     as_json: Annotated[
         bool,
         typer.Option("--json", help="Print one JSON line per sample: text, token ids, log-probabilities, finish reason."),
     ] = False,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
-    max_seqs: Annotated[Optional[int], typer.Option(help="Sequences decoded together [default: 16].")] = None,
+    max_seqs: Annotated[Optional[int], typer.Option(help="Sequences decoded together [default: 16].", min=1)] = None,
     max_seq_len: Annotated[
-        Optional[int], typer.Option(help="Longest prompt plus generation [default: the model's seq_len].")
+        Optional[int], typer.Option(help="Longest prompt plus generation [default: the model's seq_len].", min=2)
     ] = None,
     config: Annotated[
         Optional[str],
@@ -438,7 +446,14 @@ def sample(
     Greedy at --temperature 0; otherwise the same --seed gives the same text.
     """
     from levanter_core.errors import ConfigError
-    from levanter_core.inference.sample import EngineConfig, SampleConfig, load_sample_config, read_prompts_file, run_sample
+    from levanter_core.inference.sample import (
+        EngineConfig,
+        SampleConfig,
+        interpret_escapes,
+        load_sample_config,
+        read_prompts_file,
+        run_sample,
+    )
     from levanter_core.inference.sampling import SamplingParams
 
     if config is not None:
@@ -455,7 +470,8 @@ def sample(
         chosen = [{"prompt": p} for p in settings.prompts]
     if not chosen:
         raise ConfigError("give at least one --prompt or a --prompts file")
-    stops = tuple(stop) if stop else ((settings.stop_sequence,) if settings.stop_sequence else ())
+    stops = tuple(interpret_escapes(s, "--stop") for s in stop) if stop else ()
+    stops = stops or ((settings.stop_sequence,) if settings.stop_sequence else ())
     params = SamplingParams(
         max_new_tokens=max_new_tokens if max_new_tokens is not None else settings.max_new_tokens,
         temperature=temperature if temperature is not None else settings.temperature,
@@ -464,9 +480,10 @@ def sample(
         seed=seed if seed is not None else settings.seed,
         stop=stops,
     )
-    problems = params.problems()
-    if problems:
-        raise ConfigError("; ".join(problems))
+    problems = params.field_problems()
+    if problems:  # named as the options that set them
+        options = {"max_new_tokens": "--max-new-tokens", "top_logprobs": "--top-logprobs"}
+        raise ConfigError("; ".join(f"{options.get(f, '--' + f.replace('_', '-'))}: {m}" for f, m in problems))
     engine = settings.engine
     if max_seqs is not None or max_seq_len is not None:
         update = {"max_seqs": max_seqs or engine.max_seqs}
@@ -492,6 +509,15 @@ def _setup_logging() -> None:
     logging.getLogger("levanter_core").setLevel(level)
 
 
+def _usage_error(error) -> str:
+    """A usage error of click or typer as one line: what is wrong, and where to read more."""
+    message = " ".join(error.format_message().split())
+    ctx = getattr(error, "ctx", None)
+    if ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point: run the app, turning errors into messages and exit codes."""
     _setup_logging()
@@ -507,12 +533,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     except LevanterError as e:  # raised on purpose with a message for people: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 1))
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
+    except (click.ClickException, typer.TyperException) as e:
+        # a usage error (an unknown option, a value out of range): one line, no usage text
+        print(f"error: {_usage_error(e)}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, typer.Abort):
         print("aborted", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:

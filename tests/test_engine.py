@@ -4,9 +4,11 @@ does not depend on what it was batched with, the queue's bound, streaming, and t
 import threading
 
 import jax
+import jax.numpy as jnp
 import pytest
 from haliax import Axis
 
+from levanter_core.inference import engine as engine_module
 from levanter_core.inference.engine import Engine, RequestError
 from levanter_core.inference.sampling import SamplingParams
 
@@ -144,11 +146,32 @@ def test_listeners_hear_of_cancellation_and_failure(model, monkeypatch):
         assert queued.result().finish_reason == "cancelled"
     assert heard[-1].finished is queued.result()
 
-    def lost(*args, **kwargs):  # a step that fails, as on a device error
+    real_prefill = engine_module._prefill
+
+    def buggy(cache, model, tokens, *args, **kwargs):  # a step that fails for one prompt (a model's bug)
+        if int(tokens[0, 0]) == 13:
+            raise ValueError("cannot read token 13")
+        return real_prefill(cache, model, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_prefill", buggy)
+    with Engine(model, max_seqs=1, max_rounds=1) as engine:
+        failed = []
+        request = engine.submit([13, 2], SamplingParams(max_new_tokens=3), on_update=failed.append)
+        with pytest.raises(RequestError, match="cannot read token 13") as e:
+            request.result(timeout=60)
+        assert e.value.status == 500 and failed[-1].error is e.value
+        # that request failed alone: the engine goes on
+        assert engine.accepting
+        assert len(engine.submit([1, 2], SamplingParams(max_new_tokens=3, ignore_eos=True)).result(60).tokens) == 3
+
+    def lost(cache, *args, **kwargs):  # a step that loses the device's state, as on a device error
+        for leaf in jax.tree.leaves(cache):
+            leaf.delete()
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr("levanter_core.inference.engine._prefill", lost)
-    engine = Engine(model, max_seqs=1, max_rounds=1)
+    monkeypatch.setattr(engine_module, "_prefill", lost)
+    stopped = []
+    engine = Engine(model, max_seqs=1, max_rounds=1, on_failure=stopped.append)
     failed = []
     assert engine.accepting
     request = engine.submit([1, 2], SamplingParams(max_new_tokens=3), on_update=failed.append)
@@ -156,10 +179,52 @@ def test_listeners_hear_of_cancellation_and_failure(model, monkeypatch):
         request.result(timeout=60)
     assert e.value.status == 503 and failed[-1].error is e.value and failed[-1].finished is None
     assert not engine.accepting and "the engine has failed" in engine.refusal()
+    assert [str(x) for x in stopped] == ["device lost"] and engine.failed is stopped[0]
     with pytest.raises(RequestError, match="the engine has failed") as e:
         engine.submit([1], SamplingParams(max_new_tokens=1))
     assert e.value.status == 503
     engine.shutdown()
+
+
+def test_seeds_select_streams_by_all_their_bits(model):
+    """Seeds that agree modulo 2**32 draw different text; a seed below 2**32 draws as before
+    (its key is jax.random.PRNGKey(seed)); seeds past 64 bits are refused by name."""
+    import numpy as np
+
+    from levanter_core.inference.sampling import token_keys
+
+    words = np.array([SamplingParams(seed=s).seed_words for s in (7, 2**32 + 7, -1)], np.uint32)
+    keys = token_keys(words, jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32))
+    assert (keys[0] == jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(7), 0), 0)).all()
+    assert not (keys[0] == keys[1]).all() and not (keys[0] == keys[2]).all()
+    with Engine(model, max_seqs=4) as engine:
+        def text(seed):
+            params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
+            return engine.submit([1, 2, 3], params).result(60).tokens
+
+        assert text(1) == text(1)
+        assert text(1) != text(2**32 + 1) and text(5) != text(5 - 2**32)
+        for seed in (2**63, -(2**63) - 1):
+            with pytest.raises(RequestError, match="seed must be an integer from -2\\*\\*63 to 2\\*\\*63 - 1") as e:
+                engine.submit([1], SamplingParams(seed=seed))
+            assert e.value.field == "seed"
+
+
+def test_out_of_range_settings_are_refused_not_fatal(model):
+    """A top_k past what a device integer holds used to kill the engine's thread."""
+    with Engine(model, max_seqs=2) as engine:
+        for bad, field in [
+            (dict(top_k=2**31), "top_k"), (dict(top_k=-1), "top_k"), (dict(temperature=float("nan")), "temperature"),
+            (dict(temperature=float("inf")), "temperature"), (dict(top_p=float("nan")), "top_p"),
+            (dict(stop=("x",) * 17), "stop"), (dict(stop=("x" * 1001,)), "stop"),
+        ]:  # fmt: skip
+            with pytest.raises(RequestError) as e:
+                engine.submit([1, 2], SamplingParams(max_new_tokens=2, **bad))
+            assert e.value.status == 400 and e.value.field == field
+        # a top_k past the vocabulary keeps every token, as 0 does
+        same = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, top_k=k, ignore_eos=True) for k in (0, 2**31 - 1)]
+        first, second = (engine.submit([4, 5], p).result(60).tokens for p in same)
+        assert first == second and engine.accepting
 
 
 def test_precompiled_engines_compile_nothing_while_serving(model):

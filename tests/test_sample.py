@@ -131,7 +131,7 @@ def test_levanters_sampler_configs_load_and_run(model_dir, capsys):
     [
         (("--prompt", "the " * 150), "this model's context is 128 tokens"),
         (("--prompt", "the", "--max-new-tokens", "200"), "more than this model's context of 128 tokens"),
-        (("--prompt", "the", "--temperature", "-1"), "temperature must be 0 (greedy) or more"),
+        (("--prompt", "the", "--temperature", "-1"), "--temperature: temperature must be a number from 0 (greedy) to 100"),
         ((), "give at least one --prompt"),
     ],
 )
@@ -150,3 +150,58 @@ def test_a_bad_prompts_line_is_named(model_dir, tmp_path, capsys):
 def test_a_source_that_is_no_model_is_refused(tmp_path, capsys):
     code, err = sample(capsys, str(tmp_path), "--prompt", "x")
     assert code == 2 and "neither one of our checkpoints" in err
+
+
+@pytest.mark.parametrize(
+    "args, option, allowed",
+    [
+        (("--top-k", "3000000000"), "--top-k", "0 (off) to 2147483647"),
+        (("--top-k", "-1"), "--top-k", "0 (off) to 2147483647"),
+        (("--top-p", "0"), "--top-p", "(0, 1]"),
+        (("--top-p", "nan"), "--top-p", "(0, 1]"),
+        (("--temperature", "inf"), "--temperature", "0 (greedy) to 100"),
+        (("--temperature", "nan"), "--temperature", "0 (greedy) to 100"),
+        (("--seed", str(2**64)), "--seed", "-2**63 to 2**63 - 1"),
+        (("--max-new-tokens", "0"), "--max-new-tokens", "at least 1"),
+        (("--stop", "x") * 17, "--stop", "at most 16"),
+        (("-n", "0"), "-n", "1"),
+        (("--max-seqs", "0"), "--max-seqs", "1"),
+        (("--top-k", "many"), "--top-k", "integer"),
+    ],
+)
+def test_out_of_range_options_exit_2_with_one_line_naming_them(model_dir, capsys, args, option, allowed):
+    code, err = sample(capsys, model_dir, "--prompt", "the", *args)
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and option in err and allowed in err, err
+
+
+def test_seeds_select_streams_by_all_their_bits(model_dir, capsys):
+    """Seeds that agree modulo 2**32 used to draw the same text."""
+    args = (model_dir, "--prompt", "over the", "--temperature", "1.0", "--max-new-tokens", "16", "--json")
+    texts = {seed: sample(capsys, *args, "--seed", str(seed))[1][0]["tokens"] for seed in (1, 2**32 + 1, -(2**63))}
+    assert texts[1] != texts[2**32 + 1]
+    assert sample(capsys, *args, "--seed", str(-(2**63)))[1][0]["tokens"] == texts[-(2**63)]
+
+
+def test_stop_strings_read_backslash_escapes(model_dir, capsys):
+    """``--stop "\\n\\n"`` (as docs/generation.md shows it) is two newlines, not backslash-n twice."""
+    from levanter_core.inference.sample import interpret_escapes
+
+    assert interpret_escapes("\\n\\n", "--stop") == "\n\n"
+    assert interpret_escapes("a\\\\nb", "--stop") == "a\\nb"  # an escaped backslash stays one
+    base = (model_dir, "--prompt", "the", "--temperature", "1.0", "--seed", "3", "--max-new-tokens", "24", "--json")
+    full = sample(capsys, *base)[1][0]["text"]
+    char = full[len(full) // 2]
+    cut = sample(capsys, *base, "--stop", f"\\u{ord(char):04x}")[1][0]
+    assert cut["text"] == full[: full.index(char)] and cut["finish_reason"] == "stop"
+    code, err = sample(capsys, *base, "--stop", "\\ud800")
+    assert code == 2 and "is not a Unicode character" in err
+
+
+def test_text_that_is_not_unicode_is_refused_by_name(model_dir, tmp_path, capsys):
+    code, err = sample(capsys, model_dir, "--prompt", "caf\udce9")  # argv bytes that are not UTF-8
+    assert code == 2 and "lone surrogate" in err and "Traceback" not in err
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"fine"\n"\\ud800"\n')
+    code, err = sample(capsys, model_dir, "--prompts", str(path))
+    assert code == 2 and f"{path}, line 2" in err and "lone surrogate" in err

@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 class RequestError(UserError):
     """A request that cannot be served as asked; ``status`` is its HTTP status (400: bad input,
-    429: the queue is full, 503: the engine is shutting down or broken); ``field``, when one is
+    429: the queue is full, 500: generating it failed (the engine goes on with the others), 503:
+    the engine is shutting down or broken); ``field``, when one is
     to blame, the request's field in :class:`SamplingParams`'s words (``prompt``,
     ``max_new_tokens``, ``temperature``, ...)."""
 
@@ -112,6 +113,8 @@ class Request:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.emitted = 0  # characters of text already given to on_update
         self.cancelled = False
+        self.row: tuple | None = None
+        """The request's settings as the compiled steps take them (set by :meth:`Engine.submit`)."""
         self._done = threading.Event()
         self._completion: Completion | None = None
         self._error: BaseException | None = None
@@ -162,7 +165,14 @@ class Engine:
     makes stop strings work; ``eos_ids`` end a sequence. ``max_seq_len`` (default the model's
     ``seq_len``) bounds prompt plus generation. ``max_queued`` requests may wait for a slot; one
     more is refused with status 429. An encoder-decoder model needs an ``encoder_input`` with
-    every request (:meth:`submit`); a language model takes none."""
+    every request (:meth:`submit`); a language model takes none.
+
+    A request whose step fails (an exception while it is prefilled, decoded or turned into
+    text) fails alone, with status 500, and the engine goes on with the others. Only a failure
+    that leaves the engine unable to go on (its key/value cache lost with the device's state,
+    or a fault in its own loop) stops it: every request then fails with 503, new ones are
+    refused, and ``on_failure`` (when given) is called with the exception, on the engine's
+    thread (a server exits then, for its supervisor to restart it)."""
 
     def __init__(
         self,
@@ -176,6 +186,7 @@ class Engine:
         max_rounds: int = 4,
         max_prefill_seqs: int = 8,
         min_prefill: int = 16,
+        on_failure: Callable[[BaseException], None] | None = None,
     ):
         name = getattr(getattr(model, "config", None), "type", type(model).__name__)
         decoding.check_can_generate(model, name)
@@ -203,6 +214,7 @@ class Engine:
         self._closing = False
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.on_failure = on_failure
 
     # -- the public side ---------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -316,6 +328,11 @@ class Engine:
         """Whether :meth:`submit` takes new requests (False once shutting down or failed)."""
         return self.refusal() is None
 
+    @property
+    def failed(self) -> BaseException | None:
+        """What stopped the engine, if it has failed (None while it works)."""
+        return self._failed
+
     def refusal(self) -> str | None:
         """Why the engine refuses new requests (it is shutting down, it failed), or None."""
         if self._failed is not None:
@@ -333,6 +350,7 @@ class Engine:
         engine is shutting down or has failed."""
         self.check(prompt, params, encoder_input)
         request = Request(list(prompt), params, index, on_update, encoder_input)
+        request.row = self._row(params, index)
         with self._lock:
             refusal = self.refusal()
             if refusal is not None:
@@ -401,9 +419,10 @@ class Engine:
                         return
                     admitted = self._take_admissions()
                 if admitted:
-                    self._prefill(admitted)
-                if any(self._slots):
-                    self._decode_round()
+                    self._step([r for _, r in admitted], self._prefill, admitted)
+                live = [s.request for s in self._slots if s is not None]
+                if live:
+                    self._step(live, self._decode_round)
         except BaseException as e:  # an engine failure fails every request rather than hanging it
             logger.exception("the inference engine failed")
             with self._lock:
@@ -414,9 +433,45 @@ class Engine:
                 self._queue.clear()
                 self._slots = [None] * self.max_seqs
             for request in waiting:
-                request._error = error = RequestError(f"the engine failed: {e}", status=503)
-                request._done.set()
-                self._notify(request, Update("", [], [], error=error))
+                self._fail(request, RequestError(f"the engine failed: {e}", status=503))
+            if self.on_failure is not None:
+                self.on_failure(e)
+
+    def _step(self, requests: list[Request], run, *args) -> None:
+        """``run(*args)``, a step over ``requests``; if it raises, those requests fail (500) and
+        the engine goes on, unless the step lost the key/value cache (the device's state of every
+        sequence), which the engine cannot go on without: that error is raised."""
+        try:
+            run(*args)
+        except Exception as e:
+            if self._cache_lost():
+                raise
+            logger.exception("a step of the inference engine failed; failing its %d requests", len(requests))
+            for request in requests:
+                if not request.done():
+                    self._fail(request, RequestError(f"generating this answer failed: {type(e).__name__}: {e}", 500))
+
+    def _cache_lost(self) -> bool:
+        """Whether the key/value cache's buffers are gone (a failed step that had been given them)."""
+        leaves = jax.tree.leaves(self._cache)
+        return not leaves or any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+
+    def _fail(self, request: Request, error: RequestError) -> None:
+        """End ``request`` with ``error`` (its slot, if it has one, is freed; its listener hears of it)."""
+        for i, slot in enumerate(self._slots):
+            if slot is not None and slot.request is request:
+                self._slots[i] = None
+        request._error = error
+        request._done.set()
+        self._notify(request, Update("", [], [], error=error))
+
+    def _guarded(self, request: Request, run, *args) -> None:
+        """``run(*args)`` for ``request`` alone: an exception fails that request (500), no other."""
+        try:
+            run(*args)
+        except Exception as e:
+            logger.exception("handling a request's new tokens failed; failing the request")
+            self._fail(request, RequestError(f"generating this answer failed: {type(e).__name__}: {e}", 500))
 
     def _take_admissions(self) -> list[tuple[int, Request]]:
         free = [i for i, s in enumerate(self._slots) if s is None]
@@ -454,7 +509,8 @@ class Engine:
         self.stats.prefill_seconds += time.perf_counter() - started
         for i, (slot, request) in enumerate(admitted):
             self._slots[slot] = _Slot(request, len(request.prompt), int(new_tokens[i]))
-            self._accept(slot, [int(new_tokens[i])], [float(logprobs[i])], top_ids[i : i + 1], top_lps[i : i + 1])
+            chosen = ([int(new_tokens[i])], [float(logprobs[i])], top_ids[i : i + 1], top_lps[i : i + 1])
+            self._guarded(request, self._accept, slot, *chosen)
 
     def _decode_round(self) -> None:
         started = time.perf_counter()
@@ -480,7 +536,8 @@ class Engine:
             slot.position += rounds
             slot.token = int(out_tokens[i, -1])
             self.stats.decode_tokens += rounds
-            self._accept(i, out_tokens[i].tolist(), out_logprobs[i].tolist(), top_ids[i], top_lps[i])
+            chosen = (out_tokens[i].tolist(), out_logprobs[i].tolist(), top_ids[i], top_lps[i])
+            self._guarded(slot.request, self._accept, i, *chosen)
 
     @staticmethod
     def _top_n(requests) -> int:
@@ -501,18 +558,33 @@ class Engine:
             request.encoder_input = None
         return inputs
 
+    def _row(self, params: SamplingParams, index: int) -> tuple:
+        """A request's settings as the compiled steps take them: ``(temperature, top_k, top_p,
+        seed words, sample index)`` in their device types. ``top_k`` past the vocabulary keeps
+        every token, as the vocabulary's size does; a seed is its two 32-bit words (see
+        :attr:`SamplingParams.seed_words`). Made when the request is submitted, so that a value
+        that does not fit fails that request there, never the engine's loop."""
+        try:
+            top_k = min(params.top_k, self.model.Vocab.size)
+            return (
+                np.float32(params.temperature), np.int32(top_k), np.float32(params.top_p),
+                np.array(params.seed_words, np.uint32), np.int32(index),
+            )  # fmt: skip
+        except (OverflowError, TypeError, ValueError) as e:
+            raise RequestError(f"the request's settings do not fit the engine: {e}") from None
+
     def _params(self, requests, rows: int):
         temperature = np.zeros(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
         top_p = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
+        seeds = np.zeros((rows, 2), np.uint32)
         samples = np.zeros(rows, np.int32)
         for i, request in enumerate(requests):
             if request is None:
                 continue
-            p = request.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            seeds[i], samples[i] = p.seed % 2**32, request.index
+            if request.row is None:
+                request.row = self._row(request.params, request.index)
+            temperature[i], top_k[i], top_p[i], seeds[i], samples[i] = request.row
         return temperature, top_k, top_p, seeds, samples
 
     # -- turning tokens into results -----------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -86,7 +87,7 @@ class SampleConfig(ConfigModel):
     temperature: float = Field(0.7, ge=0.0)
     """Softmax temperature; 0 is greedy."""
     seed: int = 2
-    """Seed of the random draws."""
+    """Seed of the random draws (a signed 64-bit integer)."""
     n_generations: PositiveInt = 1
     """Samples per prompt."""
     n_rounds: PositiveInt = 1
@@ -160,18 +161,57 @@ def read_prompts_file(path: str) -> list[dict]:
     return prompts
 
 
+_ESCAPE = re.compile(r"\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", "'": "'", '"': '"'}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def interpret_escapes(text: str, option: str) -> str:
+    """``text`` from the command line with its backslash escapes read as Python reads them in a
+    string: ``\\n``, ``\\t``, ``\\r``, ``\\0``, ``\\\\``, quotes, ``\\xHH``, ``\\uHHHH``,
+    ``\\UHHHHHHHH`` (so that ``--stop "\\n\\n"`` is two newlines, as a shell cannot easily
+    write them). Any other backslash stays as it is. Raises :class:`ConfigError`, naming
+    ``option``, for an escape that is no character (a lone surrogate, past U+10FFFF)."""
+
+    def one(match: re.Match) -> str:
+        escape = match.group()[1:]
+        if escape[0] in "xuU" and len(escape) > 1:
+            code = int(escape[1:], 16)
+            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+                raise ConfigError(f"{option} {text!r}: \\{escape} is not a Unicode character")
+            return chr(code)
+        return _ESCAPES.get(escape, match.group())
+
+    return _ESCAPE.sub(one, text)
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse text with a lone UTF-16 surrogate (from JSON's ``"\\ud800"``, or bytes that are not
+    UTF-8 on a command line), which no tokenizer can encode."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise DataError(
+            f"{where}: the text holds a lone surrogate (U+{ord(found.group()):04X}) at character "
+            f"{found.start()}, which is not Unicode text (bytes that are not UTF-8?)"
+        )
+
+
 def encode_prompts(prompts: list[dict], tokenizer, *, chat: bool) -> list[list[int]]:
     """Token ids of each prompt: a ``messages`` prompt (or any prompt, with ``chat``) through the
-    chat template, the rest as text with the tokenizer's own special tokens."""
+    chat template, the rest as text with the tokenizer's own special tokens. Raises
+    :class:`DataError` for text that is not Unicode (a lone surrogate), naming the prompt."""
     from levanter_core.data.formats import render_chat_prompt
 
     encoded = []
     for p in prompts:
+        where = p.get("where", "the prompt")
         if "messages" in p or chat:
             messages = p.get("messages") or [{"role": "user", "content": p["prompt"]}]
-            text = render_chat_prompt(messages, tokenizer, where=p.get("where", "the prompt"))
+            text = render_chat_prompt(messages, tokenizer, where=where)
+            _check_text(text, where)
             encoded.append(tokenizer.encode_with_offsets([text], add_special_tokens=False)[0][0].tolist())
         else:
+            _check_text(p["prompt"], where)
             encoded.append(tokenizer.encode_batch([p["prompt"]])[0].tolist())
     return encoded
 

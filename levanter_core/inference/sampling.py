@@ -7,6 +7,7 @@ the same text alone or among others.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -15,6 +16,23 @@ import jax.numpy as jnp
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask to see at each position (OpenAI's limit)."""
+
+MAX_TOP_K = 2**31 - 1
+"""The largest ``top_k`` (a device integer holds it); any value at or above the vocabulary's
+size keeps every token."""
+
+MAX_TEMPERATURE = 100.0
+"""The highest temperature: beyond it every distribution is already as good as uniform."""
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds a request may give: any signed 64-bit integer (as OpenAI's and vLLM's servers
+take them). Each selects a stream of random draws of its own."""
+
+MAX_STOP_STRINGS = 16
+"""The most stop strings one request may give (each is searched for after every token)."""
+
+MAX_STOP_LENGTH = 1000
+"""The longest stop string, in characters (a stream holds back that much text)."""
 
 
 @dataclass(frozen=True)
@@ -44,30 +62,74 @@ class SamplingParams:
         return [message for _, message in self.field_problems()]
 
     def field_problems(self) -> list[tuple[str, str]]:
-        """``(field, what is wrong with it)`` for each bad setting (empty when nothing)."""
+        """``(field, what is wrong with it)`` for each bad setting (empty when nothing): each
+        message names the field, the allowed range and the value found."""
         found = []
-        if self.max_new_tokens < 1:
-            found.append(("max_new_tokens", f"max_new_tokens must be at least 1, not {self.max_new_tokens}"))
-        if not self.temperature >= 0:
-            found.append(("temperature", f"temperature must be 0 (greedy) or more, not {self.temperature}"))
-        if self.top_k < 0:
-            found.append(("top_k", f"top_k must be 0 (off) or more, not {self.top_k}"))
-        if not 0 < self.top_p <= 1:
-            found.append(("top_p", f"top_p must be in (0, 1], not {self.top_p}"))
-        if any(not s for s in self.stop):
-            found.append(("stop", "a stop string must not be empty"))
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            found.append(("top_logprobs", f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {self.top_logprobs}"))
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            allowed = "an integer of at least 1"
+            found.append(("max_new_tokens", f"max_new_tokens must be {allowed}, not {self.max_new_tokens!r}"))
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            allowed = f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}"
+            found.append(("temperature", f"temperature must be {allowed}, not {self.temperature!r}"))
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            found.append(("top_k", f"top_k must be an integer from 0 (off) to {MAX_TOP_K}, not {self.top_k!r}"))
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            found.append(("top_p", f"top_p must be in (0, 1], not {self.top_p!r}"))
+        low, high = SEED_RANGE
+        if not _is_int(self.seed) or not low <= self.seed <= high:
+            found.append(("seed", f"seed must be an integer from -2**63 to 2**63 - 1 (64 bits), not {self.seed!r}"))
+        found += [("stop", message) for message in stop_problems(self.stop)]
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            allowed = f"0 to {MAX_TOP_LOGPROBS}"
+            found.append(("top_logprobs", f"top_logprobs must be {allowed}, not {self.top_logprobs!r}"))
         return found
+
+    @property
+    def seed_words(self) -> tuple[int, int]:
+        """The seed's 64 bits as two unsigned 32-bit words ``(high, low)``: the key
+        ``jax.random.PRNGKey`` makes of a 64-bit seed, so a seed below ``2**32`` draws as it
+        always has, and every seed of :data:`SEED_RANGE` has a stream of its own."""
+        bits = self.seed % 2**64  # two's complement: one-to-one on SEED_RANGE
+        return bits >> 32, bits & 0xFFFFFFFF
+
+
+def stop_problems(stop) -> list[str]:
+    """What is wrong with a list of stop strings (empty when nothing): at most
+    :data:`MAX_STOP_STRINGS`, each a non-empty string of at most :data:`MAX_STOP_LENGTH` characters."""
+    if len(stop) > MAX_STOP_STRINGS:
+        return [f"stop takes at most {MAX_STOP_STRINGS} strings, not {len(stop)}"]
+    found = []
+    for s in stop:
+        if not isinstance(s, str):
+            found.append(f"a stop string must be a string, not {s!r}")
+        elif not s:
+            found.append("a stop string must not be empty")
+        elif len(s) > MAX_STOP_LENGTH:
+            found.append(f"a stop string may have at most {MAX_STOP_LENGTH} characters, not {len(s)}")
+    return found
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite real number (not a bool, not NaN, not infinite)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def token_keys(seeds: jax.Array, samples: jax.Array, positions: jax.Array) -> jax.Array:
-    """One PRNG key per row: from its seed, its sample index and the position being chosen."""
+    """One PRNG key per row: from its seed, its sample index and the position being chosen.
+    ``seeds`` is ``[rows]`` (32-bit seeds) or ``[rows, 2]``: each seed's two 32-bit words, high
+    first (:attr:`SamplingParams.seed_words`), which are the threefry key of that 64-bit seed."""
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    if seeds.ndim == 1:
+        seeds = jnp.stack([jnp.zeros_like(seeds), seeds], axis=-1)
 
     def one(seed, sample, position):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), sample), position)
+        return jax.random.fold_in(jax.random.fold_in(seed, sample), position)
 
-    return jax.vmap(one)(seeds.astype(jnp.uint32), samples, positions)
+    return jax.vmap(one)(seeds, samples, positions)
 
 
 def choose_tokens(

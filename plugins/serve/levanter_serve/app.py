@@ -23,24 +23,56 @@ from levanter_core.inference.engine import Completion, Engine, RequestError
 from levanter_core.inference.sample import encode_prompts
 from levanter_serve.bridge import Generation
 from levanter_serve.errors import ApiError, install_error_handlers
+from levanter_serve.limits import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    LOOPBACK_NAMES,
+    HostAllowList,
+    RequestGuard,
+)
 from levanter_serve.protocol import COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
 CLIENT_GONE = 499
 """The status logged for a request whose client left before its answer (nginx's convention)."""
 
 
-def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    loaded,
+    *,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    public_docs: bool = False,
+) -> FastAPI:
     """The server's application over ``engine`` (started, or started by the first request),
     which runs ``loaded``'s model (a :class:`~levanter_core.models.source.LoadedModel`, whose
     tokenizer turns text into tokens and back). ``model_name`` (default ``loaded.name``) is the
     name ``/v1/models`` lists. With ``api_key``, every ``/v1`` request must carry
-    ``Authorization: Bearer <api_key>`` (``/health`` stays open, for load balancers)."""
+    ``Authorization: Bearer <api_key>`` (``/health`` stays open, for load balancers), and so
+    must ``/docs`` and ``/openapi.json`` unless ``public_docs``.
+
+    Without ``api_key``, only requests whose ``Host`` is an IP address, a loopback name or one
+    of ``allowed_hosts`` (``"*"``: any) are answered (see :mod:`levanter_serve.limits`). A body
+    over ``max_body_bytes`` is refused with 413, one that takes longer than ``body_timeout``
+    seconds to arrive with 408."""
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.source} has no tokenizer (no tokenizer.json): name one with --tokenizer")
     server = _Server(engine, loaded.tokenizer, model_name or loaded.name)
-    app = FastAPI(title="levanter serve", summary=f"OpenAI-compatible API over {server.model_name}")
-    install_error_handlers(app)
     checks = [Depends(_bearer(api_key))] if api_key else []
+    private_docs = bool(api_key) and not public_docs
+    app = FastAPI(
+        title="levanter serve",
+        summary=f"OpenAI-compatible API over {server.model_name}",
+        **({"docs_url": None, "redoc_url": None, "openapi_url": None} if private_docs else {}),
+    )
+    install_error_handlers(app)
+    hosts = None if api_key else HostAllowList((*LOOPBACK_NAMES, *allowed_hosts))
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    if private_docs:
+        _add_private_docs(app, checks)
 
     @app.get("/health")
     async def health():
@@ -68,6 +100,19 @@ def create_app(engine: Engine, loaded, *, api_key: str | None = None, model_name
         return await server.chat_completions(body, request)
 
     return app
+
+
+def _add_private_docs(app: FastAPI, checks: list) -> None:
+    """``/openapi.json`` and ``/docs`` (Swagger UI) behind the API key's check ``checks``."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    @app.get("/openapi.json", dependencies=checks, include_in_schema=False)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=checks, include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
 
 
 def _bearer(api_key: str):

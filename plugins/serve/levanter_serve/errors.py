@@ -38,9 +38,12 @@ class ApiError(Exception):
 
     @classmethod
     def from_engine(cls, error: RequestError, *, param: str | None = None, code: str | None = None) -> "ApiError":
-        """The engine's refusal (400, 429 a full queue, 503 shutting down) as an answer."""
+        """The engine's refusal (400, 429 a full queue, 500 a request whose generation failed,
+        503 shutting down or failed) as an answer."""
         if error.status == 429:
             code = "rate_limit_exceeded"
+        elif error.status == 500:
+            code = "generation_failed"
         elif error.status == 503:
             code = "engine_unavailable"
         return cls(error.status, str(error), param=param, code=code)

@@ -11,6 +11,7 @@ import typer
 
 from levanter_core.cli import SOURCE_HELP
 from levanter_core.plugins import hookimpl
+from levanter_serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 from levanter_serve.server import DEFAULT_HOST, DEFAULT_PORT
 
 
@@ -65,6 +66,32 @@ def serve_command(
             "on a compilation (a slower start); otherwise each shape compiles when a request first needs it."
         ),
     ] = False,
+    allowed_host: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allowed-host",
+            help="Without --api-key, the server answers only requests whose Host header is an IP address, "
+            "localhost, or a name given here (repeat for several; '*' for any), against DNS rebinding.",
+            metavar="NAME",
+        ),
+    ] = None,
+    max_body_size: Annotated[
+        str, typer.Option(help="Largest request body, e.g. 8MiB or 500KB; a larger one is answered 413.")
+    ] = "8MiB",
+    header_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a client has to send a request's line and headers (then 408).", min=0.1, max=3600),
+    ] = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a client has to send a request's body (then 408).", min=0.1, max=3600),
+    ] = DEFAULT_BODY_TIMEOUT,
+    public_docs: Annotated[
+        bool,
+        typer.Option(
+            "--public-docs", help="With --api-key, serve /docs and /openapi.json without the key (they need it otherwise)."
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API.
 
@@ -72,8 +99,15 @@ def serve_command(
     /health. Concurrent requests are batched together by the inference engine. Ctrl-C
     (or SIGTERM) stops taking connections and finishes the answers in progress first.
     """
+    from levanter_core.config.types import parse_size
     from levanter_serve.server import serve
 
+    try:
+        max_body_bytes = parse_size(max_body_size)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="'--max-body-size'") from None
+    if max_body_bytes < 1024:
+        raise typer.BadParameter(f"{max_body_bytes} bytes is too small (at least 1KiB)", param_hint="'--max-body-size'")
     serve(
         source,
         tokenizer=tokenizer,
@@ -86,6 +120,11 @@ def serve_command(
         max_seq_len=max_seq_len,
         max_rounds=max_rounds,
         precompile=precompile,
+        allowed_hosts=tuple(allowed_host or ()),
+        max_body_bytes=max_body_bytes,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        public_docs=public_docs,
     )
 
 

@@ -5,30 +5,71 @@ Fields follow OpenAI's API reference; ``top_k`` and ``ignore_eos`` are extras (a
 them). Fields that only bookkeep (``user``, ``metadata``...) are accepted and ignored; fields
 that would change the answer in a way this server cannot honour (``echo``, ``logit_bias``,
 penalties, tools...) are refused by name rather than silently ignored.
+
+Every number has bounds (those of :class:`~levanter_core.inference.sampling.SamplingParams`,
+which the engine checks again), and every text that reaches the tokenizer must be Unicode
+text: a lone UTF-16 surrogate (JSON's ``"\\ud800"``) is refused by name, as is a value out of
+range, so that no client mistake reaches the engine.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from levanter_core.inference.sampling import SamplingParams
+from levanter_core.inference.sampling import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+    SamplingParams,
+)
 
 COMPLETIONS_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat's default is the rest of the context)."""
+
+MAX_TOKENS = 2**31 - 1
+"""The largest ``max_tokens`` a request may name (the context, checked later, is smaller still)."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+MAX_SAMPLES = 128
+"""The most answers (``n``) one request may ask for per prompt."""
+
+
+def _unicode(text: str, what: str) -> str:
+    """``text``, if it is Unicode text: JSON can carry a lone UTF-16 surrogate (``"\\ud800"``),
+    which no tokenizer can encode and no answer can echo."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise PydanticCustomError(
+            "unicode",
+            "{what} holds a lone UTF-16 surrogate (U+{code}) at character {at}, which is not Unicode "
+            "text: send each character whole (a surrogate pair in JSON is one character)",
+            {"what": what, "code": f"{ord(found.group()):04X}", "at": found.start()},
+        )
+    return text
 
 
 def _prompt(value: Any) -> Any:
     def ids(v):
         return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
-    if isinstance(value, str) or ids(value):
+    if isinstance(value, str):
+        return _unicode(value, "the prompt")
+    if ids(value):
         return value
-    if isinstance(value, list) and value and (all(isinstance(v, str) for v in value) or all(ids(v) for v in value)):
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return [_unicode(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, list) and value and all(ids(v) for v in value):
         return value
     raise PydanticCustomError(
         "prompt", "should be a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -41,8 +82,15 @@ def _stop(value: Any) -> Any:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise PydanticCustomError("stop", "should be a string or a list of strings")
-    if any(not s for s in stops):
-        raise PydanticCustomError("stop", "a stop string must not be empty")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise PydanticCustomError("stop", "takes at most {most} strings, not {n}", {"most": MAX_STOP_STRINGS, "n": len(stops)})
+    for i, s in enumerate(stops):
+        if not s:
+            raise PydanticCustomError("stop", "a stop string must not be empty")
+        if len(s) > MAX_STOP_LENGTH:
+            why = "a stop string may have at most {most} characters, not {n}"
+            raise PydanticCustomError("stop", why, {"most": MAX_STOP_LENGTH, "n": len(s)})
+        _unicode(s, f"stop string {i}")
     return tuple(stops)
 
 
@@ -58,10 +106,10 @@ def _content(value: Any) -> Any:
                     "found a part of type {kind}",
                     {"kind": json.dumps(kind)},
                 )
-        return "".join(part["text"] for part in value)
+        value = "".join(part["text"] for part in value)
     if not isinstance(value, str):
         raise PydanticCustomError("content", "should be a string or a list of text parts")
-    return value
+    return _unicode(value, "the content")
 
 
 Prompt = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_prompt)]
@@ -96,21 +144,29 @@ class _GenerationRequest(BaseModel):
 
     model: str | None = None
     """The served model's name (``/v1/models``); another name is refused with 404. Optional."""
-    temperature: float | None = Field(None, ge=0)
-    """Softmax temperature; 0 is greedy. Default 1."""
-    top_p: float | None = Field(None, gt=0, le=1)
-    """Nucleus sampling: keep the most likely tokens whose probabilities add up to ``top_p``. Default 1."""
-    top_k: int | None = Field(None, ge=-1)
-    """Extra: sample among the ``top_k`` most likely tokens; 0 or -1 (the default): all."""
-    n: int = Field(1, ge=1, le=128)
+
+    @field_validator("model", mode="after")
+    @classmethod
+    def _model_text(cls, value):
+        return value if value is None else _unicode(value, "the model's name")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    """Softmax temperature, 0 (greedy) to 100. Default 1."""
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    """Nucleus sampling: keep the most likely tokens whose probabilities add up to ``top_p``,
+    in (0, 1]. Default 1."""
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    """Extra: sample among the ``top_k`` most likely tokens (at most 2**31 - 1; past the
+    vocabulary's size: all); 0 or -1 (the default): all."""
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     """Answers per prompt."""
     stream: bool = False
     """Send the answer as it is generated, as server-sent events."""
     stream_options: StreamOptions | None = None
     stop: Stop = ()
     """Strings that end the answer where they appear (not part of it)."""
-    seed: int | None = None
-    """The same seed gives the same answer; default: a fresh random seed per request."""
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    """The same seed gives the same answer, a different one (any signed 64-bit integer) a
+    different one; default: a fresh random seed per request."""
     ignore_eos: bool = False
     """Extra: keep generating past the end-of-sequence token (for benchmarks)."""
 
@@ -137,7 +193,7 @@ class _GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=max(self.top_k or 0, 0),
             top_p=1.0 if self.top_p is None else self.top_p,
-            seed=secrets.randbits(32) if self.seed is None else self.seed,
+            seed=secrets.randbits(63) if self.seed is None else self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
             top_logprobs=self.alternatives,
@@ -162,7 +218,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Prompt
     """A text, several texts, a list of token ids, or several such lists: one answer (``n``) each."""
-    max_tokens: int | None = Field(COMPLETIONS_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(COMPLETIONS_MAX_TOKENS, ge=1, le=MAX_TOKENS)
     """Most tokens to generate for each answer (default 16, as OpenAI)."""
     logprobs: int | None = Field(None, ge=0, le=5)
     """Return the log-probability of each generated token and of the ``logprobs`` most likely
@@ -184,6 +240,11 @@ class ChatMessage(BaseModel):
     """The text, or a list of text parts (joined)."""
     name: str | None = None
 
+    @field_validator("name", mode="after")
+    @classmethod
+    def _name_text(cls, value):
+        return value if value is None else _unicode(value, "the name")
+
     def as_template_message(self) -> dict:
         """The ``{"role", "content"}`` a chat template renders (``developer`` is OpenAI's newer
         name for ``system``, which is the one templates know)."""
@@ -194,13 +255,13 @@ class ChatCompletionRequest(_GenerationRequest):
     """The body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     """Most tokens to generate for each answer; default: as many as the context has room for."""
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     """OpenAI's newer name for ``max_tokens`` (it wins when both are given)."""
     logprobs: bool = False
     """Return the log-probability of each generated token."""
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``: also the ``top_logprobs`` most likely tokens at each position."""
 
     @property

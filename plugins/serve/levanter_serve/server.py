@@ -10,12 +10,18 @@ import socket
 import threading
 import time
 
-from levanter_core.errors import UserError
+from levanter_core.errors import LevanterError, UserError
+from levanter_serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+
+
+class EngineFailed(LevanterError):
+    """The inference engine stopped (see :class:`~levanter_core.inference.engine.Engine`): the
+    server stops too, and the command exits with status 1, for a supervisor to restart it."""
 
 
 def serve(
@@ -31,6 +37,11 @@ def serve(
     max_seq_len: int | None = None,
     max_rounds: int = 4,
     precompile: bool = False,
+    allowed_hosts: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    public_docs: bool = False,
 ) -> None:
     """Serve the model of ``source`` (a checkpoint, an import, a Hugging Face directory or hub
     name; ``tokenizer`` replaces its own) on ``host``:``port`` until SIGINT or SIGTERM.
@@ -42,9 +53,13 @@ def serve(
     stops accepting connections and waits for the answers in progress, then the engine
     finishes whatever it still holds: every accepted request gets its whole answer. A second
     signal stops at once. ``precompile``: compile every shape the engine can meet before
-    listening (see :meth:`Engine.precompile`), rather than only the smallest."""
-    import uvicorn
+    listening (see :meth:`Engine.precompile`), rather than only the smallest.
 
+    What clients may send: ``allowed_hosts``, ``max_body_bytes``, ``body_timeout`` and
+    ``public_docs`` as :func:`~levanter_serve.app.create_app` takes them; ``header_timeout``
+    seconds for each request's line and headers. If the engine fails (not one request: the
+    engine), the server stops taking requests, answers those in flight with 503, and raises
+    :class:`EngineFailed`."""
     from levanter_core.inference.engine import Engine
     from levanter_core.models.source import load_model_source
     from levanter_serve.app import create_app
@@ -64,7 +79,10 @@ def serve(
             max_queued=max_queued,
             max_rounds=max_rounds,
         )
-        app = create_app(engine, loaded, api_key=api_key, model_name=model_name)
+        app = create_app(
+            engine, loaded, api_key=api_key, model_name=model_name, allowed_hosts=allowed_hosts,
+            max_body_bytes=max_body_bytes, body_timeout=body_timeout, public_docs=public_docs,
+        )  # fmt: skip
         if precompile:
             started = time.perf_counter()
             print("compiling every shape the engine can meet (--precompile)", flush=True)
@@ -79,20 +97,51 @@ def serve(
             f"{' (API key required)' if api_key else ''}; Ctrl-C to stop",
             flush=True,
         )
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="info", timeout_graceful_shutdown=None))
-        try:
-            with _signals_end_quietly():
-                server.run(sockets=[listener])
-        finally:
-            # uvicorn has waited for every answer in progress, unless a second Ctrl-C cut it short
-            drain = not server.force_exit
-            pending = engine.pending()
-            if pending:
-                what = "finishing" if drain else "cancelling"
-                logger.warning("%s the %d requests still in the engine", what, pending)
-            engine.shutdown(drain=drain)
+        run_until_stopped(engine, app, listener, header_timeout=header_timeout)
     finally:
         listener.close()
+
+
+def run_until_stopped(engine, app, listener: socket.socket, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
+    """Serve ``app`` (over ``engine``) with uvicorn on ``listener`` until SIGINT or SIGTERM, then
+    let the engine finish what it holds. If the engine fails, stop and raise :class:`EngineFailed`."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, header_timeout=header_timeout, log_level="info"))
+    engine.on_failure = lambda error: stop_when_engine_fails(server, error)
+    try:
+        with _signals_end_quietly():
+            server.run(sockets=[listener])
+        if engine.failed is not None:
+            raise EngineFailed(f"the inference engine failed, so the server stopped: {engine.failed}")
+    finally:
+        # uvicorn has waited for every answer in progress, unless a second Ctrl-C cut it short
+        drain = not server.force_exit
+        pending = engine.pending()
+        if pending:
+            what = "finishing" if drain else "cancelling"
+            logger.warning("%s the %d requests still in the engine", what, pending)
+        engine.shutdown(drain=drain)
+
+
+def uvicorn_config(app, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT, log_level: str = "info"):
+    """uvicorn's settings for serving ``app``: HTTP/1.1 with a deadline of ``header_timeout``
+    seconds on each request's head (see :class:`~levanter_serve.limits.HeaderTimeoutProtocol`)."""
+    import uvicorn
+
+    from levanter_serve.limits import protocol_with_header_timeout
+
+    return uvicorn.Config(
+        app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=None,
+        http=protocol_with_header_timeout(header_timeout),
+    )  # fmt: skip
+
+
+def stop_when_engine_fails(server, error: BaseException) -> None:
+    """``Engine.on_failure`` of a server: log and stop the uvicorn ``server`` (its requests in
+    flight have already been failed, with 503)."""
+    logger.error("the inference engine failed (%s): stopping the server", error)
+    server.should_exit = True
 
 
 def warm_up(engine) -> None:

@@ -27,15 +27,19 @@ def make_tiny_model(directory: str) -> str:
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a free port of 127.0.0.1, in a thread (``with`` it)."""
+    """uvicorn serving ``app`` on a free port of 127.0.0.1, in a thread (``with`` it), with the
+    settings ``levanter serve`` gives it (``header_timeout``: see ``server.uvicorn_config``)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **settings):
         import uvicorn
+
+        from levanter_serve.server import uvicorn_config
 
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **settings))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":

@@ -75,6 +75,24 @@ PRESETS: dict[str, dict] = {
                   "gradient_checkpointing": True},
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
+    # Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 query and 8 key/value heads, MLP 8192, tied
+    # embeddings) with the corpus's 8,192-token vocabulary instead of its 128,256: 0.99 B
+    # parameters. seq_len 2048, bf16 compute, f32 parameters and optimizer state; each layer's
+    # input is kept and its inside recomputed in the backward pass. For one H100/H200 (issue 39).
+    "llama1b": {
+        "model": {"type": "llama", "hidden_dim": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+                  "intermediate_dim": 8192, "seq_len": 2048, "tie_word_embeddings": True,
+                  "attn_backend": "jax", "gradient_checkpointing": True},
+        "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
+    },
+    # The same model with every activation kept for the backward pass (no recomputation): fewer
+    # FLOPs on the device per step, about 60 GB of activations at batch 16 (an H200 holds them).
+    "llama1b-keep": {
+        "model": {"type": "llama", "hidden_dim": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
+                  "intermediate_dim": 8192, "seq_len": 2048, "tie_word_embeddings": True,
+                  "attn_backend": "jax", "gradient_checkpointing": False},
+        "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
+    },
     # Not a benchmark: exercises the benchmark itself in seconds (tests use it).
     "tiny": {
         "model": {"type": "gpt2", "hidden_dim": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32},
@@ -234,7 +252,17 @@ def machine() -> dict:
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
     }
+
+
+def device_peak_memory_gib() -> float | None:
+    """The most memory the first device held at once, in GiB (None where the backend does not say)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return peak / 2**30 if peak is not None else None
 
 
 def save_costs(metrics: list[dict], checkpoint: str) -> dict:
@@ -399,6 +427,7 @@ def benchmark(
             "wall": wall_seconds,
         },
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "device_peak_memory_gib": device_peak_memory_gib(),
         "final_checkpoint": result.checkpoint,
         "checkpoints": save_costs(metrics, result.checkpoint) if save_every else None,
     }

@@ -27,6 +27,7 @@ def test_llama_preset_is_the_size_of_the_reference_gpt2():
     gpt2, llama = parameters("gpt2"), parameters("llama")
     assert abs(llama - gpt2) / gpt2 < 0.01, (gpt2, llama)
     assert 330e6 < parameters("llama350m") < 370e6
+    assert 0.98e9 < parameters("llama1b") == parameters("llama1b-keep") < 1.0e9
 
 
 def test_unknown_preset_names_the_choices():
@@ -183,3 +184,46 @@ def test_lora_bench_compares_adapters_with_full_fine_tuning(tmp_path):
         r8["optimizer_state_bytes"] / full["optimizer_state_bytes"]
     )
     assert full["vs_full"]["step_seconds"] == 1.0
+
+
+def test_gpu_script_runs_every_part_on_cpu_with_tiny_models(tmp_path):
+    """bench/gpu.sh is run once, on a lent GPU, where a trivial failure costs the whole lease: its
+    logic runs here on the tiny presets (a training part and a decoding part, ours and theirs)."""
+    out = tmp_path / "gpu"
+    done = subprocess.run(
+        ["bash", os.path.join(REPO, "bench", "gpu.sh"), "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
+        env={**os.environ, "PYTHON": sys.executable, "SITE": str(tmp_path / "site")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    train, decode = summary["parts"]["train-tiny"], summary["parts"]["decode-llama"]
+    assert train["status"] == "ok" and decode["status"] == "ok", summary
+    assert train["figures"]["tokens_per_second"] > 0 and 0 < train["figures"]["mfu_measured_matmul"] < 1.5
+    assert train["figures"]["published_peak_tflops"] is None  # a CPU has no published bf16 peak
+    for case in decode["figures"]["cases"].values():
+        for side in ("levanter", "transformers"):
+            assert case[side]["decode_tokens_per_s"] > 0 and case[side]["prefill_tokens_per_s"] > 0
+    table = (out / "summary.md").read_text()
+    assert "| tiny |" in table and "| batch 1 | levanter |" in table and "| batch 1 | transformers |" in table
+    assert "train-tiny" in (out / "gpu.log").read_text()
+
+
+def test_gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "gpu.py"), "--quick", "--budget", "5", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr  # nothing ran: no figure to show
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(p["status"].startswith("skipped: 5 s of the budget left") for p in summary["parts"].values())
+    assert "- decode-llama: skipped" in (tmp_path / "summary.md").read_text()
+
+
+def test_published_peaks_tell_the_h100_parts_apart():
+    import gpu
+
+    assert gpu.published_peak("NVIDIA H100 80GB HBM3") == 989.4
+    assert gpu.published_peak("NVIDIA H100 PCIe") == 756.0
+    assert gpu.published_peak("NVIDIA H200") == 989.4 and gpu.published_peak("NVIDIA GH200 480GB") == 989.4
+    assert gpu.published_peak("cpu") is None

@@ -20,6 +20,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from levanter_core.data.cache import SKIP_BAD_DATA_HINT
+from levanter_core.data.dataset import TOO_SHORT_HINT
+from levanter_core.data.formats import MESSAGES_FIELD_HINT, TEXT_KEY_HINT
 from levanter_core.errors import DataError, UserError
 
 @dataclasses.dataclass
@@ -165,13 +168,38 @@ def sets_from_files(
         source = UrlSourceConfig.model_validate(
             {"type": "url", "validation_urls": [file], **({"format": data_format} if data_format else {})}
         )
-        cache = open_cache(
-            os.path.join(cache_dir, name), source, "validation", tokenizer,
-            enforce_eos=True, skip_bad_data=False, background=False, progress=progress,
-        )  # fmt: skip
+        try:
+            cache = open_cache(
+                os.path.join(cache_dir, name), source, "validation", tokenizer,
+                enforce_eos=True, skip_bad_data=False, background=False, progress=progress,
+            )  # fmt: skip
+        except DataError as e:
+            raise UserError(for_eval_data(str(e))) from None
         dataset = sequence_dataset(cache, seq_len, layout=source.format.layout, field_lengths=field_lengths)
         sets.append(EvalSet(name, dataset, origin=f"--data {file}"))
     return sets
+
+
+EVAL_TOO_SHORT_HINT = "add data (evaluation cuts it into sequences of the model's seq_len)"
+"""An evaluation set too short for one sequence: its sequences are the model's, so only more data helps."""
+
+_EVAL_DATA_HINTS = {
+    TEXT_KEY_HINT: "`levanter eval --data` reads each record's 'text' field (for another, give a training config "
+    "with --config whose validation source sets format.text_key)",
+    MESSAGES_FIELD_HINT: "`levanter eval --data` reads each record's 'messages' field (for another, give a training "
+    "config with --config whose validation source sets format.messages_field)",
+    SKIP_BAD_DATA_HINT: "fix or remove it: `levanter eval --data` reads every record (a training config given with "
+    "--config may set data.skip_bad_data: true)",
+    TOO_SHORT_HINT: EVAL_TOO_SHORT_HINT,
+}
+
+
+def for_eval_data(message: str) -> str:
+    """``message`` (a data error) with the advice it gives a training run (settings of its config,
+    which ``levanter eval --data`` has not) replaced by what can be done in an evaluation."""
+    for hint, instead in _EVAL_DATA_HINTS.items():
+        message = message.replace(hint, instead)
+    return message
 
 
 def evaluate_sets(
@@ -197,7 +225,8 @@ def evaluate_sets(
         try:
             n = s.dataset.wait_complete()
         except DataError as e:  # too short for one sequence, say: name the set, not its cache
-            raise UserError(f"{s.origin}: {str(e).split(': ', 1)[-1]}") from None
+            problem = str(e).split(": ", 1)[-1].replace(TOO_SHORT_HINT, EVAL_TOO_SHORT_HINT)
+            raise UserError(f"{s.origin}: {problem}") from None
         starts = list(range(0, n, batch_size))[:max_batches]
         for start in tqdm(starts, desc=s.name, disable=not progress, leave=False):
             batch = s.dataset.rows(np.arange(start, min(start + batch_size, n), dtype=np.int64))

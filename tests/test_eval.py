@@ -249,6 +249,30 @@ def test_levanter_eval_mistakes(trained, capsys, tmp_path):
     assert code == 2 and f"--data {short}: the complete cache holds 5 tokens, not one sequence of seq_len 32" in err
 
 
+def test_levanter_eval_data_errors_suggest_what_eval_can_do(trained, capsys, tmp_path):
+    """`levanter eval --data` has no format, skip_bad_data or seq_len settings: its errors do not
+    tell a user to set them (only to put them in a training config given with --config)."""
+    from levanter_core.data.cache import SKIP_BAD_DATA_HINT
+    from levanter_core.data.dataset import TOO_SHORT_HINT
+    from levanter_core.data.formats import TEXT_KEY_HINT
+
+    files = {
+        "other field": write_jsonl(tmp_path / "content.jsonl", [{"content": "x" * 200}]),
+        "bad line": str(tmp_path / "bad.jsonl"),
+        "too short": write_jsonl(tmp_path / "tiny.jsonl", [{"text": "tiny"}]),
+    }
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x" * 200}) + "\n{not json\n")
+    for case, file in files.items():
+        code, _, err = run_eval(capsys, trained["checkpoint"], "--data", file)
+        assert code == 2 and file in err, (case, err)
+        # what a training run is told ("set data.skip_bad_data: true", "shorten the sequences"...)
+        assert not any(hint in err for hint in (TEXT_KEY_HINT, SKIP_BAD_DATA_HINT, TOO_SHORT_HINT)), (case, err)
+    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", files["other field"])
+    assert "reads each record's 'text' field" in err and "--config" in err
+    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", files["too short"])
+    assert "add data" in err
+
+
 @pytest.mark.slow
 def test_levanter_eval_of_a_hugging_face_model_reads_the_same_on_two_devices(tmp_path, capsys):
     docs = prose_docs(30)

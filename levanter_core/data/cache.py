@@ -58,6 +58,8 @@ MAX_PROBLEMS = 10
 """Messages of skipped records kept in the ledger (all are counted)."""
 STALE_AFTER = 600.0
 """A reader waiting on another process's build gives up after this many seconds without progress."""
+SKIP_BAD_DATA_HINT = "set data.skip_bad_data: true to skip such records and count them"
+"""What a bad record stops the build with (a training config's setting)."""
 _CHUNK = 1 << 17  # elements per zarr chunk
 
 
@@ -373,7 +375,7 @@ def _encode_batch(job: _Job, tokenizer: Tokenizer, pending: _Pending, batch: lis
             pending.skipped[_skip_reason(result, record.where)] += 1
             pending.problems.append(str(result))
         else:
-            raise DataError(f"{result} (set data.skip_bad_data: true to skip such records and count them)")
+            raise DataError(f"{result} ({SKIP_BAD_DATA_HINT})")
     pending.records += len(batch)
 
 

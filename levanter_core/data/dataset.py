@@ -37,6 +37,9 @@ from levanter_core.errors import DataError, DataExhausted
 
 logger = logging.getLogger(__name__)
 
+TOO_SHORT_HINT = "add data or shorten the sequences"
+"""What a cache too short for one sequence is told to do."""
+
 if TYPE_CHECKING:
     from levanter_core.data.cache import TokenCache
     from levanter_core.data.config import DataConfig
@@ -109,7 +112,7 @@ class SequenceDataset:
     def _too_short(self, what: str) -> DataError:
         return DataError(
             f"{self.cache.path}: the complete cache holds {what}, not one sequence of seq_len {self.seq_len}; "
-            "add data or shorten the sequences"
+            f"{TOO_SHORT_HINT}"
         )
 
 

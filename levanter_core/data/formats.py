@@ -37,6 +37,11 @@ from levanter_core.data.tokenizer import Tokenizer
 from levanter_core.errors import DataError
 
 LAYOUTS = ("stream", "packed", "document")
+
+TEXT_KEY_HINT = "set format.text_key to the field that holds the text"
+MESSAGES_FIELD_HINT = "set format.messages_field to the field that holds the messages"
+"""What a record without the field a format reads is told to do (settings of a training
+config's source; ``levanter eval --data`` says what it can do instead)."""
 """How a format's documents become the rows of a batch (:attr:`FormatConfig.layout`)."""
 
 
@@ -135,8 +140,7 @@ class TextFormat(FormatConfig):
         if self.text_key not in value:
             keys = ", ".join(map(repr, value)) or "none"
             raise DataError(
-                f"{where}: no {self.text_key!r} field (the record's fields: {keys}); "
-                "set format.text_key to the field that holds the text"
+                f"{where}: no {self.text_key!r} field (the record's fields: {keys}); {TEXT_KEY_HINT}"
             )
         text = value[self.text_key]
         if not isinstance(text, str):
@@ -223,7 +227,7 @@ class ChatFormat(FormatConfig):
             keys = ", ".join(map(repr, value)) if isinstance(value, dict) else f"not an object: {_clip(value)}"
             raise DataError(
                 f"{where}: no {self.messages_field!r} field (the record's fields: {keys or 'none'}); "
-                "set format.messages_field to the field that holds the messages"
+                f"{MESSAGES_FIELD_HINT}"
             )
         messages = value[self.messages_field]
         if not isinstance(messages, list) or not messages:

@@ -18,6 +18,19 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-bench/gpu-out}
 SITE=${SITE:-/tmp/levanter-site}
 
+# Here, before a lease: `bash bench/gpu.sh --fetch-wheels` puts those wheels into .whl/ (and keeps
+# git from seeing them).
+WHEELS="haliax==1.4.dev453 jmp==0.0.4 aqtp==0.9.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
+typing-inspection==0.4.5 zstandard==0.25.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 soxr==1.1.0 jiwer==4.0.0
+rapidfuzz==3.14.6 espeakng-loader==0.2.4"
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+    # shellcheck disable=SC2086
+    exec "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl $WHEELS
+fi
+
 if [ -d "$SITE" ]; then  # installed by an earlier call on this machine
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi

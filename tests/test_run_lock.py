@@ -26,16 +26,16 @@ def lock_files(directory) -> list[str]:
 
 
 def test_a_second_trainer_on_a_running_run_exits_2_naming_the_holder_and_a_killed_holders_lock_is_taken_over(tmp_path):
-    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(200))]}
+    data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(200))], "cache_dir": str(tmp_path / "cache")}
     config = run_config(tmp_path, data, run_id="locked", steps=100000, steps_per_eval=100000)
     checkpoints = tmp_path / "ckpt" / "locked"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     first = subprocess.Popen(command(["train", config, "--no-progress"]), cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while not (checkpoints.is_dir() and lock_files(checkpoints)):
-            assert first.poll() is None and time.monotonic() < deadline, "the first trainer never took the lock"
+        metrics, deadline = tmp_path / "logs" / "locked" / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text()):  # training
+            assert first.poll() is None and time.monotonic() < deadline, "the first trainer never trained"
             time.sleep(0.2)
 
         second = subprocess.run(command(["train", config, "--no-progress", "--trainer.num_train_steps", "2"]),

@@ -128,12 +128,16 @@ class RunLock:
             return -1, None
         generation = max(generations)
         path = join(self.directory, f"{LOCK_PREFIX}{generation}")
-        try:
-            return generation, (path, self._read(path))
-        except FileNotFoundError:  # released meanwhile
-            return generation, None
-        except (OSError, ValueError):
-            return generation, (path, None)
+        for attempt in range(3):
+            try:
+                return generation, (path, self._read(path))
+            except FileNotFoundError:  # released meanwhile
+                return generation, None
+            except (OSError, ValueError):
+                # empty or partial: being written by a trainer that created it an instant ago
+                # (locally, creating and writing are two steps), or left so by a kill
+                time.sleep(0.2 * (attempt + 1))
+        return generation, (path, None)
 
     @staticmethod
     def _read(path: str) -> dict:

@@ -289,7 +289,8 @@ def import_hf(
         ),
     ],
     seq_len: Annotated[
-        Optional[int], typer.Option(help="Training sequence length to record (default: max_position_embeddings).")
+        Optional[int],
+        typer.Option(help="Training sequence length to record (default: max_position_embeddings).", min=1),
     ] = None,
 ) -> None:
     """Convert a Hugging Face causal LM into a levanter checkpoint.

@@ -89,7 +89,8 @@ def serve_command(
     public_docs: Annotated[
         bool,
         typer.Option(
-            "--public-docs", help="With --api-key, serve /docs and /openapi.json without the key (they need it otherwise)."
+            "--public-docs",
+            help="With --api-key, serve /docs and /openapi.json without the key (they need it otherwise).",
         ),
     ] = False,
 ) -> None:

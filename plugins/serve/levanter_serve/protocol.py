@@ -83,7 +83,8 @@ def _stop(value: Any) -> Any:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise PydanticCustomError("stop", "should be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS:
-        raise PydanticCustomError("stop", "takes at most {most} strings, not {n}", {"most": MAX_STOP_STRINGS, "n": len(stops)})
+        counts = {"most": MAX_STOP_STRINGS, "n": len(stops)}
+        raise PydanticCustomError("stop", "takes at most {most} strings, not {n}", counts)
     for i, s in enumerate(stops):
         if not s:
             raise PydanticCustomError("stop", "a stop string must not be empty")

@@ -249,6 +249,10 @@ class Checkpointer(abc.ABC):
                 print(f"skipped damaged checkpoint {path}{where_now}:\n  {_reason(path, problem)}", flush=True)
             if damaged:
                 print(f"resuming from {candidate}, the newest checkpoint that loads", flush=True)
+            if where == self.path and getattr(state, "step", None) is not None:
+                # The run's own checkpoint of this step is its last save: a run resumed complete does
+                # not save its final step again (a temporary one is marked permanent instead).
+                self._last_save_step = int(state.step)
             return state, candidate
         if damaged:
             details = "\n".join(f"- {path}: {_reason(path, problem)}" for path, problem in damaged)

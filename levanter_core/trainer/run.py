@@ -24,7 +24,7 @@ import yaml
 
 from levanter_core import __version__, lora
 from levanter_core.config.train import TrainConfig, objective_class
-from levanter_core.errors import CheckpointError, ConfigError
+from levanter_core.errors import CheckpointError, ConfigError, DataError
 from levanter_core.fileio import is_local, join, require_filesystem, write_text_atomically
 from levanter_core.tracker.base import RunInfo, finish_tracker
 from levanter_core.trainer.run_sync import SYNC_INTERVAL_SECONDS, RunDirectory
@@ -274,6 +274,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     lock = hold_run_lock(trainer_cfg.checkpointer.expanded_path(run_id))
     # Under an object-store log_dir, everything is written into a local mirror that is uploaded
     # as the run goes (see run_sync); the mirror starts as a copy of what a resumed run left.
+    created = leader and is_local(trainer_cfg.log_dir) and not os.path.exists(os.path.join(trainer_cfg.log_dir, run_id))
+    untrained = False  # set when bad data stops a run this attempt created, before it trained
     try:
         directory = RunDirectory.open(trainer_cfg.log_dir, run_id, leader=leader)
     except BaseException:
@@ -320,10 +322,34 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
                 return _train(config, run, data, progress)
             finally:
                 data.close()
+    except DataError:
+        untrained = created
+        raise
     finally:
         directory.close()  # the last upload, whether the run succeeded or not
         if lock is not None:
             lock.release()
+        if untrained:
+            _remove_untrained_run(config, run_id)
+
+
+def _remove_untrained_run(config: TrainConfig, run_id: str) -> None:
+    """Remove what a run that bad data stopped before its first step leaves: its run directory
+    (the record of a run that never trained, an empty ``metrics.jsonl``) and its checkpoint
+    directory when empty. A run directory with a logged step, or checkpoints, stays."""
+    import shutil
+
+    run_dir = os.path.join(config.trainer.log_dir, run_id)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+        return
+    checkpoints = config.trainer.checkpointer.expanded_path(run_id)
+    if is_local(checkpoints) and os.path.isdir(checkpoints):
+        if os.listdir(checkpoints):
+            return
+        os.rmdir(checkpoints)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    logger.info("removed %s: bad data stopped the run before its first step", run_dir)
 
 
 def _batch_for_devices(config: TrainConfig) -> TrainConfig:
@@ -355,7 +381,9 @@ def levanter_differences(config: TrainConfig) -> list[str]:
         )
     if config.trainer.require_accelerator is None and jax.default_backend() == "cpu":
         notes.append(
-            "training on the CPU: Levanter would require a GPU or TPU here (trainer.require_accelerator: true)"
+            "no GPU or TPU found: this run trains on the CPU, which it may (Levanter's default, "
+            "trainer.require_accelerator: true, would stop it instead; set trainer.require_accelerator to true or "
+            "false to say which you mean and drop this note)"
         )
     return notes
 

@@ -317,7 +317,8 @@ def export_hf(
     output: Annotated[
         str,
         typer.Argument(
-            help="Directory to write the Hugging Face model into, or an s3:// or gs:// URL to upload it to.",
+            help="Directory to write the Hugging Face model into (must not exist or be empty, unless "
+            "--overwrite), or an s3:// or gs:// URL to upload it to.",
             metavar="OUTPUT",
         ),
     ],
@@ -337,6 +338,14 @@ def export_hf(
             "--peft",
             help="For a LoRA run: write its adapters as a PEFT adapter directory (adapter_model.safetensors, "
             "adapter_config.json) for peft.PeftModel.from_pretrained on the base model, instead of merged weights.",
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace what OUTPUT holds (an earlier export). Without it, an OUTPUT that exists and is not "
+            "empty is refused, as import-hf refuses one.",
         ),
     ] = False,
 ) -> None:
@@ -362,7 +371,7 @@ def export_hf(
         _check_reachable(argument, path)
     written = do_export(
         checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights,
-        peft=peft,
+        peft=peft, overwrite=overwrite,
     )
     print(f"exported {checkpoint} to {written}")
 

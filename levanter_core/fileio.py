@@ -20,6 +20,22 @@ def write_text_atomically(path: str, text: str) -> None:
     os.replace(partial, path)
 
 
+def new_file_mode() -> int:
+    """The permissions a file created now gets by default: ``0o666`` less the process's umask
+    (``0o644`` under the usual ``022``). For files a library writes owner-only (safetensors'
+    shards) that others are meant to read, as an ordinary ``open`` would have made them."""
+    try:
+        with open("/proc/self/status") as f:  # Linux: read without changing it
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 # The levanter-core extra that installs a filesystem package, by package.
 _EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
 

@@ -275,11 +275,16 @@ def export_hf(
     max_shard_bytes: int = 2 * 1024**3,
     averaged: bool = True,
     peft: bool = False,
+    overwrite: bool = False,
 ) -> str:
     """Write our checkpoint (a training checkpoint, a run's checkpoint directory, or an
     import; local or in a bucket) as a Hugging Face model directory: ``config.json``, sharded
     safetensors with their index, and the tokenizer files. Returns ``output``, a local
     directory or an object-store URL (see :func:`local_output`).
+
+    ``output`` must not exist or be empty, as for :func:`import_hf`, unless ``overwrite``: then
+    an earlier export there is replaced (its weights removed first, so that no shard of it
+    is left beside the new ones).
 
     A LoRA run's checkpoint is written with its adapters merged into the weights, or, with
     ``peft``, as a PEFT adapter directory for its base model (:mod:`levanter_core.hf.peft`).
@@ -291,6 +296,7 @@ def export_hf(
     ``config.json`` carries the special token ids (``pad_token_id``, ``bos_token_id``,
     ``eos_token_id``) of the exported tokenizer; an id it does not define is the imported
     ``config.json``'s, else null, and never one outside the vocabulary."""
+    _check_output(output, overwrite=overwrite)
     loaded = load_checkpoint_model(checkpoint, averaged=averaged)
     model, config, Vocab, found, run_config = loaded.model, loaded.config, loaded.Vocab, loaded.path, loaded.run_config
     if peft:
@@ -319,6 +325,21 @@ def export_hf(
             upload_hf_directory(directory, output)
     logger.info("exported %s to %s", found, output)
     return output
+
+
+def _check_output(output: str, *, overwrite: bool) -> None:
+    """Refuse an ``output`` that holds anything unless ``overwrite``; with it, remove the weights
+    of an earlier export in a local ``output`` (the rest is written over)."""
+    present = list_names(output)
+    if present and not overwrite:
+        raise CheckpointError(
+            f"{output} exists and is not empty; choose another output directory, or pass --overwrite to "
+            "replace what is there"
+        )
+    if present and is_local(output):
+        for name in present:
+            if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+                os.remove(os.path.join(output, name))
 
 
 def _export_peft(loaded: CheckpointModel, output: str) -> str:

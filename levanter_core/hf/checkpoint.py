@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from levanter_core.errors import CheckpointError
-from levanter_core.fileio import filesystem, write_text_atomically
+from levanter_core.fileio import filesystem, new_file_mode, write_text_atomically
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -162,7 +162,8 @@ def _read_header(path: str) -> tuple[dict, int, int]:
 def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int) -> list[str]:
     """Write ``tensors`` as ``model-0000i-of-0000n.safetensors`` shards of at most
     ``max_shard_bytes`` (a tensor larger than that gets a shard of its own) and the index
-    ``model.safetensors.index.json``. Returns the shard file names."""
+    ``model.safetensors.index.json``, readable as the umask allows (``0o644`` usually). Returns
+    the shard file names."""
     from safetensors.numpy import save_file
 
     groups: list[list[str]] = [[]]
@@ -176,7 +177,9 @@ def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_s
     files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for file, names in zip(files, groups):
-        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, os.path.join(directory, file), metadata={"format": "pt"})
+        path = os.path.join(directory, file)
+        save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, path, metadata={"format": "pt"})
+        os.chmod(path, new_file_mode())  # safetensors makes it its owner's alone; the export is for everyone
         weight_map.update({n: file for n in names})
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
     write_text_atomically(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2) + "\n")

@@ -146,7 +146,8 @@ class DpoObjective(Objective):
     def loss(self, model, example: PreferenceExample, *, key, reference=None) -> tuple[jax.Array, dict]:
         """The mean DPO loss of the batch's pairs, and ``dpo/`` metrics (means over the pairs):
         ``rewards_chosen``, ``rewards_rejected``, ``margin`` (chosen's reward less rejected's),
-        ``accuracy`` (the share of pairs whose chosen answer has the higher reward),
+        ``accuracy`` (the share of pairs whose chosen answer has the higher reward, a tie up to
+        rounding not counted: see :func:`ranked_right`),
         ``logps_chosen`` and ``logps_rejected`` (the policy's log-probabilities)."""
         s = self.scores(model, example, reference, key=key)
 
@@ -157,7 +158,7 @@ class DpoObjective(Objective):
             "dpo/rewards_chosen": mean(s.rewards_chosen),
             "dpo/rewards_rejected": mean(s.rewards_rejected),
             "dpo/margin": mean(s.rewards_chosen - s.rewards_rejected),
-            "dpo/accuracy": mean((s.rewards_chosen > s.rewards_rejected).astype(jnp.float32)),
+            "dpo/accuracy": mean(ranked_right(s, self.beta)),
             "dpo/logps_chosen": mean(s.logps_chosen),
             "dpo/logps_rejected": mean(s.logps_rejected),
         }
@@ -175,7 +176,7 @@ class DpoObjective(Objective):
         """``[summed loss, pairs, pairs whose chosen answer has the higher reward, summed
         margins]``, float32."""
         s = self.scores(model, example, reference)
-        correct = (s.rewards_chosen > s.rewards_rejected).astype(jnp.float32)
+        correct = ranked_right(s, self.beta)
         margins = s.rewards_chosen - s.rewards_rejected
         return jnp.stack([hax.sum(x * s.counted).scalar() for x in (s.losses, s.counted, correct, margins)])
 
@@ -244,6 +245,22 @@ def blocked_log_probs(hidden, head, targets, *, block: int | None = None, cap: f
 
     found = jax.lax.map(one_block, (h, t))  # [blocks, rows, per]
     return found.swapaxes(0, 1).reshape(rows, count * per)[:, :positions]
+
+
+ROUNDING = 1e-6
+"""How far apart, relative to the summed log-probabilities, two computations of the same
+rewards may round (float32 sums of many tokens' log-probabilities, in two passes)."""
+
+
+def ranked_right(s: PairScores, beta: float) -> NamedArray:
+    """1.0 for each pair whose chosen answer has the higher reward, strictly: by more than the
+    rounding of the log-probabilities the rewards come from; else 0.0. A policy equal to its
+    reference (the first step) ties on every pair, though its forward pass and the reference's
+    may round differently, and a tie is not a win."""
+    margin = s.rewards_chosen - s.rewards_rejected
+    reference_sum = hax.abs(s.logps_chosen - s.rewards_chosen / beta) + hax.abs(s.logps_rejected - s.rewards_rejected / beta)
+    scale = hax.abs(s.logps_chosen) + hax.abs(s.logps_rejected) + reference_sum
+    return (margin > beta * ROUNDING * scale).astype(jnp.float32)
 
 
 def _stacked(example: PreferenceExample) -> tuple[NamedArray, NamedArray]:

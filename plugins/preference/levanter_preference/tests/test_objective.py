@@ -130,6 +130,22 @@ def test_a_policy_equal_to_its_reference_starts_at_log_2(models, batch):
     assert float(metrics["dpo/margin"]) == 0 and float(metrics["dpo/accuracy"]) == 0  # ties are not wins
 
 
+def test_a_reference_equal_up_to_rounding_ties_and_a_tie_is_no_win(models, batch):
+    """At the first step the policy is its reference, but their forward passes may round
+    differently (another fusion, another device): a difference of rounding is a tie, not a win."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    policy, _ = models
+    # the same weights but for the last bit: log-probabilities that differ by rounding only
+    nudged = jax.tree.map(lambda x: jnp.nextafter(x, jnp.inf) if eqx.is_inexact_array(x) else x, policy)
+    objective = DpoObjective(beta=0.1)
+    loss, metrics = dpo_loss(objective, nudged, policy, placed(objective, batch))
+    assert abs(float(metrics["dpo/margin"])) < 1e-4 and float(loss) == pytest.approx(np.log(2), abs=1e-4)
+    assert float(metrics["dpo/accuracy"]) == 0
+
+
 def test_a_pair_with_nothing_scored_on_a_side_is_left_out(models, batch):
     policy, reference = models
     objective = DpoObjective(beta=0.1)

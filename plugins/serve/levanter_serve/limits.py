@@ -20,19 +20,12 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from levanter_serve.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES  # noqa: F401 (re-exported)
 from levanter_serve.errors import ApiError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 """The host names a server without an API key answers to by default, beside any IP address."""
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-"""The largest request body by default (8 MiB: room for a batch of long prompts)."""
-
-DEFAULT_HEADER_TIMEOUT = 10.0
-"""Seconds a client has by default to send a request's line and headers."""
-
-DEFAULT_BODY_TIMEOUT = 30.0
-"""Seconds a client has by default to send a request's body, once its headers are in."""
 
 
 class HostAllowList:

@@ -11,8 +11,7 @@ import typer
 
 from levanter_core.cli import SOURCE_HELP
 from levanter_core.plugins import hookimpl
-from levanter_serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
-from levanter_serve.server import DEFAULT_HOST, DEFAULT_PORT
+from levanter_serve.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST, DEFAULT_PORT
 
 
 def serve_command(

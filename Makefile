@@ -50,7 +50,7 @@ bench: setup
 
 # A worker that dies fails the run at once (xdist's replacement worker can wait forever).
 test: setup-test
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -q
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -q --durations=25
 
 test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not slow"

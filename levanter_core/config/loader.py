@@ -32,12 +32,99 @@ class Sources:
         return self.main_file
 
 
-class _Loader(yaml.SafeLoader):
-    """A SafeLoader that records key positions, rejects duplicate keys and knows ``!include``."""
+MAX_DEPTH = 100
+"""How deeply sections and lists may nest in a config, counting through aliases and
+``!include``: a config needs a handful of levels, and Python's recursion (in YAML, the
+validation and the run record) needs a bound well below its own."""
 
-    def __init__(self, stream, filename: str, marks: dict, stack: tuple):
+MAX_VALUES = 100_000
+"""How many values (scalars, lists, mappings) a config may hold once its aliases and
+includes are expanded, an alias counting wherever it is used: a config holds hundreds, while
+a "billion laughs" document holds billions in a few lines."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses YAML bombs before building anything: nesting deeper than
+    :data:`MAX_DEPTH` and aliases that expand to more than :data:`MAX_VALUES` values, or that
+    refer to themselves. ``filename`` names the text in messages; ``depth`` is how deep the
+    text sits (an included file's, at its ``!include``); ``budget`` is a one-item list of how
+    many values are left to the whole config, shared by its included files."""
+
+    def __init__(self, stream, filename: str, *, depth: int = 0, budget: list[int] | None = None):
         super().__init__(stream)
         self.filename = filename
+        self.depth = depth
+        self.budget = [MAX_VALUES] if budget is None else budget
+        self.node_depths: dict[yaml.Node, int] = {}
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):  # the aliased node is measured in construct_document
+            return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise ConfigError(
+                f"{self.filename}:{mark.line + 1}: sections and lists nested more than {MAX_DEPTH} levels deep; "
+                "a config needs only a few levels"
+            )
+        self.depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+        if node.tag == "!include":
+            self.node_depths[node] = self.depth
+        return node
+
+    def construct_document(self, node):
+        self.budget[0] -= _expanded_size(node, self.filename, self.depth, self.budget[0])
+        return super().construct_document(node)
+
+
+def _expanded_size(root: yaml.Node, filename: str, depth: int, budget: int) -> int:
+    """How many values the document ``root`` builds, each alias counted wherever it is used.
+    Raises :class:`ConfigError` naming the line when that is more than ``budget``, when
+    aliases nest lists deeper than :data:`MAX_DEPTH` (``depth``: where the document sits), or when
+    an alias is used inside the node it names (an endless value). Each node is measured once,
+    so this takes time in proportion to the text, however far the aliases would expand."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, level: int) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        line = f"{filename}:{node.start_mark.line + 1}"
+        if key in open_nodes:
+            raise ConfigError(f"{line}: an alias here refers to itself (the list or mapping that holds it), an endless value")
+        if level > MAX_DEPTH:
+            raise ConfigError(
+                f"{line}: aliases nest sections and lists more than {MAX_DEPTH} levels deep; a config needs only a few"
+            )
+        open_nodes.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        total = 1 + sum(size(child, level + 1) for child in children)
+        open_nodes.discard(key)
+        if total > budget:
+            raise ConfigError(
+                f"{line}: YAML aliases expand the config to more than {MAX_VALUES:,} values (a config holds a few "
+                "hundred); repeat fewer aliases, or write the values out"
+            )
+        sizes[key] = total
+        return total
+
+    return size(root, depth + 1)
+
+
+class _Loader(_BoundedLoader):
+    """A bounded loader that records key positions, rejects duplicate keys and knows ``!include``."""
+
+    def __init__(self, stream, filename: str, marks: dict, stack: tuple, *, depth: int = 0, budget=None):
+        super().__init__(stream, filename, depth=depth, budget=budget)
         self.key_places = marks
         self.stack = stack
 
@@ -72,14 +159,15 @@ def _construct_include(loader: _Loader, node: yaml.ScalarNode) -> Any:
             f"{loader.filename}:{node.start_mark.line + 1}: !include {target!r}: file {path} does not exist "
             "(include paths are relative to the including file)"
         )
-    return _load_file(path, loader.key_places, loader.stack + (path,))
+    depth = loader.node_depths.get(node, loader.depth)
+    return _load_file(path, loader.key_places, loader.stack + (path,), depth=depth, budget=loader.budget)
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _Loader.add_constructor("!include", _construct_include)
 
 
-def _load_file(path: str, marks: dict, stack: tuple) -> Any:
+def _load_file(path: str, marks: dict, stack: tuple, *, depth: int = 0, budget: list[int] | None = None) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -87,7 +175,7 @@ def _load_file(path: str, marks: dict, stack: tuple) -> Any:
         raise ConfigError(f"config file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
-    loader = _Loader(text, path, marks, stack)
+    loader = _Loader(text, path, marks, stack, depth=depth, budget=budget)
     try:
         return loader.get_single_data()
     except yaml.MarkedYAMLError as e:
@@ -146,12 +234,20 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             value = args[i + 1]
             i += 1
         i += 1
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else value
-        except yaml.YAMLError:
-            parsed = value
-        overrides.append((key, parsed))
+        overrides.append((key, _override_value(value, f"override --{key}") if value.strip() else value))
     return overrides
+
+
+def _override_value(text: str, where: str) -> Any:
+    """An override's value read as YAML (bounded like a config file); text that is not YAML
+    stays a string."""
+    loader = _BoundedLoader(text, where)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError:
+        return text
+    finally:
+        loader.dispose()
 
 
 def apply_overrides(data: dict, overrides: list[tuple[str, Any]], sources: Sources) -> dict:

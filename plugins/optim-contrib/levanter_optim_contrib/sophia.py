@@ -6,8 +6,8 @@ each coordinate of the result, so that a step moves no parameter by more than th
 rate::
 
     m_t = beta1 m_{t-1} + (1 - beta1) g_t
-    h_t = beta2 h_{t-k} + (1 - beta2) hhat_t       every k = update_interval steps
-    x_{t+1} = x_t - lr_t (clip(m_t / max(gamma h_t, epsilon), clip_threshold) + wd x_t)
+    x_{t+1} = x_t - lr_t (clip(m_t / (1 - beta1^t) / max(gamma h, epsilon), clip_threshold) + wd x_t)
+    h <- beta2 h + (1 - beta2) hhat(x_t)      after steps t = k, 2k, ...; k = update_interval
 
 The estimate ``hhat`` is where the two variants differ, and it is why Sophia needs more from
 the trainer than the gradients: both evaluate the training objective again, on the step's batch,
@@ -20,15 +20,28 @@ inside the compiled step (only on the steps that estimate, through ``jax.lax.con
   gradient of the loss against targets drawn from the model's own predictions
   (``objective.sampled_loss``) and ``B`` the number of predictions it averages over.
 
-Both come through the keyword arguments every optimizer's ``update`` receives
-(:mod:`levanter_core.optim.step`): ``objective`` and ``key``. Nothing here is particular to
-language models.
+The estimate comes through the keyword argument ``objective`` that every optimizer's
+``update`` receives (:mod:`levanter_core.optim.step`). Nothing here is particular to language
+models.
 
-Differences from Levanter: the first estimate is made on the first step (Levanter makes it
-after ``update_interval`` steps, and until then divides by ``epsilon``, so its first steps are
-sign steps of the full learning rate); the estimate's randomness comes from the trainer's key
-(``rng_seed`` is folded into it), so a resumed run draws what the uninterrupted one drew;
-Sophia-G, which Levanter leaves unimplemented, works.
+The order of the steps is Levanter's (``levanter.optim.sophia``), so that the same parameters,
+gradients and objective give the same updates (``tests/test_sophia_levanter.py`` checks 50
+steps of each variant against updates Levanter's own code made; ``bench/sophia_levanter.py``
+runs that comparison again). A step divides by the moving average of the *previous* estimates;
+then, on every ``update_interval``-th step, a new estimate is made at the step's parameters
+and enters the average for the steps after it. The first ``update_interval`` steps therefore
+divide by ``epsilon``: they are clipped sign steps of the momentum, at the learning rate (which
+is why Sophia's configs warm up). The estimates' random draws take their keys from one key in
+the optimizer's state, ``PRNGKey(rng_seed)``, split at each estimate, as Levanter's
+``hess_key``; being state, it is checkpointed, so a resumed run draws what the uninterrupted
+one drew.
+
+Differences from Levanter: Sophia-G, which Levanter leaves unimplemented (its
+``stochastic_diag_gauss_newton`` raises ``NotImplementedError``), works here, as the paper's
+Algorithm 2 and Levanter's unreachable code for it describe it; the Hessian-vector product is
+taken reverse over reverse (Levanter's goes forward over reverse, which the fused
+cross-entropy's custom gradient does not support); ``random_vectors: rademacher`` is a choice
+Levanter does not offer.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ class SophiaState(NamedTuple):
     count: jax.Array  # int32 scalar: updates made
     mu: PyTree  # momentum of the gradients
     h: PyTree  # moving average of the estimates of the Hessian's diagonal
+    key: jax.Array  # split at each estimate: one half draws it, the other is kept (Levanter's hess_key)
 
 
 def _random_like(key: jax.Array, params: PyTree, kind: str) -> PyTree:
@@ -93,15 +107,15 @@ def scale_by_sophia(
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Sophia's preconditioned, clipped momentum (the learning rate and weight decay are applied
-    after it). ``update`` needs the keyword argument ``objective``
-    (:class:`~levanter_core.optim.BatchObjective`); ``key`` (else a key made from ``seed`` and the
-    step count) draws the estimates' randomness, ``seed`` being folded into it either way."""
+    after it), in Levanter's order (see the module docstring). ``update`` needs the keyword
+    argument ``objective`` (:class:`~levanter_core.optim.BatchObjective`); the estimates' keys
+    come from ``PRNGKey(seed)``, kept in the state."""
 
     def init(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
-        return SophiaState(jnp.zeros((), jnp.int32), zeros, zeros)
+        return SophiaState(jnp.zeros((), jnp.int32), zeros, zeros, jax.random.PRNGKey(seed))
 
-    def update(grads, state, params=None, *, objective=None, key=None, **_):
+    def update(grads, state, params=None, *, objective=None, **_):
         if params is None or objective is None:
             raise ValueError(
                 "Sophia estimates the Hessian from the objective: its update needs params and "
@@ -109,25 +123,27 @@ def scale_by_sophia(
             )
         count = state.count + 1
         mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-
-        def refresh(h):
-            base = key if key is not None else jax.random.fold_in(jax.random.PRNGKey(0), state.count)
-            estimate = estimator(objective, params, jax.random.fold_in(base, seed))
-            return jax.tree.map(lambda old, new: b2 * old + (1 - b2) * new.astype(old.dtype), h, estimate)
-
-        # The estimate is the costly part (a Hessian-vector product, or a second backward pass):
-        # the branch that makes it runs every `update_interval` steps, starting with the first.
-        h = jax.lax.cond(state.count % update_interval == 0, refresh, lambda h: h, state.h)
-        correction = 1 - b1 ** count.astype(jnp.float32)
-        ratios = jax.tree.map(lambda m, hh: (m / correction) / jnp.maximum(gamma * hh, epsilon), mu, h)
-        stats = {"optim/hessian_norm": optax.global_norm(h), "optim/momentum_norm": optax.global_norm(mu)}
+        correction = 1 - b1**count  # in the default float type: float64 under jax_enable_x64, as Levanter
+        ratios = jax.tree.map(lambda m, hh: (m / correction) / jnp.maximum(gamma * hh, epsilon), mu, state.h)
+        stats = {"optim/hessian_norm": optax.global_norm(state.h), "optim/momentum_norm": optax.global_norm(mu)}
         if clip_threshold is not None:
             leaves = jax.tree.leaves(ratios)
             inside = sum(jnp.sum(jnp.abs(r) < clip_threshold, dtype=jnp.float32) for r in leaves)
             stats["optim/unclipped_fraction"] = inside / sum(r.size for r in leaves)
             ratios = jax.tree.map(lambda r: jnp.clip(r, -clip_threshold, clip_threshold), ratios)
         jit_log(stats)
-        return ratios, SophiaState(count, mu, h)
+
+        def refresh(carry):
+            h, key = carry
+            draw, keep = jax.random.split(key)
+            estimate = estimator(objective, params, draw)
+            return jax.tree.map(lambda old, new: b2 * old + (1 - b2) * new.astype(old.dtype), h, estimate), keep
+
+        # The estimate is the costly part (a Hessian-vector product, or a second backward pass):
+        # the branch that makes it runs on every `update_interval`-th step only. Made after this
+        # step's ratios, at the parameters this step starts from, it serves the steps after it.
+        h, key = jax.lax.cond(count % update_interval == 0, refresh, lambda carry: carry, (state.h, state.key))
+        return ratios, SophiaState(count, mu, h, key)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -149,10 +165,12 @@ class SophiaConfig(OptimizerConfig, abc.ABC):
     clip_threshold: float | None = Field(1.0, gt=0)
     """Clip each coordinate of ``momentum / (gamma * h)`` to this magnitude. None: no clipping."""
     update_interval: int = Field(10, ge=1)
-    """Estimate the Hessian's diagonal every this many steps (on the first step, then every
-    ``update_interval``): the estimate costs about one more forward and backward pass."""
+    """Estimate the Hessian's diagonal at the end of every this many steps, for the steps after
+    it (until the first estimate, steps divide by ``epsilon``): the estimate costs about one more
+    forward and backward pass."""
     rng_seed: int = 0
-    """Folded into the trainer's key for the estimates' random draws."""
+    """Seed of the estimates' random draws (``PRNGKey(rng_seed)``, split at each estimate, as in
+    Levanter)."""
     gamma: float = Field(gt=0)
     """Scale of the Hessian estimate in the denominator: larger is more conservative."""
 

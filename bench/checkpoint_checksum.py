@@ -9,11 +9,18 @@ copies of each matrix, float32 random normal values, which do not compress), ``-
 in all, in a local directory (``--directory``, default a temporary one, so that restores read
 from the page cache and the figures are CPU time: compression, checksums, copies).
 
-Each *round* starts one process per code version (baseline first, then this tree, alternating
-which goes first each round), and each process times ``--repeats`` synchronous saves
-(``write_checkpoint``: host copy, zstd, writing, metadata and marker) and as many restores
-(``load_checkpoint`` into arrays on the device, until ready). The figure of a version is the
-median over all its rounds, so that a busy machine's slow spells fall on both alike.
+One process per code version holds the state; they take turns (which one goes first
+alternates), first ``--repeats`` turns of one synchronous save each (``write_checkpoint``: host
+copy, zstd, writing, metadata and marker), then ``--repeats`` turns of one restore each
+(``load_checkpoint`` into arrays on the device, until ready, of a checkpoint saved just before,
+untimed, so that no version reads chunks it has cached): saves are timed apart from restores,
+as a run does them (one restore when it starts, then saves). Taking turns makes
+a busy machine's slow spells fall on both versions alike; the figures are the medians and
+minimums over the turns. ``--baseline HEAD``
+compares this tree with itself: the spread that shows is the machine's noise.
+
+The work the checksums add is also timed alone: XXH3-64 over every byte of the state, in this
+process, one thread (the least of 5), beside the baseline's median save and restore.
 """
 
 from __future__ import annotations
@@ -62,8 +69,10 @@ def _count(shape: tuple[int, ...]) -> int:
     return n
 
 
-def worker(megabytes: int, repeats: int, directory: str) -> dict:
-    """Time ``repeats`` saves and restores with the levanter_core this process imports."""
+def worker(megabytes: int, directory: str) -> None:
+    """Build the state, say so, then time one save (stdin line ``save``) or one restore (``restore``)
+    with the levanter_core this process imports for each line read, printing each time as a JSON
+    line."""
     import jax
     import numpy as np
 
@@ -82,21 +91,24 @@ def worker(megabytes: int, repeats: int, directory: str) -> dict:
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    saves, restores = [], []
-    for i in range(repeats):
-        path = os.path.join(directory, f"step-{i}")
-        start = time.perf_counter()
-        write_checkpoint(state, path, step=i)
-        saves.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        jax.block_until_ready(load_checkpoint(template, path))
-        restores.append(time.perf_counter() - start)
-        shutil.rmtree(path)
-    loaded = load_checkpoint(template, write_checkpoint(state, os.path.join(directory, "step-check"), step=0))
+    path = os.path.join(directory, str(os.getpid()), "step-0")  # a step-N directory holds step N
+    loaded = load_checkpoint(template, write_checkpoint(state, path, step=0))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state))), "restore differs"
     import levanter_core
 
-    return {"code": os.path.dirname(levanter_core.__file__), "state_mib": nbytes / (1 << 20), "arrays": len(jax.tree.leaves(state)), "save": saves, "restore": restores}
+    code = os.path.dirname(levanter_core.__file__)
+    print(json.dumps({"code": code, "state_mib": nbytes / (1 << 20), "arrays": len(jax.tree.leaves(state))}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "save":
+            shutil.rmtree(path)
+            start = time.perf_counter()
+            write_checkpoint(state, path, step=0)
+        else:  # a checkpoint this process has not read: TensorStore keeps no chunk of it in memory
+            shutil.rmtree(path)
+            write_checkpoint(state, path, step=0)
+            start = time.perf_counter()
+            jax.block_until_ready(load_checkpoint(template, path))
+        print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
 
 
 def baseline_tree(revision: str, into: str) -> str:
@@ -110,19 +122,43 @@ def baseline_tree(revision: str, into: str) -> str:
     return into
 
 
-def run_worker(code: str, args, directory: str) -> dict:
+def hash_seconds(megabytes: int) -> float:
+    """The least of 5 timings of XXH3-64 over every array of the benchmark's state."""
+    import numpy as np
+    import xxhash
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in gpt2_like_shapes(megabytes).values()] * 3
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for array in arrays:
+            xxhash.xxh3_64_hexdigest(array.reshape(-1).view(np.uint8))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def start_worker(code: str, megabytes: int, directory: str) -> tuple[subprocess.Popen, dict]:
+    """A worker process running the levanter_core under ``code``, and what it says of its state."""
     env = {**os.environ, "PYTHONPATH": code, "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--megabytes", str(args.megabytes),
-               "--repeats", str(args.repeats), "--directory", directory]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--megabytes", str(megabytes),
+               "--directory", directory]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return process, _last_json(process)
+
+
+def _last_json(process: subprocess.Popen) -> dict:
+    """The next JSON line the worker prints (skipping anything else it prints)."""
+    for line in process.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"the worker ended (exit {process.wait()})")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megabytes", type=int, default=128, help="size of the training state (MiB)")
-    parser.add_argument("--repeats", type=int, default=3, help="saves and restores per process")
-    parser.add_argument("--rounds", type=int, default=4, help="processes per code version")
+    parser.add_argument("--repeats", type=int, default=30, help="turns of saves, then of restores, by each version")
     parser.add_argument("--baseline", default="c7ef36c", help="the commit to compare with (before checksums)")
     parser.add_argument("--directory", help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", help="JSON results")
@@ -130,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.worker:
-        print(json.dumps(worker(args.megabytes, args.repeats, args.directory)))
+        worker(args.megabytes, args.directory)
         return
 
     with tempfile.TemporaryDirectory(prefix="bench-checksum-") as scratch:
@@ -138,22 +174,34 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
         versions = {"baseline": baseline_tree(args.baseline, os.path.join(scratch, "baseline")), "checksums": REPO}
         timings: dict[str, dict[str, list[float]]] = {name: {"save": [], "restore": []} for name in versions}
-        described = {}
-        for round_ in range(args.rounds):
-            order = list(versions) if round_ % 2 == 0 else list(reversed(versions))
-            for name in order:
-                measured = run_worker(versions[name], args, directory)
-                assert measured["code"].startswith(versions[name]), f"{name} ran {measured['code']}"
-                described = {"state_mib": measured["state_mib"], "arrays": measured["arrays"]}
-                for kind in ("save", "restore"):
-                    timings[name][kind] += measured[kind]
+        workers = {}
+        for name, code in versions.items():
+            workers[name], described = start_worker(code, args.megabytes, directory)
+            assert described.pop("code").startswith(code), f"{name} does not run the code under {code}"
+        try:
+            for kind in ("save", "restore"):
+                for turn in range(args.repeats):
+                    for name in list(versions) if turn % 2 == 0 else list(reversed(versions)):
+                        workers[name].stdin.write(f"{kind}\n")
+                        workers[name].stdin.flush()
+                        timings[name][kind].append(_last_json(workers[name])["seconds"])
+        finally:
+            for process in workers.values():
+                process.stdin.close()
+                process.wait()
 
+    hashing = hash_seconds(args.megabytes)
     medians = {name: {kind: statistics.median(t) for kind, t in kinds.items()} for name, kinds in timings.items()}
-    print(f"state: {described['arrays']} arrays, {described['state_mib']:.0f} MiB; "
-          f"{args.rounds} processes x {args.repeats} per version; baseline {args.baseline}")  # fmt: skip
+    minimums = {name: {kind: min(t) for kind, t in kinds.items()} for name, kinds in timings.items()}
+    print(f"state: {described['arrays']} arrays, {described['state_mib']:.0f} MiB; {args.repeats} turns; "
+          f"baseline {args.baseline}; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     for kind in ("save", "restore"):
-        before, after = medians["baseline"][kind], medians["checksums"][kind]
-        print(f"  {kind:<8} baseline {before:6.3f} s   checksums {after:6.3f} s   {100 * (after / before - 1):+5.1f}%")
+        for figure, values in (("median", medians), ("minimum", minimums)):
+            before, after = values["baseline"][kind], values["checksums"][kind]
+            print(f"  {kind:<8} {figure:<8} baseline {before:6.3f} s   checksums {after:6.3f} s   "
+                  f"{100 * (after / before - 1):+5.1f}%")
+    print(f"  XXH3-64 of the whole state alone: {hashing * 1000:.1f} ms, {100 * hashing / medians['baseline']['save']:.1f}% "
+          f"of the baseline's median save, {100 * hashing / medians['baseline']['restore']:.1f}% of its median restore")
     if args.out:
         record = {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -162,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
             "baseline": args.baseline,
             **described,
             "median_seconds": medians,
+            "minimum_seconds": minimums,
+            "hash_seconds": hashing,
             "seconds": timings,
         }
         with open(args.out, "w") as f:

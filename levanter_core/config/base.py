@@ -21,11 +21,99 @@ from pydantic import (
     WithJsonSchema,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, core_schema
+
+from levanter_core.config.types import MAX_INT, not_a_bool
+
+
+_SCHEMA_KEYS = ("schema", "items_schema", "keys_schema", "values_schema", "lax_schema", "strict_schema", "python_schema")
+"""Keys of a pydantic core schema that hold the schema of a value (serialization is left alone)."""
+
+
+def _checked_numbers(schema: Any) -> Any:
+    """``schema`` (a pydantic core schema) with every ``int`` and ``float`` in it checked as
+    :class:`ConfigModel` says. Returns a new schema; schemas already checked are kept."""
+    if not isinstance(schema, dict):
+        return schema
+    kind = schema.get("type")
+    if kind == "int":
+        return _checked_int(schema)
+    if kind == "float":
+        checked = {**schema, "allow_inf_nan": schema.get("allow_inf_nan", False)}
+        return core_schema.no_info_before_validator_function(not_a_bool, checked)
+    if kind in ("function-before", "function-after") and _check_of(schema) is not_a_bool:
+        return schema  # checked already (a nested section's schema, seen again)
+    if kind == "function-after" and hasattr(_check_of(schema), "__levanter_int_range__"):
+        inner = schema["schema"]  # whole_number(): its range replaces the default bound
+        return {**schema, "schema": core_schema.no_info_before_validator_function(not_a_bool, inner)}
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_KEYS or (key == "items_schema" and isinstance(value, list)):
+            out[key] = [_checked_numbers(v) for v in value] if isinstance(value, list) else _checked_numbers(value)
+        elif key == "fields" and isinstance(value, dict):  # a model's or a typed dict's fields
+            out[key] = {name: _checked_numbers(field) for name, field in value.items()}
+        elif key == "choices" and isinstance(value, dict):  # a tagged union
+            out[key] = {tag: _checked_numbers(choice) for tag, choice in value.items()}
+        elif key == "choices":  # a union: schemas, or (schema, label) pairs
+            out[key] = [(_checked_numbers(c[0]), c[1]) if isinstance(c, tuple) else _labelled(c) for c in value]
+        elif key in ("steps", "definitions"):
+            out[key] = [_checked_numbers(v) for v in value]
+    return out
+
+
+def _labelled(choice: dict) -> Any:
+    """A union's ``choice``, checked, under the label pydantic gives the unchecked one (``int``,
+    ``list[int]``), which error messages show, rather than the name of the checks."""
+    checked = _checked_numbers(choice)
+    return checked if checked == choice else (checked, _label(choice))
+
+
+def _label(schema: dict) -> str:
+    kind = schema.get("type", "")
+    if kind in ("list", "set", "frozenset"):
+        return f"{kind}[{_label(schema['items_schema'])}]"
+    if kind == "dict":
+        return f"dict[{_label(schema['keys_schema'])},{_label(schema['values_schema'])}]"
+    if kind in ("nullable", "default"):
+        return _label(schema["schema"])
+    if kind == "model":
+        return schema["cls"].__name__
+    return kind
+
+
+def _check_of(schema: dict) -> Any:
+    """The function a ``function-*`` core schema calls."""
+    return schema.get("function", {}).get("function")
+
+
+def _checked_int(schema: dict) -> Any:
+    """An ``int`` schema that refuses booleans and, without an upper bound of its own, values
+    beyond :data:`MAX_INT` (and below ``-MAX_INT`` without a lower one)."""
+    checked = core_schema.no_info_before_validator_function(not_a_bool, schema)
+    if "le" in schema or "lt" in schema:
+        return checked
+    low = schema["ge"] if "ge" in schema else schema["gt"] + 1 if "gt" in schema else -MAX_INT
+
+    def fits(value: int) -> int:
+        if not -MAX_INT <= value <= MAX_INT:
+            raise PydanticCustomError(
+                "int_too_large",
+                "expected a whole number from {low} to {high}: counts, steps and sizes must fit JAX's 32-bit integers",
+                {"low": low, "high": MAX_INT},
+            )
+        return value
+
+    return core_schema.no_info_after_validator_function(fits, checked)
 
 
 class ConfigModel(BaseModel):
-    """A configuration section: frozen, hashable, unknown keys are errors."""
+    """A configuration section: frozen, hashable, unknown keys are errors.
+
+    Numbers are checked for what the run can use, in every field of every section (plugins'
+    included), so that a value that loads does not crash later: ``true``/``false`` is not a
+    number; a float must be finite (no ``.inf``, ``.nan``); an ``int`` must fit JAX's 32-bit
+    integers (:data:`~levanter_core.config.types.MAX_INT`) unless its type gives an upper bound
+    of its own (``Field(le=...)``, :func:`~levanter_core.config.types.whole_number`)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -34,6 +122,10 @@ class ConfigModel(BaseModel):
         arbitrary_types_allowed=True,
         validate_default=True,
     )
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return _checked_numbers(handler(source))
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs):

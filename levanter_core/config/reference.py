@@ -183,11 +183,15 @@ def markdown_reference(cls: type[ConfigModel]) -> str:
 def main() -> None:
     """Print the Markdown reference (``python -m levanter_core.config.reference > docs/config-reference.md``)."""
     from levanter_core.config.train import TrainConfig
+    from levanter_core.config.types import MAX_INT
 
     print("# Configuration reference\n")
     print("Generated from the code by `python -m levanter_core.config.reference` with the plugins of this")
     print("repository installed; `levanter train --help` prints the same for whatever is installed.")
-    print("A field written `section[type=NAME].field` exists when the section's `type` is `NAME`.\n")
+    print("A field written `section[type=NAME].field` exists when the section's `type` is `NAME`.")
+    print("Numbers: `true`/`false` is not a number; floats must be finite (no `.inf`, `.nan`); a whole")
+    print(f"number (int) is at most {MAX_INT} (2^31 - 1, what JAX's 32-bit integers hold) unless its field")
+    print("says otherwise (seeds: 0 to 2^32 - 1).\n")
     print(markdown_reference(TrainConfig))
 
 

@@ -12,6 +12,7 @@ from levanter_core.config.levanter_examples import is_levanter_example, translat
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, translate_levanter_sft
 from levanter_core.config.storage import StorageConfig, object_store_urls, storage_problem
+from levanter_core.config.types import Seed
 from levanter_core.data.config import DataSection, data_known_fields
 from levanter_core.errors import ConfigError, LevanterError
 from levanter_core.lora import LoraConfig
@@ -96,9 +97,10 @@ class TrainConfig(ConfigModel):
     tokens and added to the training loss (PaLM's auxiliary loss keeping the softmax's normalizer
     near 1). 0: none. Logged as ``train/z_loss``; evaluation reports the cross-entropy alone."""
 
-    data_seed: int | None = None
+    data_seed: Seed | None = None  # type: ignore[valid-type]
     """Seed of the data order (shuffling and mixing) in place of ``trainer.seed``, so the data
-    order can change while the initialization stays, or the reverse. None: ``trainer.seed``."""
+    order can change while the initialization stays, or the reverse (0 to 2^32 - 1). None:
+    ``trainer.seed``."""
 
     epoch: int = Field(0, ge=0)
     """Train on at most this many passes over the training data (a single source), then stop even
@@ -396,9 +398,22 @@ def validate_train_config(raw: dict, sources: Sources) -> TrainConfig:
         config = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, raw, sources)) from None
+    check_schedule(config, sources)
     config.storage.apply()
     check_storage(raw, sources)
     return config
+
+
+def check_schedule(config: TrainConfig, sources: Sources) -> None:
+    """Raise :class:`ConfigError` naming the optimizer field whose phases (warmup, decay,
+    cycles, ...) do not fit ``trainer.num_train_steps``, which the run would find only when it
+    builds the optimizer."""
+    try:
+        config.optimizer.check_schedule(config.trainer.num_train_steps)
+    except ConfigError as e:
+        dotted, _, problem = str(e).partition(": ")
+        place = sources.place_of(tuple(dotted.split(".")))
+        raise ConfigError(f"invalid config {sources.main_file}:\n  {dotted} ({place}): {problem}") from None
 
 
 def _model_from_hf(raw: dict, sources: Sources) -> dict:

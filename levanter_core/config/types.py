@@ -6,7 +6,47 @@ import datetime
 import re
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, PlainSerializer
+from pydantic import AfterValidator, BeforeValidator, PlainSerializer
+from pydantic_core import PydanticCustomError
+
+MAX_INT = 2**31 - 1
+"""The largest whole number a config field takes unless it says otherwise: counts, steps and
+sizes end up in JAX's 32-bit integers (step counters, array shapes, indices), where a larger
+one would overflow long after the config loaded. Every ``int`` of a
+:class:`~levanter_core.config.base.ConfigModel` is bounded to ``-MAX_INT .. MAX_INT`` (within its
+own ``ge``/``gt`` bounds) unless its type sets an upper bound of its own."""
+
+MAX_SEED = 2**32 - 1
+"""The largest seed: JAX's random keys hold 32 bits of a seed (without 64-bit mode), so seeds
+beyond it would silently repeat smaller ones."""
+
+
+def not_a_bool(value: Any) -> Any:
+    """Refuse ``true``/``false`` where a number is meant (pydantic would read them as 1 and 0)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "expected a number, not true/false")
+    return value
+
+
+def whole_number(low: int, high: int, why: str) -> Any:
+    """The type of an ``int`` field that takes ``low .. high``, refusing anything else with a
+    message that gives the range and ``why`` it is what it is. Unlike a plain ``int`` (bounded to
+    :data:`MAX_INT`), ``high`` may be larger."""
+
+    def check(value: int) -> int:
+        if not low <= value <= high:
+            raise PydanticCustomError(
+                "int_range", "expected a whole number from {low} to {high} ({why})", {"low": low, "high": high, "why": why}
+            )
+        return value
+
+    check.__levanter_int_range__ = (low, high)  # (seen by ConfigModel, which then adds no bound of its own)
+    return Annotated[int, AfterValidator(check)]
+
+
+Seed = whole_number(0, MAX_SEED, "the seeds JAX's random keys tell apart")
+"""A random seed: ``0 .. 2^32 - 1``."""
+
 
 _DURATION_UNITS = {
     "ms": 0.001,

@@ -23,7 +23,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, fie
 
 from levanter_core.config.base import TypedConfig, accepted_only_as
 from levanter_core.errors import ConfigError
-from levanter_core.optim.schedule import LrSchedule, learning_rate_schedule
+from levanter_core.optim.schedule import LrSchedule, PhaseError, learning_rate_schedule, schedule_phases
 from levanter_core.optim.skipstep import SkipStepConfig, skip_step_section
 from levanter_core.optim.transforms import decoupled_weight_decay
 
@@ -225,12 +225,9 @@ class OptimizerConfig(TypedConfig, abc.ABC):
         Raises :class:`ConfigError` when the cycles or phases do not fit the run.
         """
         peak = self.learning_rate if learning_rate is None else learning_rate
-        cooldown_steps = 0
         if self.cooldown is not None:
             warnings.warn("optimizer.cooldown is deprecated; use decay", DeprecationWarning, stacklevel=2)
-            cooldown_steps = int(self.cooldown * num_train_steps) if self.cooldown < 1 else int(self.cooldown)
-            if not 0 <= cooldown_steps < num_train_steps:
-                raise ConfigError(f"optimizer.cooldown ({self.cooldown}) leaves no steps of the run for the schedule")
+        cooldown_steps = self.check_schedule(num_train_steps)
         try:
             main = learning_rate_schedule(
                 learning_rate=peak,
@@ -250,6 +247,32 @@ class OptimizerConfig(TypedConfig, abc.ABC):
         last = float(main(num_train_steps - cooldown_steps - 1))
         tail = optax.linear_schedule(last, peak * self.min_lr_ratio, cooldown_steps)
         return optax.join_schedules([main, tail], [num_train_steps - cooldown_steps])
+
+    def check_schedule(self, num_train_steps: int) -> int:
+        """Check that the schedule's cycles and phases (``warmup``, ``decay``, ``rewarmup``,
+        ``cycles``, ``cycle_length``, ``cooldown``) fit a run of ``num_train_steps`` steps, without
+        building it; return the ``cooldown`` in steps. Raises :class:`ConfigError` whose message
+        starts with the dotted field to change."""
+        cooldown_steps = 0
+        if self.cooldown is not None:
+            cooldown_steps = int(self.cooldown * num_train_steps) if self.cooldown < 1 else int(self.cooldown)
+            if not 0 <= cooldown_steps < num_train_steps:
+                raise ConfigError(
+                    f"optimizer.cooldown: {self.cooldown} leaves no steps of the {num_train_steps}-step run for the "
+                    "schedule"
+                )
+        try:
+            schedule_phases(
+                num_train_steps - cooldown_steps,
+                warmup=self.warmup,
+                decay=self.decay,
+                rewarmup=self.rewarmup,
+                cycles=self.cycles,
+                cycle_length=self.cycle_length,
+            )
+        except PhaseError as e:
+            raise ConfigError(f"optimizer.{e.field}: {e}") from None
+        return cooldown_steps
 
     def build_weight_decay_mask(self) -> Callable[[PyTree], PyTree] | None:
         """A function from parameters to a tree of the same structure with a bool in place of

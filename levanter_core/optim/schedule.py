@@ -350,6 +350,49 @@ def _cycle(start_lr: float, peak: float, ramp: int, decay_start: int, decay_step
     return lr
 
 
+class PhaseError(ValueError):
+    """Phases of the schedule that do not fit the run; ``field`` is the optimizer field to change."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def schedule_phases(
+    num_train_steps: int,
+    *,
+    warmup: int | float = 0.01,
+    decay: int | float | None = None,
+    rewarmup: int | float = 0.0,
+    cycles: int | list[int] | None = None,
+    cycle_length: int | float | list[int] | None = None,
+) -> list[tuple[int, int, int, int]]:
+    """``(start, end, ramp steps, decay steps)`` of each cycle of the schedule, worked out
+    without building it (no JAX). Raises :class:`PhaseError` naming the field when the cycles
+    or their phases do not fit in the run."""
+    try:
+        ends = cycle_ends(num_train_steps, cycles=cycles, cycle_length=cycle_length)
+    except ValueError as e:
+        raise PhaseError(str(e), "cycles" if cycles is not None else "cycle_length") from None
+    phases = []
+    for i, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        length = end - start
+        ramp_field, ramp_value = ("warmup", warmup) if i == 0 else ("rewarmup", rewarmup)
+        ramp = to_steps(ramp_value, length)
+        decay_steps = length - ramp if decay is None else to_steps(decay, length)
+        if ramp > length or ramp + decay_steps > length:
+            what = f"{ramp_field} ({ramp} steps)"
+            if decay is not None and ramp <= length:
+                what += f" plus decay ({decay_steps} steps)"
+            raise PhaseError(
+                f"cycle {i + 1} of {len(ends)} (steps {start} to {end}) is {length} steps long, "
+                f"too short for {what}; shorten the phases or use longer cycles",
+                ramp_field if ramp > length or decay is None else "decay",
+            )
+        phases.append((start, end, ramp, decay_steps))
+    return phases
+
+
 def learning_rate_schedule(
     *,
     learning_rate: float,
@@ -372,24 +415,15 @@ def learning_rate_schedule(
     """
     section = lr_schedule_section(shape)
     section.check(min_lr_ratio)
-    ends = cycle_ends(num_train_steps, cycles=cycles, cycle_length=cycle_length)
-    starts = [0] + ends[:-1]
+    phases = schedule_phases(
+        num_train_steps, warmup=warmup, decay=decay, rewarmup=rewarmup, cycles=cycles, cycle_length=cycle_length
+    )
+    starts = [start for start, _, _, _ in phases]
 
     pieces = []
     start_lr = 0.0
-    for i, (start, end) in enumerate(zip(starts, ends)):
+    for start, end, ramp, decay_steps in phases:
         length = end - start
-        ramp_field, ramp_value = ("warmup", warmup) if i == 0 else ("rewarmup", rewarmup)
-        ramp = to_steps(ramp_value, length)
-        decay_steps = length - ramp if decay is None else to_steps(decay, length)
-        if ramp + decay_steps > length:
-            what = f"{ramp_field} ({ramp} steps)"
-            if decay is not None:
-                what += f" plus decay ({decay_steps} steps)"
-            raise ValueError(
-                f"cycle {i + 1} of {len(ends)} (steps {start} to {end}) is {length} steps long, "
-                f"too short for {what}; shorten the phases or use longer cycles"
-            )
         curve = section.curve(learning_rate, min_lr_ratio, decay_steps)
         piece = _cycle(start_lr, learning_rate, ramp, length - decay_steps, decay_steps, curve)
         pieces.append(piece)

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_only_as
-from levanter_core.config.types import MpPolicy
+from levanter_core.config.types import MpPolicy, Seed
 from levanter_core.fileio import require_filesystem
 from levanter_core.optim.model_averaging import ModelAveragingConfig
 from levanter_core.trainer.samples import TrainingSamplesConfig
@@ -159,8 +159,9 @@ class TrainerConfig(ConfigModel):
             data = {**data, "tracker": _tracker_sections(data["tracker"])}
         return data
 
-    seed: int = 0
-    """The random seed. Every random number of the run (init, dropout, data order) derives from it."""
+    seed: Seed = 0
+    """The random seed, 0 to 2^32 - 1. Every random number of the run (init, dropout, data order)
+    derives from it."""
     mp: MpPolicy = "f32"
     """Mixed-precision policy in jmp syntax, e.g. ``p=f32,c=bfloat16``: parameters kept in float32,
     computation in bfloat16."""

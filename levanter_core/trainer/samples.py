@@ -8,6 +8,7 @@ import logging
 from pydantic import Field, PositiveInt
 
 from levanter_core.config.base import ConfigModel
+from levanter_core.config.types import Seed
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ class TrainingSamplesConfig(ConfigModel):
     """Tokens generated per prompt."""
     temperature: float = Field(0.0, ge=0.0)
     """Softmax temperature; 0 (the default) is greedy, so samples compare across steps."""
-    seed: int = 0
-    """Seed of the random draws when ``temperature`` is above 0."""
+    seed: Seed = 0
+    """Seed of the random draws when ``temperature`` is above 0 (0 to 2^32 - 1)."""
 
 
 def sample_texts(model, tokenizer, config: TrainingSamplesConfig, *, seq_len: int) -> dict[str, str]:

@@ -69,9 +69,12 @@ def train(
         bool,
         typer.Option(
             "--dry-run",
-            help="Check the config (every plugin type, the tokenizer) and print it resolved, as YAML, "
-            "then stop: no data read, no device used, no cache or run directory made. Exit 0 if the "
-            "config is good, 2 if not. (A hub tokenizer missing from the Hugging Face cache is "
+            help="Check the config as the run checks it before it starts (every plugin type, the "
+            "tokenizer, the data files found, batch sizes that divide over the replicas and "
+            "microbatches) and print it resolved, as YAML, then stop: no data read, no device used, "
+            "no cache or run directory made. Exit 0 if the config is good, 2 if not. (The number of "
+            "devices is known only when the run starts, which checks the batch sizes against it "
+            "before it reads any data. A hub tokenizer missing from the Hugging Face cache is "
             "downloaded into it, when the hub is reachable.)",
         ),
     ] = False,

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
@@ -88,3 +89,63 @@ def test_dry_run_is_in_the_help():
     result = run_cli("train", "--help")
     assert result.returncode == 0, result.stderr
     assert "--dry-run" in result.stdout
+
+
+# -- what the real run would refuse, the dry run refuses too -------------------------------------
+
+
+def _bad(tmp_path, case: str) -> str:
+    """A tiny run's config in tmp_path with one thing wrong that only shows when the run starts."""
+    good = {
+        "type": "url",
+        "train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(20))],
+        "cache_dir": str(tmp_path / "cache"),
+        "tokenizer": "byte",
+    }
+    (tmp_path / "home").mkdir(exist_ok=True)
+    if case == "missing-train-file":
+        return run_config(tmp_path, {**good, "train_urls": [str(tmp_path / "missing.jsonl")]}, run_id="dry")
+    if case == "missing-validation-file":
+        return run_config(tmp_path, {**good, "validation_urls": [str(tmp_path / "val-*.jsonl")]}, run_id="dry")
+    if case == "tokenizer-not-a-tokenizer":
+        return run_config(tmp_path, {**good, "tokenizer": good["train_urls"][0]}, run_id="dry")
+    if case == "batch-over-microbatches":
+        return run_config(tmp_path, good, run_id="dry", train_batch_size=6, per_device_parallelism=4)
+    if case == "batch-over-replicas":
+        return run_config(tmp_path, good, run_id="dry", train_batch_size=6, replica_ici_axis_size=4)
+    if case == "schedule-over-microbatches":
+        stages = [{"start": 0, "value": 8}, {"start": 3, "value": 12}]
+        return run_config(tmp_path, good, run_id="dry", train_batch_size=stages, per_device_parallelism=8)
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("missing-train-file", "data.train_urls[0]"),
+        ("missing-validation-file", "data.validation_urls[0]"),
+        ("tokenizer-not-a-tokenizer", "data.tokenizer"),
+        ("batch-over-microbatches", "trainer.per_device_parallelism"),
+        ("batch-over-replicas", "trainer.replica_ici_axis_size"),
+        ("schedule-over-microbatches", "trainer.train_batch_size"),
+    ],
+)
+def test_the_checks_of_a_real_run_are_made_before_it_starts(tmp_path, case, field):
+    from levanter_core.config.train import load_train_config
+    from levanter_core.errors import UserError
+    from levanter_core.trainer.run import preflight
+
+    config, _ = load_train_config(_bad(tmp_path, case))
+    with pytest.raises(UserError) as e:
+        preflight(config)
+    assert field in str(e.value), str(e.value)
+    assert e.value.exit_code == 2
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_dry_run_stops_on_a_missing_data_file_without_touching_devices(tmp_path):
+    result = dry_run(tmp_path, _bad(tmp_path, "missing-train-file"))
+    assert "exit=2 jax_backends_initialized=False" in result.stderr, result.stderr
+    assert "data.train_urls[0]" in result.stderr and "missing.jsonl" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "cache").exists()

@@ -84,7 +84,7 @@ def _open(
         raise DataError(f"{config.field_of(name)} ({split}): {e}{hint}") from None
 
 
-def _splits(config: DataConfig) -> Iterator[tuple[str, str]]:
+def needed_caches(config: DataConfig) -> Iterator[tuple[str, str]]:
     """``(source name, split)`` of every cache a run needs, training first."""
     stages = config.weight_stages()
     held = config.num_validation_sequences or {}
@@ -142,7 +142,7 @@ def build_lm_data(
     tokenizer = load_tokenizer(config.tokenizer)
     caches: dict[tuple[str, str], TokenCache] = {}
     try:
-        for name, split in _splits(config):
+        for name, split in needed_caches(config):
             caches[name, split] = _open(
                 config, name, split, tokenizer, ray=ray, background=True, progress=False, build=build
             )
@@ -173,6 +173,6 @@ def build_lm_data(
 def build_caches(config: DataConfig, *, ray=None, progress: bool = True) -> Iterator[tuple[str, str, TokenCache]]:
     """Build every cache of ``config`` now, one after the other (``levanter cache``)."""
     tokenizer = load_tokenizer(config.tokenizer)
-    for name, split in _splits(config):
+    for name, split in needed_caches(config):
         cache = _open(config, name, split, tokenizer, ray=ray, background=False, progress=progress, build=True)
         yield name, split, cache

@@ -89,6 +89,12 @@ class DataSourceConfig(TypedConfig, abc.ABC):
         A record that cannot be decoded is yielded with a :class:`DataError` value; a
         shard that cannot be opened at all raises :class:`DataError`."""
 
+    def check_inputs(self, split: str) -> None:
+        """Raise :class:`DataError` (naming the field) if the inputs of ``split`` cannot be
+        found. Called before a run starts (and by ``levanter train --dry-run``), so it must read
+        no records. The default checks nothing: a source whose inputs must be downloaded is
+        checked when the run opens it."""
+
     @abc.abstractmethod
     def fingerprint(self, split: str) -> dict:
         """A JSON-able description of the inputs of ``split``, with a ``shards`` entry
@@ -161,6 +167,10 @@ class UrlSourceConfig(DataSourceConfig):
 
     def shards(self, split: str) -> list[str]:
         return self.resolve(split)
+
+    def check_inputs(self, split: str) -> None:
+        """Every pattern of ``split`` must match a file."""
+        self.resolve(split)
 
     def fingerprint(self, split: str) -> dict:
         shards = {}

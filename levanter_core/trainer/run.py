@@ -224,11 +224,17 @@ def configure_jax(config: TrainConfig) -> None:
 
 def preflight(config: TrainConfig) -> None:
     """Check, before anything starts (no device, no data read), what the config names but this
-    environment cannot provide: the tokenizer, and places the checkpointer or the exports
-    cannot reach. Raises :class:`ConfigError` naming the field."""
+    environment cannot provide, and what the run would refuse once started: the tokenizer
+    (there, and a tokenizer), the data files, batch sizes that do not divide over the replicas
+    and microbatches (:mod:`~levanter_core.trainer.checks`), and places the checkpointer or
+    the exports cannot reach. Raises a :class:`UserError` naming the field."""
     from levanter_core.data.tokenizer import check_tokenizer_available
+    from levanter_core.trainer.checks import check_batch_sizes, check_data_inputs, check_tokenizer
 
     check_tokenizer_available(config.data.tokenizer)  # a hub tokenizer that cannot be had
+    check_tokenizer(config.data.tokenizer)
+    check_data_inputs(config.data)
+    check_batch_sizes(config.trainer)
     trainer = config.trainer
     places = {
         "trainer.checkpointer.base_path": trainer.checkpointer.base_path,
@@ -258,6 +264,10 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     preflight(config)
     configure_jax(config)
     config = _batch_for_devices(config)
+    from levanter_core.trainer.checks import check_batch_sizes
+    from levanter_core.trainer.mesh import data_axis_size, make_mesh
+
+    check_batch_sizes(config.trainer, data_axis_size(make_mesh(config.trainer)))  # on this run's devices
 
     from levanter_core import distributed
     from levanter_core.checkpoint.lock import hold_run_lock

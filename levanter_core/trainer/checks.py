@@ -1,0 +1,70 @@
+"""What a run checks before it starts (``levanter train`` and ``--dry-run`` alike): that the
+tokenizer is one, that the data files are there, and that the batch sizes divide over the
+devices and microbatches. None of it touches a device or reads a record of data.
+
+Each check raises a :class:`~levanter_core.errors.UserError` (exit status 2) whose message starts
+with the dotted config field to change."""
+
+from __future__ import annotations
+
+from levanter_core.errors import ConfigError, DataError
+from levanter_core.trainer.config import TrainerConfig
+
+
+def check_tokenizer(spec: str) -> None:
+    """Load the tokenizer ``data.tokenizer`` names, so that a file or directory that is not a
+    tokenizer stops the run here rather than after its run directory is made."""
+    from levanter_core.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(spec)
+    except DataError as e:
+        message = str(e)
+        raise DataError(message if message.startswith("data.tokenizer") else f"data.tokenizer: {message}") from None
+
+
+def check_data_inputs(data) -> None:
+    """Every source and split the run reads (a ``data:`` section) must find its inputs
+    (:meth:`~levanter_core.data.source.DataSourceConfig.check_inputs`)."""
+    from levanter_core.data.pipeline import needed_caches
+
+    for name, split in needed_caches(data):
+        try:
+            data.configs[name].check_inputs(split)
+        except DataError as e:
+            if data.is_mixture:
+                raise DataError(f"{data.field_of(name)}: {e}") from None
+            raise
+
+
+def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) -> None:
+    """Each batch size of ``trainer.train_batch_size`` (every stage of a schedule) must divide
+    over ``data_parallel`` devices and the microbatches of ``per_device_parallelism`` as the
+    trainer splits it (:meth:`~levanter_core.trainer.trainer.BatchPlan.from_config`). Without
+    ``data_parallel`` (before the devices are known), what holds on any number of devices: the
+    data-parallel size is a multiple of ``replica_dcn_axis_size x replica_ici_axis_size``."""
+    if trainer.train_batch_size == -1:
+        return  # per_device_parallelism x the devices: divides by construction
+    if data_parallel is not None:
+        from levanter_core.trainer.trainer import BatchPlan
+
+        for size in trainer.batch_schedule.sizes:
+            BatchPlan.from_config(trainer, data_parallel, size)
+        return
+    replicas = trainer.replica_dcn_axis_size * trainer.replica_ici_axis_size
+    field = "trainer.train_batch_size" if isinstance(trainer.train_batch_size, int) else "trainer.train_batch_size (a stage)"
+    for size in trainer.batch_schedule.sizes:
+        if size % replicas and not trainer.allow_nondivisible_batch_size:
+            raise ConfigError(
+                f"{field}: {size} sequences do not split over trainer.replica_dcn_axis_size x "
+                f"trainer.replica_ici_axis_size = {replicas} data-parallel replicas; choose a multiple of {replicas}, or "
+                "set trainer.allow_nondivisible_batch_size: true"
+            )
+        if trainer.per_device_parallelism != -1:
+            micro = trainer.per_device_parallelism * replicas
+            if size % micro:
+                raise ConfigError(
+                    f"{field}: {size} sequences do not split into microbatches of trainer.per_device_parallelism "
+                    f"({trainer.per_device_parallelism}) x {replicas} replica(s) x the data-parallel devices; choose a "
+                    f"multiple of {micro} x the data axis size"
+                )

@@ -1,30 +1,23 @@
+"""Llama, Mistral and Phi-3 against Hugging Face transformers (logits after import and export,
+stacked and unrolled, greedy decoding, settings we refuse), training from the nano configs
+and discovery, through :class:`~levanter_core.testing.model_family.ModelFamilyTests`; then
+what only these families have (older files' rotary keys, Mistral's window default)."""
+
 import json
-import math
 import os
-import re
+from functools import partial
 
 import numpy as np
 import pytest
-import transformers
 
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model
-from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
-from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig
-from levanter_core.testing import train_briefly
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
 
-# the nano configs ship inside the package, beside these tests
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+from levanter_core.hf.bridge import config_from_hf, export_hf, import_hf, load_hf_model  # noqa: E402
+from levanter_core.hf.parity import IGNORED_CONFIG_KEYS, hf_logits, our_logits, random_hf_model  # noqa: E402
+from levanter_core.layers import LinearRotaryConfig, Llama3RotaryConfig  # noqa: E402
+from levanter_core.testing import TINY_HF, tiny_hf_config  # noqa: E402
+from levanter_core.testing.model_family import ModelFamilyTests  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -76,7 +69,6 @@ MISTRAL_VARIANTS = {
 }
 
 
-# Phi-3: fused qkv_proj and gate_up_proj in every variant
 PHI3_LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
@@ -97,27 +89,48 @@ PHI3_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", LLAMA_VARIANTS)
-def test_llama_parity_with_transformers(variant, tmp_path):
-    report = check_hf_parity(transformers.LlamaConfig(**{**COMMON, **LLAMA_VARIANTS[variant]}), str(tmp_path))
-    report.assert_matches()
-    assert report.shards > 1
+def llama_config(**variant):
+    return tiny_hf_config(transformers.LlamaConfig, **variant)
 
 
-@pytest.mark.parametrize("variant", PHI3_VARIANTS)
-def test_phi3_parity_with_transformers(variant, tmp_path):
-    # the translated config carries no special token ids; the export's comparison checks them
-    check_hf_parity(phi3_config(**PHI3_VARIANTS[variant]), str(tmp_path)).assert_matches(special_tokens=False)
+def mistral_config(**variant):
+    return tiny_hf_config(transformers.MistralConfig, **variant)
 
 
 def phi3_config(**variant):
     # Phi3Config's default pad id (32000) lies outside a tiny vocabulary, which torch refuses
-    return transformers.Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, **variant)
+    return tiny_hf_config(transformers.Phi3Config, pad_token_id=0, bos_token_id=1, eos_token_id=2, **variant)
 
 
-@pytest.mark.parametrize("variant", MISTRAL_VARIANTS)
-def test_mistral_parity_with_transformers(variant, tmp_path):
-    check_hf_parity(transformers.MistralConfig(**COMMON, **MISTRAL_VARIANTS[variant]), str(tmp_path)).assert_matches()
+def _proportional_rope() -> dict:
+    hf = mistral_config().to_dict()
+    hf["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 1e4}
+    return hf
+
+
+class TestLlamaFamilies(ModelFamilyTests):
+    hf_configs = {
+        **{f"llama-{name}": partial(llama_config, **variant) for name, variant in LLAMA_VARIANTS.items()},
+        # Phi-3: fused qkv_proj and gate_up_proj in every variant
+        **{f"phi3-{name}": partial(phi3_config, **variant) for name, variant in PHI3_VARIANTS.items()},
+        **{f"mistral-{name}": partial(mistral_config, **variant) for name, variant in MISTRAL_VARIANTS.items()},
+    }
+    # the translated Phi-3 config carries no special token ids; the export's comparison checks them
+    without_special_tokens = frozenset(name for name in hf_configs if name.startswith("phi3-"))
+    # scan_layers: false builds the layers unrolled (hnn.BlockSeq): loading, saving and exporting
+    # them must give the same tensors and logits as the scanned stack
+    unrolled = ("llama-attention_bias", "mistral-sliding_window_8", "phi3-longrope_partial")
+    generation = ("llama-rope_llama3", "mistral-sliding_window_8", "phi3-partial_rotary")
+    refused = {
+        "rope type 'proportional' is not supported": _proportional_rope,
+        # transformers' Llama cannot rotate part of a head
+        "partial_rotary_factor = 0.5 is not supported": lambda: llama_config(partial_rotary_factor=0.5).to_dict(),
+        "mlp_bias: true is not supported": lambda: llama_config(mlp_bias=True).to_dict(),
+    }
+    package = "levanter_model_llama"
+    nano_configs = ("llama_nano.yaml", "mistral_nano.yaml")
+    distribution = "levanter-model-llama"
+    types = {"model": ["llama", "mistral", "phi3"]}
 
 
 LEGACY_ROPE = {
@@ -138,7 +151,7 @@ LEGACY_ROPE = {
 def test_llama_reads_legacy_rope_keys(variant, tmp_path):
     legacy_keys, expected_rope = LEGACY_ROPE[variant]
     source, imported, exported = (str(tmp_path / d) for d in ("hf", "imported", "exported"))
-    random_hf_model(transformers.LlamaConfig(**COMMON), seed=1).save_pretrained(source)
+    random_hf_model(llama_config(), seed=1).save_pretrained(source)
     config_path = os.path.join(source, "config.json")
     with open(config_path) as f:
         hf_config = json.load(f)
@@ -147,7 +160,7 @@ def test_llama_reads_legacy_rope_keys(variant, tmp_path):
         json.dump({**hf_config, **legacy_keys}, f)
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").eval()
-    tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(2, 24))
+    tokens = np.random.default_rng(0).integers(0, TINY_HF["vocab_size"], size=(2, 24))
     expected = hf_logits(theirs, tokens)
 
     loaded = load_hf_model(source)
@@ -171,70 +184,14 @@ def _comparable(hf_config: dict) -> dict:
     return config
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config_file", ["llama_nano.yaml", "mistral_nano.yaml"])
-def test_nano_config_trains(config_file, tmp_path):
-    result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
-    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    assert result.final_eval_loss < result.initial_eval_loss
-
-
-# scan_layers: false builds the layers unrolled (hnn.BlockSeq): loading, saving and exporting
-# them must give the same tensors and logits as the scanned stack
-UNROLLED = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, attention_bias=True),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, **MISTRAL_VARIANTS["sliding_window_8"]),
-    "phi3": lambda: phi3_config(**PHI3_VARIANTS["longrope_partial"]),
-}
-
-
-@pytest.mark.parametrize("family", UNROLLED)
-def test_unrolled_layers_match_transformers(family, tmp_path):
-    report = check_hf_parity(UNROLLED[family](), str(tmp_path), scan_layers=False)
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.export_config_differences == {}
-
-
-def _proportional_rope() -> dict:
-    hf = transformers.MistralConfig(**COMMON).to_dict()
-    hf["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 1e4}
-    return hf
-
-
-REFUSED = {
-    "rope type 'proportional' is not supported": _proportional_rope,
-    # transformers' Llama cannot rotate part of a head
-    "partial_rotary_factor = 0.5 is not supported": lambda: transformers.LlamaConfig(
-        **COMMON, partial_rotary_factor=0.5
-    ).to_dict(),
-    "mlp_bias: true is not supported": lambda: transformers.LlamaConfig(**COMMON, mlp_bias=True).to_dict(),
-}
-
-
-@pytest.mark.parametrize("message", REFUSED)
-def test_unsupported_settings_are_refused_by_name(message):
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[message]())
-
-
 def test_mistral_without_a_sliding_window_key_gets_transformers_default():
-    hf = transformers.MistralConfig(**COMMON).to_dict()
+    hf = mistral_config().to_dict()
     del hf["sliding_window"]
-    assert config_from_hf(hf).sliding_window == transformers.MistralConfig(**COMMON).sliding_window == 4096
+    assert config_from_hf(hf).sliding_window == mistral_config().sliding_window == 4096
 
 
 def test_scaled_rope_without_original_length_uses_the_context_length():
     # transformers fills original_max_position_embeddings from max_position_embeddings
-    hf = transformers.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)).to_dict()
+    hf = llama_config(rope_parameters=dict(LLAMA3_ROPE)).to_dict()
     del hf["rope_parameters"]["original_max_position_embeddings"]
-    assert config_from_hf(hf).rope.original_max_position_embeddings == COMMON["max_position_embeddings"]
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["llama", "mistral", "phi3"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity({"llama": lambda: transformers.LlamaConfig(**COMMON, **LLAMA_VARIANTS["rope_llama3"]), "mistral": UNROLLED["mistral"], "phi3": lambda: phi3_config(**PHI3_VARIANTS["partial_rotary"])}[name](), str(tmp_path)).assert_matches()
+    assert config_from_hf(hf).rope.original_max_position_embeddings == TINY_HF["max_position_embeddings"]

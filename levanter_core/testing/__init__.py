@@ -1,4 +1,12 @@
-"""Helpers for testing plugins against the core (used by the plugins' own test suites)."""
+"""Helpers for testing plugins against the core (used by the plugins' own test suites).
+
+- this module: tiny runs (``run_config``, ``train_briefly``), data and tokenizers for them,
+  a plugin's discovery (``listed_plugin``), a local S3 server;
+- :mod:`.tiny`: tiny model configs, ours (``tiny_model``) and Hugging Face's (``tiny_hf_config``);
+- :mod:`.metrics`: what a run logged (``read_metrics``, ``logged``);
+- :mod:`.model_family`: the tests every model family inherits (``ModelFamilyTests``), imported
+  from there, since it needs pytest.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,15 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-MODEL = {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
+from levanter_core.testing.metrics import logged, read_metrics
+from levanter_core.testing.tiny import TINY_HF, tiny_hf_config, tiny_model
+
+__all__ = [
+    "MODEL", "TINY_HF", "LocalS3Server", "code_docs", "listed_plugin", "logged", "read_metrics", "run_config",
+    "tiny_hf_config", "tiny_hf_llama", "tiny_model", "train_bpe_tokenizer", "train_briefly", "write_jsonl",
+]  # fmt: skip
+
+MODEL = tiny_model()
 """A GPT-2 small enough to train a few steps on CPU in seconds (needs levanter-model-gpt2)."""
 
 

@@ -1,0 +1,183 @@
+"""The tests every model family runs, written once: a family's test class states its cases
+as class attributes and inherits the tests (in the spirit of ``transformers``'
+``ModelTesterMixin``).
+
+::
+
+    class TestLlama(ModelFamilyTests)         one class per plugin, in its tests/
+      hf_configs = {name: () -> HF config}    ─┬─> test_matches_hugging_face[name]
+      unrolled = (name, ...)                   ├─> test_unrolled_layers_match_hugging_face[name]
+      generation = (name, ...)                 └─> test_greedy_decoding_matches_transformers_generate[name]
+      refused = {message: () -> HF dict}      ───> test_unsupported_settings_are_refused_by_name[message]
+      package, nano_configs = (file, ...)     ───> test_nano_config_trains[file]       (slow)
+      distribution, types                     ───> test_discovered_through_its_entry_point
+
+:class:`ModelFamilyTests` is the four kinds together; a plugin that has only some of them
+inherits the parts (:class:`HfParityTests`, :class:`RefusalTests`, :class:`NanoTrainingTests`,
+:class:`DiscoveryTests`). A test class's name must begin with ``Test`` for pytest to collect
+it; these mixins' names do not, so they are never collected on their own. What only one
+family checks stays a plain test in its own file, or extends a hook here
+(:meth:`NanoTrainingTests.check_nano_run`) so that it shares the work already done.
+
+The parity tests need ``torch`` and ``transformers`` (test-only dependencies): a family's test
+module calls ``pytest.importorskip`` for both before it builds a ``transformers`` config.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from importlib import resources
+from typing import Any, Callable, ClassVar
+
+import pytest
+
+from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import config_from_hf
+from levanter_core.hf.parity import check_generation_parity, check_hf_parity
+from levanter_core.testing import listed_plugin, train_briefly
+from levanter_core.testing.metrics import logged
+
+HfConfigFactory = Callable[[], Any]
+"""Builds a ``transformers`` config object: a function, so that nothing is built at import."""
+
+
+class _Parametrized:
+    """Parametrizes an inherited test by a class attribute: a test method's argument named in
+    the :attr:`case_lists` of any class it inherits runs once per entry of the attribute named
+    there (an empty one gives pytest's skip, "got empty parameter set")."""
+
+    case_lists: ClassVar[dict[str, str]] = {}
+    """Test argument -> the name of the class attribute that lists its cases (each mixin
+    declares its own; they are merged over the class's bases)."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """pytest's hook, called on the collected class for each of its test methods."""
+        case_lists: dict[str, str] = {}
+        for klass in reversed(type(self).__mro__):
+            case_lists.update(vars(klass).get("case_lists", {}))
+        for argument, attribute in case_lists.items():
+            if argument in metafunc.fixturenames:
+                metafunc.parametrize(argument, list(getattr(self, attribute)))
+
+
+class HfParityTests(_Parametrized):
+    """Logits and config against ``transformers``, through ``import-hf`` and ``export-hf``
+    (:func:`~levanter_core.hf.parity.check_hf_parity`), with the layers stacked and unrolled,
+    and greedy decoding against ``transformers``' ``generate``."""
+
+    case_lists = {"hf_case": "hf_configs", "unrolled_case": "unrolled", "generation_case": "generation"}
+
+    hf_configs: ClassVar[dict[str, HfConfigFactory]] = {}
+    """Case name -> a function that returns the tiny ``transformers`` config of that variant."""
+    unrolled: ClassVar[tuple[str, ...]] = ()
+    """Cases of :attr:`hf_configs` checked again with ``scan_layers: false`` (hnn.BlockSeq)."""
+    generation: ClassVar[tuple[str, ...]] = ()
+    """Cases of :attr:`hf_configs` whose greedy decoding is compared with ``generate``'s."""
+    without_special_tokens: ClassVar[frozenset[str]] = frozenset()
+    """Cases whose translated config carries no special token ids (the export's comparison
+    still checks them): families whose ``transformers`` defaults lie outside a tiny vocabulary."""
+    parity_tolerance: ClassVar[float] = 1e-4
+    """The largest absolute logit difference allowed after import and after export."""
+    parity_seq_len: ClassVar[int] = 24
+    """Positions compared: longer than the sliding windows (8) and original context lengths
+    (16) of the tiny variants, so that windows and scaled rotations take effect."""
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Also refuses, at collection, an unrolled or generation case that names no variant."""
+        for attribute in ("unrolled", "generation"):
+            unknown = sorted(set(getattr(self, attribute)) - set(self.hf_configs))
+            if unknown:
+                raise ValueError(f"{type(self).__name__}.{attribute} names {unknown}, not in hf_configs")
+        super().pytest_generate_tests(metafunc)
+
+    def check_parity(self, case: str, workdir: str, *, scan_layers: bool) -> None:
+        """Import, compare, export, reload and compare ``case``; the config unchanged by the
+        round trip; the export written in more than one shard."""
+        report = check_hf_parity(self.hf_configs[case](), workdir, seq_len=self.parity_seq_len, scan_layers=scan_layers)
+        report.assert_matches(self.parity_tolerance, special_tokens=case not in self.without_special_tokens)
+        assert report.shards > 1, "the tiny export should need several 64 KiB shards"
+
+    def test_matches_hugging_face(self, hf_case: str, tmp_path) -> None:
+        self.check_parity(hf_case, str(tmp_path), scan_layers=True)
+
+    def test_unrolled_layers_match_hugging_face(self, unrolled_case: str, tmp_path) -> None:
+        self.check_parity(unrolled_case, str(tmp_path), scan_layers=False)
+
+    def test_greedy_decoding_matches_transformers_generate(self, generation_case: str, tmp_path) -> None:
+        # three prompts of different lengths in one batch of the engine's key/value cache
+        check_generation_parity(self.hf_configs[generation_case](), str(tmp_path)).assert_matches()
+
+
+class RefusalTests(_Parametrized):
+    """Settings a family cannot honour are refused at import, by name, as a ``CheckpointError``."""
+
+    case_lists = {"refused_case": "refused"}
+
+    refused: ClassVar[dict[str, Callable[[], dict]]] = {}
+    """The message expected (a literal part of it) -> a function that returns the Hugging Face
+    config, as the dict a ``config.json`` holds, that must be refused with it."""
+
+    def test_unsupported_settings_are_refused_by_name(self, refused_case: str) -> None:
+        with pytest.raises(CheckpointError, match=re.escape(refused_case)):
+            config_from_hf(self.refused[refused_case]())
+
+
+class NanoTrainingTests(_Parametrized):
+    """Each nano config the plugin ships trains a few steps (``slow``)."""
+
+    case_lists = {"nano_config": "nano_configs"}
+
+    package: ClassVar[str] = ""
+    """The plugin's import package; its nano configs are in the ``configs`` folder inside it."""
+    nano_configs: ClassVar[tuple[str, ...]] = ()
+    """File names of the nano configs to train."""
+    nano_overrides: ClassVar[tuple[str, ...]] = ()
+    """Command-line overrides for every nano run (``"--trainer.train_batch_size", "4"``)."""
+    nano_steps: ClassVar[int] = 4
+
+    def nano_config_path(self, name: str) -> str:
+        """The path of nano config ``name`` in the installed package."""
+        return str(resources.files(self.package) / "configs" / name)
+
+    @pytest.mark.slow
+    def test_nano_config_trains(self, nano_config: str, tmp_path) -> None:
+        result = train_briefly(
+            self.nano_config_path(nano_config), str(tmp_path), steps=self.nano_steps, overrides=self.nano_overrides
+        )
+        self.check_nano_run(nano_config, result)
+
+    def check_nano_run(self, nano_config: str, result) -> None:
+        """What every nano run must show: each step trained and logged once with a finite loss,
+        and the evaluation loss lower at the end than at the start. A family extends this (and
+        calls it) to check more of the same run."""
+        steps = list(range(1, self.nano_steps + 1))
+        assert result.final_step == self.nano_steps
+        losses = logged(result.run_dir, "train/loss", once=True)
+        assert sorted(losses) == steps, f"{nano_config}: train/loss logged at steps {sorted(losses)}"
+        assert all(math.isfinite(loss) for loss in losses.values()), f"{nano_config}: losses {losses}"
+        assert result.final_eval_loss < result.initial_eval_loss, nano_config
+
+
+class DiscoveryTests:
+    """``levanter plugins`` finds the distribution through its entry point, without an error,
+    with the types and hooks it registers (any kind of plugin, not only a model family)."""
+
+    distribution: ClassVar[str] = ""
+    """The distribution's name, as ``pip`` knows it (``levanter-model-llama``)."""
+    types: ClassVar[dict[str, list[str]]] = {}
+    """What it registers, as ``levanter plugins --json`` lists it: kind -> names, in order
+    (``{"model": ["llama", "mistral", "phi3"]}``)."""
+    hooks: ClassVar[frozenset[str]] = frozenset({"register_models", "model_type_for_hf_config"})
+    """The hooks it implements (a model family's two by default)."""
+
+    def test_discovered_through_its_entry_point(self) -> None:
+        ours = listed_plugin(self.distribution)
+        assert ours["error"] is None, ours["error"]
+        assert ours["types"] == self.types
+        assert set(ours["hooks"]) == set(self.hooks)
+
+
+class ModelFamilyTests(HfParityTests, RefusalTests, NanoTrainingTests, DiscoveryTests):
+    """All the tests a decoder family inherits: parity with ``transformers`` (stacked, unrolled,
+    greedy decoding), refusals by name, its nano configs' training, and discovery."""

@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 import levanter_core.plugins as plugins
 from levanter_core.plugins import hookimpl
 # The tests import the tiny-run helpers from here.
-from levanter_core.testing import MODEL, code_docs, run_config, write_jsonl  # noqa: F401
+from levanter_core.testing import MODEL, code_docs, read_metrics, run_config, write_jsonl  # noqa: F401
 from levanter_core.tracker import Tracker, TrackerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +89,7 @@ def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout
 
 def metrics(tmp_path, run_id="pipe"):
     """The lines of a run's ``metrics.jsonl``."""
-    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(tmp_path / "logs" / run_id)
 
 
 # -- a tracker that keeps every call ----------------------------------------------------------

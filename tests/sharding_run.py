@@ -16,7 +16,6 @@ split over (``{path: {axis: mesh axes or None}}``) and the shape of one device's
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -25,15 +24,14 @@ import numpy as np
 def train(config_path: str, name: str, overrides: list[str]) -> dict:
     """Train through the real path (``run_training``); the losses it logged."""
     from levanter_core.config.train import load_train_config
+    from levanter_core.testing import logged
     from levanter_core.trainer.run import run_training
 
     config, _ = load_train_config(config_path, [*overrides, "--trainer.id", name])
     result = run_training(config, config_path=config_path, progress=False)
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
     return {
-        "train": {r["step"]: r["train/loss"] for r in records if "train/loss" in r},
-        "eval": {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r},
+        "train": logged(result.run_dir, "train/loss"),
+        "eval": logged(result.run_dir, "eval/loss"),
         "config": config,
     }
 

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import REPO, run_cli
 
+from levanter_core.testing import logged, read_metrics
+
 TINY = """\
 data:
   type: url
@@ -48,8 +50,7 @@ def make_run(tmp_path, lines=None):
 
 
 def metrics(tmp_path, run_id="cli-tiny"):
-    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(tmp_path / "logs" / run_id)
 
 
 def test_train_then_extend_resumes_from_the_checkpoint(tmp_path):
@@ -89,9 +90,7 @@ def test_the_main_job_learns(tmp_path):
     result = run_cli(*args, timeout=900)
     assert result.returncode == 0, result.stderr
     run_dir = result.stdout.split("run directory: ")[1].split("\n")[0]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    evals = {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r}
+    evals = logged(run_dir, "eval/loss")
     assert sorted(evals) == [0, 100, 200, 300]
     assert evals[300] <= 0.6 * evals[0], evals
     run_id = os.path.basename(run_dir)

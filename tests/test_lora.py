@@ -17,6 +17,7 @@ import pytest
 
 from levanter_core import lora
 from levanter_core.errors import CheckpointError, ConfigError
+from levanter_core.testing import logged
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -278,8 +279,7 @@ def _lora_run(tmp_path: Path, hf_dir: str, steps: int, **extra) -> str:
 
 
 def _losses(tmp_path: Path) -> dict[int, float]:
-    lines = (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m["train/loss"] for m in map(json.loads, lines) if "train/loss" in m}
+    return logged(tmp_path / "logs" / "run")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from conftest import code_docs, metrics, run_config, write_jsonl
 from multiproc import CLI, Processes, cpu_env, distributed_args, free_port, train_together
 
 from levanter_core.checkpoint import discover_latest
+from levanter_core.testing import logged
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def _config(tmp_path, run_id: str, steps: int, ray: bool = False) -> str:
 
 def _losses(tmp_path, run_id: str, key: str = "train/loss") -> dict[int, float]:
     """Step -> value; a step trained again after a resume keeps its last value."""
-    return {m["step"]: m[key] for m in metrics(tmp_path, run_id) if key in m}
+    return logged(tmp_path / "logs" / run_id, key)
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float], steps) -> None:

@@ -22,6 +22,7 @@ import tensorstore as ts
 
 from conftest import REPO
 from levanter_core.checkpoint import COMMIT_MARKER, METADATA_FILE
+from levanter_core.testing import logged
 
 CONFIG = os.path.join(REPO, "config", "gpt2_nano.yaml")
 STEPS = 40
@@ -73,20 +74,8 @@ def train(args: list[str], *, devices: int = 1) -> subprocess.CompletedProcess:
 
 def logged_losses(workdir, run_id: str) -> dict[int, float]:
     """``step -> train/loss`` from the run's metrics.jsonl as it is now (a last line cut
-    short by a kill is ignored)."""
-    path = os.path.join(workdir, "logs", run_id, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    losses = {}
-    with open(path) as f:
-        for line in f:
-            if not line.endswith("\n"):
-                continue
-            record = json.loads(line)
-            if "train/loss" in record:
-                assert record["step"] not in losses, f"step {record['step']} logged twice in {path}"
-                losses[record["step"]] = record["train/loss"]
-    return losses
+    short by a kill is ignored; a step logged twice fails)."""
+    return logged(os.path.join(workdir, "logs", run_id), once=True, missing_ok=True)
 
 
 def final_arrays(checkpoint: str) -> dict[str, np.ndarray]:

@@ -1,6 +1,5 @@
 """Training: gradient accumulation, a short real run whose loss falls, and resume."""
 
-import json
 import os
 import shutil
 
@@ -12,6 +11,7 @@ import pytest
 from levanter_core.config.loader import Sources
 from levanter_core.config.train import TrainConfig, validate_train_config
 from levanter_core.models.lm import lm_loss_and_metrics
+from levanter_core.testing import read_metrics
 from levanter_core.trainer.mesh import make_mesh
 from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer, trainable
@@ -37,11 +37,6 @@ def tiny_config(tmp_path, *, model: dict | None = None, optimizer: dict | None =
                       **(optimizer or {})},
     }
     return validate_train_config(raw, Sources("test"))
-
-
-def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_gradient_accumulation_gives_the_full_batch_gradients(tmp_path):

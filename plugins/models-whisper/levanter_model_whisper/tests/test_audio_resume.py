@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from levanter_core.testing import logged
+
 UTTERANCES = 240
 """Synthesized utterances (about two seconds each) shared by both tests."""
 
@@ -333,15 +335,9 @@ def cpu_env() -> dict:
 
 
 def logged_losses(workdir: Path, run_id: str) -> dict[int, float]:
-    """``step -> train/loss`` in the run's metrics.jsonl now (a line cut short by a kill is ignored)."""
-    path = workdir / "logs" / run_id / "metrics.jsonl"
-    losses = {}
-    if path.exists():
-        for line in path.read_text().splitlines(keepends=True):
-            if line.endswith("\n") and "train/loss" in (record := json.loads(line)):
-                assert record["step"] not in losses, f"step {record['step']} logged twice in {path}"
-                losses[record["step"]] = record["train/loss"]
-    return losses
+    """``step -> train/loss`` in the run's metrics.jsonl now (a line cut short by a kill is
+    ignored; a step logged twice fails)."""
+    return logged(workdir / "logs" / run_id, once=True, missing_ok=True)
 
 
 def final_arrays(checkpoint: Path) -> dict[str, np.ndarray]:

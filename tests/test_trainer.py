@@ -11,7 +11,7 @@ import pytest
 from levanter_core.config.loader import Sources
 from levanter_core.config.train import TrainConfig, validate_train_config
 from levanter_core.models.lm import lm_loss_and_metrics
-from levanter_core.testing import read_metrics
+from levanter_core.testing import read_metrics, tiny_model
 from levanter_core.trainer.mesh import make_mesh
 from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer, trainable
@@ -21,8 +21,7 @@ def tiny_config(tmp_path, *, model: dict | None = None, optimizer: dict | None =
     """A tiny GPT-2 run; ``model`` and ``optimizer`` fields and ``trainer`` ones override its own."""
     raw = {
         "data": {"type": "python_stdlib", "tokenizer": "byte", "max_files": 40, "cache_dir": str(tmp_path / "cache")},
-        "model": {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 2, "seq_len": 64,
-                  "gradient_checkpointing": False, **(model or {})},
+        "model": {**tiny_model(num_layers=2, seq_len=64, gradient_checkpointing=False), **(model or {})},
         "trainer": {
             "num_train_steps": 30,
             "train_batch_size": 8,

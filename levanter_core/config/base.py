@@ -26,7 +26,10 @@ from pydantic_core import PydanticCustomError, core_schema
 from levanter_core.config.types import MAX_INT, not_a_bool
 
 
-_SCHEMA_KEYS = ("schema", "items_schema", "keys_schema", "values_schema", "lax_schema", "strict_schema", "python_schema")
+_SCHEMA_KEYS = (
+    *("schema", "items_schema", "keys_schema", "values_schema"),
+    *("lax_schema", "strict_schema", "json_schema", "python_schema"),
+)
 """Keys of a pydantic core schema that hold the schema of a value (serialization is left alone)."""
 
 

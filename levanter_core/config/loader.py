@@ -57,6 +57,16 @@ class _BoundedLoader(yaml.SafeLoader):
         self.budget = [MAX_VALUES] if budget is None else budget
         self.node_depths: dict[yaml.Node, int] = {}
 
+    def fetch_flow_collection_start(self, TokenClass):
+        # The scanner reads a flow collection (``[[[...``) ahead of the composer, in time that grows
+        # with the square of its depth: stop it at the bound.
+        if self.flow_level >= MAX_DEPTH:
+            raise ConfigError(
+                f"{self.filename}:{self.get_mark().line + 1}: sections and lists nested more than {MAX_DEPTH} levels "
+                "deep; a config needs only a few levels"
+            )
+        super().fetch_flow_collection_start(TokenClass)
+
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):  # the aliased node is measured in construct_document
             return super().compose_node(parent, index)
@@ -95,7 +105,9 @@ def _expanded_size(root: yaml.Node, filename: str, depth: int, budget: int) -> i
             return sizes[key]
         line = f"{filename}:{node.start_mark.line + 1}"
         if key in open_nodes:
-            raise ConfigError(f"{line}: an alias here refers to itself (the list or mapping that holds it), an endless value")
+            raise ConfigError(
+                f"{line}: an alias here refers to itself (the list or mapping holding it): an endless value"
+            )
         if level > MAX_DEPTH:
             raise ConfigError(
                 f"{line}: aliases nest sections and lists more than {MAX_DEPTH} levels deep; a config needs only a few"

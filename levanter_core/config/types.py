@@ -36,7 +36,9 @@ def whole_number(low: int, high: int, why: str) -> Any:
     def check(value: int) -> int:
         if not low <= value <= high:
             raise PydanticCustomError(
-                "int_range", "expected a whole number from {low} to {high} ({why})", {"low": low, "high": high, "why": why}
+                "int_range",
+                "expected a whole number from {low} to {high} ({why})",
+                {"low": low, "high": high, "why": why},
             )
         return value
 

@@ -52,13 +52,13 @@ def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) 
             BatchPlan.from_config(trainer, data_parallel, size)
         return
     replicas = trainer.replica_dcn_axis_size * trainer.replica_ici_axis_size
-    field = "trainer.train_batch_size" if isinstance(trainer.train_batch_size, int) else "trainer.train_batch_size (a stage)"
+    field = "trainer.train_batch_size" + ("" if isinstance(trainer.train_batch_size, int) else " (a stage)")
     for size in trainer.batch_schedule.sizes:
         if size % replicas and not trainer.allow_nondivisible_batch_size:
             raise ConfigError(
                 f"{field}: {size} sequences do not split over trainer.replica_dcn_axis_size x "
-                f"trainer.replica_ici_axis_size = {replicas} data-parallel replicas; choose a multiple of {replicas}, or "
-                "set trainer.allow_nondivisible_batch_size: true"
+                f"trainer.replica_ici_axis_size = {replicas} data-parallel replicas; choose a multiple of "
+                f"{replicas}, or set trainer.allow_nondivisible_batch_size: true"
             )
         if trainer.per_device_parallelism != -1:
             micro = trainer.per_device_parallelism * replicas

@@ -1,67 +1,63 @@
 """Qwen 2, Qwen 3 and Qwen3-MoE against Hugging Face transformers (logits after import and
-export, the config's round trip, settings we refuse), training from the nano configs, and
-discovery through the entry point."""
-
-import math
-import os
-import re
+export, stacked and unrolled, greedy decoding, settings we refuse), training from the nano
+configs and discovery, through :class:`~levanter_core.testing.model_family.ModelFamilyTests`;
+then what only Qwen3-MoE has (its head_dim default, the older experts key, the balancing loss)."""
 
 import pytest
-import transformers
 
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, check_generation_parity
-from levanter_core.testing import listed_plugin, train_briefly
-from levanter_model_qwen3.qwen3_moe import Qwen3MoeConfig
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
 
-# the nano configs ship inside the package, beside these tests
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-TINY = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
-
-# check_hf_parity compares logits over 24 positions, so a window of 8 is exercised.
-HF_CONFIGS = {
-    "qwen": lambda: transformers.Qwen2Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "qwen-tied": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
-    # layer 0 full, layers 1 and 2 sliding: a per-layer switch scanned with the layers
-    "qwen-sliding": lambda: transformers.Qwen2Config(
-        **{**TINY, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8, max_window_layers=1
-    ),
-    # head_dim 32 x 4 heads: the query projection is twice as wide as the residual stream
-    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
-    # every layer sliding (a fixed window), and biases on all four projections
-    "qwen3-sliding-bias": lambda: transformers.Qwen3Config(
-        **TINY, head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=8, max_window_layers=0
-    ),
-    # dynamic NTK scaling past a context of 16: the 24 compared positions grow the base
-    "qwen3-dynamic-rope": lambda: transformers.Qwen3Config(
-        **{**TINY, "max_position_embeddings": 16},
-        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
-    ),
-}
+from levanter_core.hf.bridge import config_from_hf  # noqa: E402
+from levanter_core.hf.parity import check_hf_parity, load_balancing_losses  # noqa: E402
+from levanter_core.testing import TINY_HF, tiny_hf_config  # noqa: E402
+from levanter_core.testing.model_family import ModelFamilyTests  # noqa: E402
+from levanter_model_qwen3.qwen3_moe import Qwen3MoeConfig  # noqa: E402
 
 # Qwen3-MoE: 4 experts of width 32, 2 per token. head_dim 32 (not hidden_size // heads), as in
 # the released models, where the attention is wider than the residual stream.
-MOE = {**TINY, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MOE = {**TINY_HF, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def qwen2(**keys):
+    return tiny_hf_config(transformers.Qwen2Config, **keys)
+
+
+def qwen3(**keys):
+    return tiny_hf_config(transformers.Qwen3Config, **keys)
+
+
+def qwen3_moe(**keys):
+    return transformers.Qwen3MoeConfig(**{**MOE, **keys})
+
+
+# check_hf_parity compares logits over 24 positions, so a window of 8 is exercised.
+HF_CONFIGS = {
+    "qwen": lambda: qwen2(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen-tied": lambda: qwen2(tie_word_embeddings=True),
+    # layer 0 full, layers 1 and 2 sliding: a per-layer switch scanned with the layers
+    "qwen-sliding": lambda: qwen2(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    # head_dim 32 x 4 heads: the query projection is twice as wide as the residual stream
+    "qwen3": lambda: qwen3(head_dim=32),
+    # every layer sliding (a fixed window), and biases on all four projections
+    "qwen3-sliding-bias": lambda: qwen3(
+        head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=8, max_window_layers=0
+    ),
+    # dynamic NTK scaling past a context of 16: the 24 compared positions grow the base
+    "qwen3-dynamic-rope": lambda: qwen3(
+        max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    ),
+}
 
 MOE_CONFIGS = {
-    "moe-normalized": lambda: transformers.Qwen3MoeConfig(**MOE, norm_topk_prob=True),
+    "moe-normalized": lambda: qwen3_moe(norm_topk_prob=True),
     # layers 1 and 3 are sparse by the step, 3 is dense by mlp_only_layers: dense, moe, dense, dense
-    "moe-sparse-step": lambda: transformers.Qwen3MoeConfig(
-        **{**MOE, "num_hidden_layers": 4}, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
+    "moe-sparse-step": lambda: qwen3_moe(
+        num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False
     ),
     # moe, dense, moe (three groups of layers); every layer sliding; biases; tied embeddings
-    "moe-sliding-bias-tied": lambda: transformers.Qwen3MoeConfig(
-        **{**MOE, "num_hidden_layers": 3},
+    "moe-sliding-bias-tied": lambda: qwen3_moe(
+        num_hidden_layers=3,
         mlp_only_layers=[1],
         use_sliding_window=True,
         sliding_window=8,
@@ -72,18 +68,6 @@ MOE_CONFIGS = {
 }
 
 ALL_CONFIGS = {**HF_CONFIGS, **MOE_CONFIGS}
-
-
-@pytest.mark.parametrize("name", ALL_CONFIGS)
-def test_matches_hugging_face(name, tmp_path):
-    check_hf_parity(ALL_CONFIGS[name](), str(tmp_path)).assert_matches()
-
-
-# scan_layers: false builds the layers unrolled (hnn.BlockSeq): the per-layer sliding switch,
-# Qwen 3's head norms, and the groups of dense and sparse layers are what differ from the stack
-@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3", "moe-sparse-step", "moe-sliding-bias-tied"])
-def test_unrolled_layers_match_hugging_face(name, tmp_path):
-    check_hf_parity(ALL_CONFIGS[name](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
 
 
 def test_qwen3_moe_without_head_dim_splits_the_hidden_size(tmp_path):
@@ -106,7 +90,7 @@ def test_qwen3_moe_defaults_are_qwen3_30b_a3b_as_transformers_reads_them():
 
 
 def test_qwen3_moe_reads_the_older_num_experts_key():
-    hf = transformers.Qwen3MoeConfig(**MOE).to_dict()
+    hf = qwen3_moe().to_dict()
     del hf["num_local_experts"]
     assert config_from_hf({**hf, "num_experts": 4}).num_experts == 4
 
@@ -126,51 +110,33 @@ def _with(make, **keys):
 REFUSED = {
     # rotating only part of each head: transformers' Qwen would rotate all of it anyway
     "partial_rotary_factor = 0.5 is not supported: Hugging Face's Qwen2ForCausalLM rotates whole heads": (
-        lambda: transformers.Qwen2Config(**TINY, partial_rotary_factor=0.5).to_dict()
+        lambda: qwen2(partial_rotary_factor=0.5).to_dict()
     ),
     "partial_rotary_factor = 0.25 is not supported: Hugging Face's Qwen3MoeForCausalLM rotates whole heads": (
-        lambda: transformers.Qwen3MoeConfig(**MOE, partial_rotary_factor=0.25).to_dict()
+        lambda: qwen3_moe(partial_rotary_factor=0.25).to_dict()
     ),
     # a pattern of sliding layers that use_sliding_window and max_window_layers cannot say
     "layer_types ['sliding_attention', 'full_attention'] is not supported": _with(
-        lambda: transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8),
-        layer_types=["sliding_attention", "full_attention"],
+        lambda: qwen2(use_sliding_window=True, sliding_window=8), layer_types=["sliding_attention", "full_attention"]
     ),
-    "attention_dropout: 0.1 is not supported": _with(lambda: transformers.Qwen3Config(**TINY), attention_dropout=0.1),
+    "attention_dropout: 0.1 is not supported": _with(qwen3, attention_dropout=0.1),
     "rope type 'proportional' is not supported": _with(
-        lambda: transformers.Qwen3Config(**TINY), rope_parameters={"rope_type": "proportional", "rope_theta": 1e6}
+        qwen3, rope_parameters={"rope_type": "proportional", "rope_theta": 1e6}
     ),
     # no experts: transformers would build every layer dense (type qwen3 is that model)
-    "num_experts\n  Input should be greater than 0": _with(
-        lambda: transformers.Qwen3MoeConfig(**MOE), num_local_experts=0
-    ),
-    "attention_dropout: 0.2 is not supported": _with(lambda: transformers.Qwen3MoeConfig(**MOE), attention_dropout=0.2),
+    "num_experts\n  Input should be greater than 0": _with(qwen3_moe, num_local_experts=0),
+    "attention_dropout: 0.2 is not supported": _with(qwen3_moe, attention_dropout=0.2),
 }
 
 
-@pytest.mark.parametrize("message", REFUSED)
-def test_unsupported_settings_are_refused_by_name(message):
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[message]())
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("config_file", ["qwen_nano.yaml", "qwen3_nano.yaml", "qwen3_moe_nano.yaml"])
-def test_nano_config_trains(config_file, tmp_path):
-    result = train_briefly(os.path.join(CONFIGS, config_file), str(tmp_path))
-    assert result.final_step == 4
-    assert math.isfinite(result.first_loss) and math.isfinite(result.last_loss)
-    assert result.final_eval_loss < result.initial_eval_loss
-
-
-def test_discovered_through_its_entry_point():
-    ours = listed_plugin("levanter-model-qwen3")
-    assert ours["error"] is None and ours["types"] == {"model": ["qwen", "qwen3", "qwen3_moe"]}
-    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["qwen-sliding", "qwen3", "moe-sparse-step"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity(ALL_CONFIGS[name](), str(tmp_path)).assert_matches()
+class TestQwenFamilies(ModelFamilyTests):
+    hf_configs = ALL_CONFIGS
+    # scan_layers: false builds the layers unrolled (hnn.BlockSeq): the per-layer sliding switch,
+    # Qwen 3's head norms, and the groups of dense and sparse layers are what differ from the stack
+    unrolled = ("qwen-sliding", "qwen3", "moe-sparse-step", "moe-sliding-bias-tied")
+    generation = ("qwen-sliding", "qwen3", "moe-sparse-step")
+    refused = REFUSED
+    package = "levanter_model_qwen3"
+    nano_configs = ("qwen_nano.yaml", "qwen3_nano.yaml", "qwen3_moe_nano.yaml")
+    distribution = "levanter-model-qwen3"
+    types = {"model": ["qwen", "qwen3", "qwen3_moe"]}

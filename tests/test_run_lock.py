@@ -53,7 +53,7 @@ def test_a_second_trainer_on_a_running_run_exits_2_naming_the_holder_and_a_kille
     again = subprocess.run(command(["train", config, "--no-progress", "--trainer.num_train_steps", "2"]),
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"taking over the run's lock" in again.stdout and f"process {first.pid} is no longer running" in again.stdout
+    assert "taking over the run's lock" in again.stdout and f"process {first.pid} is no longer running" in again.stdout
     assert lock_files(checkpoints) == []  # released when the run ended
 
 

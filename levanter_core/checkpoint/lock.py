@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 
-from levanter_core import fileio
+from levanter_core import distributed, fileio
 from levanter_core.errors import CheckpointError
 from levanter_core.fileio import is_local, join
 
@@ -182,7 +182,9 @@ class RunLock:
             try:
                 current = self._read(path)
                 if current.get("token") != record["token"]:
-                    logger.error("the run's lock %s was taken over by %s: two trainers may be writing", path, _holder(current))
+                    logger.error(
+                        "the run's lock %s was taken over by %s: two trainers may be writing", path, _holder(current)
+                    )
                     return
                 record["heartbeat"] = time.time()
                 fileio.write_text(path, json.dumps(record))
@@ -295,8 +297,6 @@ def hold_run_lock(directory: str) -> RunLock | None:
     """Take the lock of the run whose checkpoints go to ``directory``, in process 0, before the
     run touches anything there; every process stops with the same error if it is held. Returns
     the lock to release (None in the other processes)."""
-    from levanter_core import distributed
-
     lock, refusal = None, {}
     if distributed.is_leader():
         lock = RunLock(directory)

@@ -161,3 +161,11 @@ def test_a_union_with_bool_still_takes_booleans(tmp_path):
     path = write(tmp_path, BASE.format(cache=tmp_path / "cache"))
     config, _ = load_train_config(path, ["--data.shuffle", "true", "--optimizer.skip_bad_steps", "true"])
     assert config.data.shuffle is True and config.optimizer.skip_bad_steps is not None
+
+
+def test_token_and_byte_counts_take_64_bit_numbers(tmp_path):
+    path = write(tmp_path, BASE.format(cache=tmp_path / "cache"))
+    budgets = ["--data.target_budget", "300000000000", "--data.experiment_budget", "3000000000"]
+    config, _ = load_train_config(path, [*budgets, "--data.cache_options.target_size_per_flush", "4000000000"])
+    assert config.data.target_budget == 300_000_000_000
+    assert config.data.cache_options.target_bytes_per_flush == 4_000_000_000

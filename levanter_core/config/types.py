@@ -49,6 +49,10 @@ def whole_number(low: int, high: int, why: str) -> Any:
 Seed = whole_number(0, MAX_SEED, "the seeds JAX's random keys tell apart")
 """A random seed: ``0 .. 2^32 - 1``."""
 
+LargeCount = whole_number(1, 2**63 - 1, "a count of tokens or bytes, which Python works with, up to 2^63 - 1")
+"""A positive count that may exceed :data:`MAX_INT` because it never becomes a JAX integer: tokens
+of a whole training run, bytes."""
+
 
 _DURATION_UNITS = {
     "ms": 0.001,

@@ -40,7 +40,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one, accepted_only_as
-from levanter_core.config.types import parse_size
+from levanter_core.config.types import LargeCount, parse_size
 from levanter_core.fileio import require_filesystem
 
 SINGLE = "main"
@@ -58,7 +58,7 @@ class CacheOptions(ConfigModel):
     num_shard_groups: PositiveInt | None = 128
     """At most this many groups of shards are tokenized as separate tasks (on a Ray cluster, one
     task per group); None: one task per shard. The cache's order is the shards' order either way."""
-    target_size_per_flush: int | str = "512MB"
+    target_size_per_flush: LargeCount | str = "512MB"  # type: ignore[valid-type]
     """How much a worker accumulates before writing to the cache: bytes as a number or a size such
     as ``512MB``. Smaller values use less memory and write more often. A worker also writes after
     every thousand records or so, so that training can read a large shard as it is tokenized."""
@@ -137,12 +137,12 @@ class DataConfig(ConfigModel):
     ``all_exhausted``: restart sources that run out until every source has run out once, then
     end training. A run that ends early says so and saves its last checkpoint."""
 
-    target_budget: PositiveInt | None = None
+    target_budget: LargeCount | None = None  # type: ignore[valid-type]
     """Simulated epoching: the number of tokens (or sequences, any unit, with ``experiment_budget``
     in the same unit) of the full-scale run being simulated. With ``experiment_budget``, each
     training source is cut to the fraction ``experiment_budget / target_budget`` of its sequences,
     so a short run sees its data repeat as often as the full run would."""
-    experiment_budget: PositiveInt | None = None
+    experiment_budget: LargeCount | None = None  # type: ignore[valid-type]
     """Simulated epoching: the budget of this run, in the unit of ``target_budget``."""
 
     max_train_batches: dict[str, PositiveInt] | None = None

@@ -1,7 +1,7 @@
-import json
-import math
-import os
-import re
+"""Gemma, Gemma 2 and Gemma 3 against Hugging Face transformers (logits after import and export,
+stacked and unrolled, greedy decoding, settings we refuse), training from the nano configs and
+discovery, through :class:`~levanter_core.testing.model_family.ModelFamilyTests`; then what only
+Gemma has (the embedding scale's rounding, soft caps in the loss, Gemma 3's older keys)."""
 
 import equinox as eqx
 import haliax as hax
@@ -9,39 +9,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity, check_generation_parity
-from levanter_core.models.lm import next_token_loss
-from levanter_core.testing import listed_plugin, train_briefly
-from levanter_model_gemma.gemma import embedding_scale
-from levanter_model_gemma.gemma2 import Gemma2Config
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
 
-# the nano configs ship inside the package, beside these tests
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from levanter_core.errors import CheckpointError  # noqa: E402
+from levanter_core.hf.bridge import config_from_hf  # noqa: E402
+from levanter_core.models.lm import next_token_loss  # noqa: E402
+from levanter_core.testing import TINY_HF, tiny_hf_config  # noqa: E402
+from levanter_core.testing.model_family import ModelFamilyTests  # noqa: E402
+from levanter_model_gemma.gemma import embedding_scale  # noqa: E402
+from levanter_model_gemma.gemma2 import Gemma2Config  # noqa: E402
 
-COMMON = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 256,
-}
-
-# Sequences of 24 tokens, three times the sliding window of 8, so that windows truncate.
-SEQ_LEN = 24
+# The parity checks compare 24 positions, three times the sliding window of 8, so that windows truncate.
 WINDOW = 8
 
 LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 VARIANTS = {
     # multi-query attention, head_dim unrelated to hidden / heads, tied head
-    "gemma_mqa": lambda: transformers.GemmaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=1, head_dim=24),
-    "gemma_gqa_untied_bias": lambda: transformers.GemmaConfig(
-        **COMMON,
+    "gemma_mqa": lambda: tiny_hf_config(
+        transformers.GemmaConfig, num_hidden_layers=2, num_key_value_heads=1, head_dim=24
+    ),
+    "gemma_gqa_untied_bias": lambda: tiny_hf_config(
+        transformers.GemmaConfig,
         num_hidden_layers=2,
         num_key_value_heads=2,
         head_dim=16,
@@ -50,8 +41,8 @@ VARIANTS = {
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
     # default soft caps (50 / 30) and layer types (even layers local)
-    "gemma2_gqa": lambda: transformers.Gemma2Config(
-        **COMMON,
+    "gemma2_gqa": lambda: tiny_hf_config(
+        transformers.Gemma2Config,
         num_hidden_layers=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -59,8 +50,8 @@ VARIANTS = {
         sliding_window=WINDOW,
     ),
     # caps small enough to bend the scores and logits of a random model
-    "gemma2_mqa_tight_caps": lambda: transformers.Gemma2Config(
-        **COMMON,
+    "gemma2_mqa_tight_caps": lambda: tiny_hf_config(
+        transformers.Gemma2Config,
         num_hidden_layers=3,
         num_key_value_heads=1,
         head_dim=16,
@@ -71,8 +62,8 @@ VARIANTS = {
         final_logit_softcapping=1.0,
     ),
     # linearly scaled global RoPE, base 1e4 local RoPE
-    "gemma3_gqa_linear_rope": lambda: transformers.Gemma3TextConfig(
-        **COMMON,
+    "gemma3_gqa_linear_rope": lambda: tiny_hf_config(
+        transformers.Gemma3TextConfig,
         num_hidden_layers=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -84,8 +75,8 @@ VARIANTS = {
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
         },
     ),
-    "gemma3_mqa_final_cap": lambda: transformers.Gemma3TextConfig(
-        **COMMON,
+    "gemma3_mqa_final_cap": lambda: tiny_hf_config(
+        transformers.Gemma3TextConfig,
         num_hidden_layers=2,
         num_key_value_heads=1,
         head_dim=16,
@@ -95,8 +86,8 @@ VARIANTS = {
         final_logit_softcapping=1.0,
     ),
     # every layer global, with a window configured that none of them uses
-    "gemma2_all_global": lambda: transformers.Gemma2Config(
-        **COMMON,
+    "gemma2_all_global": lambda: tiny_hf_config(
+        transformers.Gemma2Config,
         num_hidden_layers=2,
         num_key_value_heads=2,
         head_dim=16,
@@ -105,8 +96,8 @@ VARIANTS = {
         layer_types=["full_attention", "full_attention"],
     ),
     # every layer local: one fixed window, and every layer rotates with the local base
-    "gemma3_all_local": lambda: transformers.Gemma3TextConfig(
-        **COMMON,
+    "gemma3_all_local": lambda: tiny_hf_config(
+        transformers.Gemma3TextConfig,
         num_hidden_layers=2,
         num_key_value_heads=2,
         head_dim=16,
@@ -121,61 +112,42 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_parity_with_transformers(variant, tmp_path):
-    report = check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN)
-    report.assert_matches()
-    assert report.shards > 1
-
-
-# scan_layers: false (hnn.BlockSeq): the per-layer sliding flags and Gemma 3's two rotary
-# embeddings reach every unrolled layer
-@pytest.mark.parametrize("variant", ["gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope"])
-def test_unrolled_layers_match_transformers(variant, tmp_path):
-    check_hf_parity(VARIANTS[variant](), str(tmp_path), seq_len=SEQ_LEN, scan_layers=False).assert_matches()
-
-
 def _with_rope_type(hf_config, rope_type: str) -> dict:
     hf = hf_config.to_dict()
     hf["rope_parameters"]["rope_type"] = rope_type  # one transformers may know and we do not
     return hf
 
 
+def _two_layers(config_class, **keys) -> dict:
+    """A tiny two-layer config of ``config_class`` with ``keys``, as a config.json's dict."""
+    return tiny_hf_config(config_class, num_hidden_layers=2, **keys).to_dict()
+
+
 REFUSED = {
-    "gemma: partial_rotary_factor = 0.5": lambda: transformers.GemmaConfig(
-        **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
-    ).to_dict(),
-    "gemma2: rope type 'proportional' is not supported": lambda: _with_rope_type(
-        transformers.Gemma2Config(**COMMON, num_hidden_layers=2), "proportional"
+    "partial_rotary_factor = 0.5 is not supported: Hugging Face's GemmaForCausalLM": lambda: _two_layers(
+        transformers.GemmaConfig, partial_rotary_factor=0.5
     ),
-    "gemma3: partial_rotary_factor = 0.5": lambda: transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=2, partial_rotary_factor=0.5
-    ).to_dict(),
-    "gemma3: rope_parameters.sliding_attention: rope type 'dynamic' is not supported": lambda: (
-        transformers.Gemma3TextConfig(
-            **COMMON,
-            num_hidden_layers=2,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
-                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            },
-        ).to_dict()
+    # Gemma 2
+    "rope type 'proportional' is not supported": lambda: _with_rope_type(
+        tiny_hf_config(transformers.Gemma2Config, num_hidden_layers=2), "proportional"
     ),
-    # embedding models: attention that sees the whole sequence, no causal mask
-    "gemma3: use_bidirectional_attention: true is not supported": lambda: transformers.Gemma3TextConfig(
-        **COMMON, num_hidden_layers=2, use_bidirectional_attention=True
-    ).to_dict(),
-    "gemma2: attention_dropout: 0.1 is not supported": lambda: transformers.Gemma2Config(
-        **COMMON, num_hidden_layers=2, attention_dropout=0.1
-    ).to_dict(),
+    "partial_rotary_factor = 0.5 is not supported: Hugging Face's Gemma3ForCausalLM": lambda: _two_layers(
+        transformers.Gemma3TextConfig, partial_rotary_factor=0.5
+    ),
+    "rope_parameters.sliding_attention: rope type 'dynamic' is not supported": lambda: _two_layers(
+        transformers.Gemma3TextConfig,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        },
+    ),
+    # Gemma 3 embedding models: attention that sees the whole sequence, no causal mask
+    "use_bidirectional_attention: true is not supported": lambda: _two_layers(
+        transformers.Gemma3TextConfig, use_bidirectional_attention=True
+    ),
+    # Gemma 2
+    "attention_dropout: 0.1 is not supported": lambda: _two_layers(transformers.Gemma2Config, attention_dropout=0.1),
 }
-
-
-@pytest.mark.parametrize("case", REFUSED)
-def test_unsupported_settings_are_refused_by_name(case):
-    message = case.split(": ", 1)[1]
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(REFUSED[case]())
 
 
 @pytest.mark.parametrize("hidden", [1152, 2048, 2304, 3072, 3584, 4608])
@@ -205,7 +177,7 @@ def test_legacy_gemma3_config_reads_local_theta_scaling_and_pattern():
     config = config_from_hf(
         {
             "model_type": "gemma3_text",
-            **COMMON,
+            **TINY_HF,
             "num_hidden_layers": 4,
             "num_key_value_heads": 1,
             "head_dim": 16,
@@ -226,26 +198,16 @@ def test_multimodal_gemma3_is_refused_with_an_explanation():
         config_from_hf({"model_type": "gemma3", "text_config": {}, "vision_config": {}})
 
 
-def test_discovered_through_its_entry_point():
-    ours = listed_plugin("levanter-model-gemma")
-    assert ours["error"] is None and ours["types"] == {"model": ["gemma", "gemma2", "gemma3"]}
-    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
-def test_nano_config_trains(name, tmp_path):
+class TestGemmaFamilies(ModelFamilyTests):
+    hf_configs = VARIANTS
+    # scan_layers: false (hnn.BlockSeq): the per-layer sliding flags and Gemma 3's two rotary
+    # embeddings reach every unrolled layer
+    unrolled = ("gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope")
+    generation = ("gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope")
+    refused = REFUSED
+    package = "levanter_model_gemma"
+    nano_configs = ("gemma_nano.yaml", "gemma2_nano.yaml", "gemma3_nano.yaml")
     # batches of 4 sequences rather than 16: the loss still falls, in a third less time
-    overrides = ["--trainer.train_batch_size", "4"]
-    result = train_briefly(os.path.join(CONFIGS, f"{name}_nano.yaml"), str(tmp_path), overrides=overrides)
-    with open(os.path.join(result.run_dir, "metrics.jsonl")) as f:
-        losses = [record["train/loss"] for record in map(json.loads, f) if "train/loss" in record]
-    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    assert result.final_eval_loss < result.initial_eval_loss
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["gemma_mqa", "gemma2_mqa_tight_caps", "gemma3_gqa_linear_rope"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity(VARIANTS[name](), str(tmp_path)).assert_matches()
+    nano_overrides = ("--trainer.train_batch_size", "4")
+    distribution = "levanter-model-gemma"
+    types = {"model": ["gemma", "gemma2", "gemma3"]}

@@ -1,51 +1,44 @@
-"""Mixtral against Hugging Face transformers (logits, checkpoint layout, the load-balancing
-loss), training from the nano config with the router losses logged, and discovery through
-the entry point."""
-
-import json
-import math
-import os
-import re
+"""Mixtral against Hugging Face transformers (logits after import and export, stacked and
+unrolled, greedy decoding, settings we refuse), training from the nano config with the router
+losses logged, and discovery, through
+:class:`~levanter_core.testing.model_family.ModelFamilyTests`; then what only Mixtral has (the
+per-expert checkpoint layout, the load-balancing and z losses)."""
 
 import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from levanter_core.hf import hf_state_dict_shapes, to_hf_state_dict
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import config_from_hf, load_hf_model
-from levanter_core.hf.checkpoint import HfCheckpoint
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
-from levanter_core.testing import listed_plugin, train_briefly
-from levanter_model_mixtral.mixtral import MixtralConfig
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
 
-# the nano config ships inside the package, beside these tests
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from levanter_core.hf import hf_state_dict_shapes, to_hf_state_dict  # noqa: E402
+from levanter_core.hf.bridge import load_hf_model  # noqa: E402
+from levanter_core.hf.checkpoint import HfCheckpoint  # noqa: E402
+from levanter_core.hf.parity import hf_logits, our_logits, random_hf_model  # noqa: E402
+from levanter_core.testing import read_metrics, tiny_hf_config  # noqa: E402
+from levanter_core.testing.model_family import ModelFamilyTests  # noqa: E402
+from levanter_model_mixtral.mixtral import MixtralConfig  # noqa: E402
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-)
+# the tiny decoder with 4 experts, 2 per token
+EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def mixtral(**keys):
+    return tiny_hf_config(transformers.MixtralConfig, **{**EXPERTS, **keys})
+
 
 # check_hf_parity compares logits over 24 positions, so a window of 8 is exercised.
 HF_CONFIGS = {
-    "top2-of-4-gqa": lambda: transformers.MixtralConfig(**TINY),
-    "sliding-window": lambda: transformers.MixtralConfig(**TINY, sliding_window=8),
+    "top2-of-4-gqa": mixtral,
+    "sliding-window": lambda: mixtral(sliding_window=8),
     # one expert per token (weight 1 after renormalizing), multi-query attention, heads twice
     # as wide as hidden / heads, tied embeddings and a scaled rotary embedding
-    "top1-of-3-mqa-tied": lambda: transformers.MixtralConfig(
-        **{**TINY, "num_local_experts": 3, "num_experts_per_tok": 1, "num_key_value_heads": 1},
+    "top1-of-3-mqa-tied": lambda: mixtral(
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -53,16 +46,11 @@ HF_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", HF_CONFIGS)
-def test_matches_hugging_face(name, tmp_path):
-    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
-
-
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """A random Hugging Face Mixtral (top-2 of 4) saved with save_pretrained, and the model."""
     directory = str(tmp_path_factory.mktemp("hf"))
-    model = random_hf_model(transformers.MixtralConfig(**TINY))
+    model = random_hf_model(mixtral())
     model.save_pretrained(directory)
     return directory, model
 
@@ -71,7 +59,7 @@ def test_checkpoint_layout_is_hugging_faces_per_expert_one(hf_checkpoint):
     directory, _ = hf_checkpoint
     stored = {name: tuple(t.shape) for name, t in HfCheckpoint(directory).tensors.items()}
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in stored
-    config = MixtralConfig.from_hf_config(transformers.MixtralConfig(**TINY).to_dict())
+    config = MixtralConfig.from_hf_config(mixtral().to_dict())
     ours = {name: tuple(s.shape) for name, s in hf_state_dict_shapes(config, hax.Axis("vocab", 128)).items()}
     assert ours == stored
 
@@ -115,64 +103,36 @@ def test_unrolled_layers_read_and_write_the_same_checkpoint(hf_checkpoint):
 
 def test_jitter_noise_and_too_many_experts_are_rejected():
     with pytest.raises(ValueError, match="router_jitter_noise"):
-        MixtralConfig.from_hf_config(transformers.MixtralConfig(**TINY, router_jitter_noise=0.1).to_dict())
+        MixtralConfig.from_hf_config(mixtral(router_jitter_noise=0.1).to_dict())
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(3\) cannot exceed num_local_experts \(2\)"):
         MixtralConfig(num_local_experts=2, num_experts_per_tok=3)
 
 
-
-def test_unrolled_layers_match_hugging_face_through_import_and_export(tmp_path):
-    check_hf_parity(HF_CONFIGS["top1-of-3-mqa-tied"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
-
-
-@pytest.mark.parametrize(
-    "hf_config, message",
-    [
-        (lambda: transformers.MixtralConfig(**TINY, partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
-        (
-            lambda: transformers.MixtralConfig(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-            "rope type 'proportional' is not supported",
-        ),
-    ],
-)
-def test_unsupported_rotary_settings_are_refused_by_name(hf_config, message):
-    hf = hf_config().to_dict()
-    if "proportional" in message:  # a rope type transformers knows and we do not
-        hf["rope_parameters"]["rope_type"] = "proportional"
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf(hf)
-
-@pytest.fixture(scope="module")
-def nano_run(tmp_path_factory):
-    return train_briefly(os.path.join(CONFIGS, "mixtral_nano.yaml"), str(tmp_path_factory.mktemp("nano")))
+def _proportional_rope() -> dict:
+    hf = mixtral().to_dict()
+    hf["rope_parameters"]["rope_type"] = "proportional"  # a rope type transformers knows and we do not
+    return hf
 
 
-@pytest.mark.slow
-def test_nano_config_trains(nano_run):
-    assert nano_run.final_step == 4
-    assert math.isfinite(nano_run.first_loss) and math.isfinite(nano_run.last_loss)
-    assert nano_run.final_eval_loss < nano_run.initial_eval_loss
+class TestMixtral(ModelFamilyTests):
+    hf_configs = HF_CONFIGS
+    unrolled = ("top1-of-3-mqa-tied",)
+    generation = ("sliding-window",)
+    refused = {
+        "partial_rotary_factor = 0.5": lambda: mixtral(partial_rotary_factor=0.5).to_dict(),
+        "rope type 'proportional' is not supported": _proportional_rope,
+    }
+    package = "levanter_model_mixtral"
+    nano_configs = ("mixtral_nano.yaml",)
+    distribution = "levanter-model-mixtral"
+    types = {"model": ["mixtral"]}
 
-
-@pytest.mark.slow
-def test_training_logs_the_router_losses(nano_run):
-    with open(os.path.join(nano_run.run_dir, "metrics.jsonl")) as f:
-        train_steps = [r for r in map(json.loads, f) if "train/loss" in r]
-    assert [r["step"] for r in train_steps] == [1, 2, 3, 4]
-    for record in train_steps:
-        # with 4 experts the balancing loss lies in (0, 4]; both are finite and positive
-        assert 0.0 < record["moe/load_balancing_loss"] <= 4.0
-        assert 0.0 < record["moe/router_z_loss"] < 100.0
-
-
-def test_discovered_through_its_entry_point():
-    ours = listed_plugin("levanter-model-mixtral")
-    assert ours["error"] is None and ours["types"] == {"model": ["mixtral"]}
-    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["sliding-window"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
+    def check_nano_run(self, nano_config, result):
+        """Also: the router losses are logged at every step."""
+        super().check_nano_run(nano_config, result)
+        train_steps = read_metrics(result.run_dir, key="train/loss")
+        assert [r["step"] for r in train_steps] == [1, 2, 3, 4]
+        for record in train_steps:
+            # with 4 experts the balancing loss lies in (0, 4]; both are finite and positive
+            assert 0.0 < record["moe/load_balancing_loss"] <= 4.0
+            assert 0.0 < record["moe/router_z_loss"] < 100.0

@@ -1,30 +1,25 @@
 """gpt-oss against Hugging Face transformers (logits after import and export, stacked and
-unstacked; the load-balancing loss), training from the nano config, and discovery."""
-
-import os
-import re
+unstacked, greedy decoding, settings we refuse), training from the nano config, and discovery,
+through :class:`~levanter_core.testing.model_family.ModelFamilyTests`; then what only gpt-oss has
+(sinks and interleaved experts in the checkpoint, the balancing loss, its defaults)."""
 
 import pytest
-import transformers
 
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import config_from_hf
-from levanter_core.hf.parity import check_hf_parity, load_balancing_losses, random_hf_model, check_generation_parity
-from levanter_core.layers import YarnRotaryConfig
-from levanter_core.testing import listed_plugin, train_briefly
-from levanter_model_gpt_oss.gpt_oss import GptOssConfig
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from levanter_core.hf.bridge import config_from_hf  # noqa: E402
+from levanter_core.hf.checkpoint import HfCheckpoint  # noqa: E402
+from levanter_core.hf.parity import load_balancing_losses, random_hf_model  # noqa: E402
+from levanter_core.layers import YarnRotaryConfig  # noqa: E402
+from levanter_core.testing import TINY_HF  # noqa: E402
+from levanter_core.testing.model_family import ModelFamilyTests  # noqa: E402
+from levanter_model_gpt_oss.gpt_oss import GptOssConfig  # noqa: E402
 
 TINY = {
-    "vocab_size": 128,
-    "hidden_size": 64,
+    **TINY_HF,
     "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 16,
-    "max_position_embeddings": 256,
     "num_local_experts": 4,
     "num_experts_per_tok": 2,
     # a window (8) shorter than the 24 compared positions; sliding and full layers in turn
@@ -48,18 +43,7 @@ HF_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", HF_CONFIGS)
-def test_matches_hugging_face(name, tmp_path):
-    check_hf_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
-
-
-def test_unrolled_layers_match_hugging_face(tmp_path):
-    check_hf_parity(HF_CONFIGS["alternating-yarn"](), str(tmp_path), scan_layers=False).assert_matches(configs=False)
-
-
 def test_checkpoint_holds_sinks_and_interleaved_experts(tmp_path):
-    from levanter_core.hf.checkpoint import HfCheckpoint
-
     random_hf_model(HF_CONFIGS["alternating-yarn"]()).save_pretrained(str(tmp_path))
     stored = {name: tuple(t.shape) for name, t in HfCheckpoint(str(tmp_path)).tensors.items()}
     assert stored["model.layers.1.self_attn.sinks"] == (4,)
@@ -116,31 +100,22 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("message", REFUSED)
-def test_unsupported_settings_are_refused_by_name(message):
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        config_from_hf({"model_type": "gpt_oss", **TINY, **REFUSED[message]})
-
-
 def test_jax_backend_is_refused_before_it_meets_the_sinks():
     with pytest.raises(ValueError, match="attn_backend 'jax' cannot add attention sinks"):
         GptOssConfig(attn_backend="jax")
 
 
-@pytest.mark.slow
-def test_nano_config_trains(tmp_path):
-    result = train_briefly(os.path.join(CONFIGS, "gpt_oss_nano.yaml"), str(tmp_path))
-    assert result.final_eval_loss < result.initial_eval_loss
+def _refused_with(keys: dict):
+    """A config.json's dict of the tiny gpt-oss with ``keys`` set."""
+    return lambda: {"model_type": "gpt_oss", **TINY, **keys}
 
 
-def test_discovered_through_its_entry_point():
-    ours = listed_plugin("levanter-model-gpt-oss")
-    assert ours["error"] is None and ours["types"] == {"model": ["gpt_oss"]}
-    assert set(ours["hooks"]) == {"register_models", "model_type_for_hf_config"}
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["alternating-yarn"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity(HF_CONFIGS[name](), str(tmp_path)).assert_matches()
+class TestGptOss(ModelFamilyTests):
+    hf_configs = HF_CONFIGS
+    unrolled = ("alternating-yarn",)
+    generation = ("alternating-yarn",)
+    refused = {message: _refused_with(keys) for message, keys in REFUSED.items()}
+    package = "levanter_model_gpt_oss"
+    nano_configs = ("gpt_oss_nano.yaml",)
+    distribution = "levanter-model-gpt-oss"
+    types = {"model": ["gpt_oss"]}

@@ -1,19 +1,23 @@
 """GPT-2 against Hugging Face's ``GPT2LMHeadModel``: import, export and the config translation,
-with stacked and unrolled layers."""
+with stacked and unrolled layers, and greedy decoding, through
+:class:`~levanter_core.testing.model_family.HfParityTests`; then GPT-2's own checkpoints and
+refusals."""
 
 import json
 import os
+from functools import partial
 
 import numpy as np
 import pytest
 
-from levanter_core.errors import CheckpointError
-from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model
-from levanter_core.hf.parity import check_hf_parity, hf_logits, our_logits, random_hf_model, check_generation_parity
-from levanter_model_gpt2.gpt2 import Gpt2Config
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
+
+from levanter_core.errors import CheckpointError  # noqa: E402
+from levanter_core.hf.bridge import export_hf, import_hf, load_hf_model  # noqa: E402
+from levanter_core.hf.parity import hf_logits, our_logits, random_hf_model  # noqa: E402
+from levanter_core.testing.model_family import HfParityTests  # noqa: E402
+from levanter_model_gpt2.gpt2 import Gpt2Config  # noqa: E402
 
 TINY = {"vocab_size": 128, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4}
 
@@ -31,18 +35,11 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "unrolled"])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_matches_hugging_face(variant, scan_layers, tmp_path):
-    hf_config = transformers.GPT2Config(**TINY, **VARIANTS[variant])
-    report = check_hf_parity(hf_config, str(tmp_path), scan_layers=scan_layers)
-    diffs = f"import {report.import_max_abs_diff:.2e}, export {report.export_max_abs_diff:.2e}"
-    print(f"{variant} scan_layers={scan_layers}: {diffs}")
-    assert report.import_max_abs_diff <= 1e-4
-    assert report.export_max_abs_diff <= 1e-4
-    assert report.config_differences == {}
-    assert report.export_config_differences == {}
-    assert report.shards > 1
+class TestGpt2(HfParityTests):
+    # GPT-2's keys (n_embd, n_layer, ...) are not the tiny decoder's: its own tiny sizes
+    hf_configs = {name: partial(transformers.GPT2Config, **TINY, **variant) for name, variant in VARIANTS.items()}
+    unrolled = tuple(VARIANTS)
+    generation = ("gpt2",)
 
 
 def test_a_base_model_checkpoint_with_mask_buffers(tmp_path):
@@ -111,10 +108,3 @@ def test_a_model_without_biases_is_not_exported(tmp_path):
     with pytest.raises(CheckpointError, match="use_bias: false has no Hugging Face GPT-2 equivalent"):
         export_hf(checkpoint, str(tmp_path / "exported"))
     assert not os.path.exists(tmp_path / "exported" / "config.json")
-
-
-# Greedy decoding through the engine's key/value cache, three prompts of different lengths in
-# one batch, 48 new tokens each: the same tokens as transformers' generate
-@pytest.mark.parametrize("name", ["gpt2"])
-def test_greedy_decoding_matches_transformers_generate(name, tmp_path):
-    check_generation_parity(transformers.GPT2Config(**TINY), str(tmp_path)).assert_matches()

@@ -1,6 +1,7 @@
 """The Hyena operator against a direct computation (its FFT convolution against an explicit
 causal convolution, the whole operator with that convolution in place of the FFT), its
-causality, Levanter's config, and training from the nano config."""
+causality, Levanter's config, and training from the nano config (through
+:class:`~levanter_core.testing.model_family.NanoTrainingTests`)."""
 
 import os
 
@@ -15,11 +16,10 @@ from haliax import Axis
 
 from levanter_core.config.base import validate_section
 from levanter_core.models.lm import lm_loss_and_metrics
-from levanter_core.testing import train_briefly
+from levanter_core.testing.model_family import NanoTrainingTests
 from levanter_model_gpt2 import hyena
 from levanter_model_gpt2.hyena import Gpt2HyenaConfig, HyenaConfig, HyenaOperator, causal_fft_convolution
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 LEVANTER_CONFIG = os.path.join(
     os.path.dirname(__file__), *[".."] * 4, "..", "shared", "levanter-configs", "config", "gpt2_hyena_nano.yaml"
 )
@@ -108,10 +108,9 @@ def test_packed_examples_are_refused():
         model.activations(ids, attn_mask=mask)
 
 
-@pytest.mark.slow
-def test_nano_config_trains(tmp_path):
-    result = train_briefly(os.path.join(CONFIGS, "gpt2_hyena_nano.yaml"), str(tmp_path))
-    assert result.final_eval_loss < result.initial_eval_loss
+class TestHyenaNano(NanoTrainingTests):
+    package = "levanter_model_gpt2"
+    nano_configs = ("gpt2_hyena_nano.yaml",)
 
 
 def test_decodes_without_a_cache_as_its_own_greedy_argmax(caplog):

@@ -14,7 +14,7 @@ import pytest
 
 from levanter_core.errors import CheckpointError, ConfigError, UserError
 from levanter_core.hf.parity import config_differences, import_as_checkpoint, random_hf_model
-from levanter_core.testing import listed_plugin
+from levanter_core.testing.model_family import DiscoveryTests
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -439,6 +439,7 @@ def test_levanter_field_names_are_accepted():
         validate_section("model", {"type": "whisper", "d_model": 385, "encoder_attention_heads": 5})
 
 
-def test_discovered_through_its_entry_point():
-    ours = listed_plugin("levanter-model-whisper")
-    assert ours["error"] is None and ours["types"] == {"model": ["whisper"], "objective": ["asr"]}
+class TestWhisperDiscovery(DiscoveryTests):
+    distribution = "levanter-model-whisper"
+    types = {"model": ["whisper"], "objective": ["asr"]}
+    hooks = frozenset({"register_models", "model_type_for_hf_config", "register_objectives", "register_commands"})

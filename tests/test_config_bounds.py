@@ -68,10 +68,11 @@ def billion_laughs(levels: int = 10) -> str:
 )
 def test_a_yaml_bomb_is_refused_at_once_naming_the_file_and_line(tmp_path, text, line, what):
     path = write(tmp_path, text)
-    start = time.perf_counter()
+    # the loader's own processor time: what "at once" means, whatever else the machine runs
+    start = time.thread_time()
     with pytest.raises(ConfigError) as e:
         load_config_dict(path)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     message = str(e.value)
     assert re.search(re.escape(path) + ":" + line, message), message
     assert what in message
@@ -86,10 +87,10 @@ def test_a_bomb_in_an_included_file_names_that_file(tmp_path):
 
 
 def test_a_bomb_in_an_override_is_refused(tmp_path):
-    start = time.perf_counter()
+    start = time.thread_time()
     with pytest.raises(ConfigError) as e:
         parse_overrides(["--data.train_urls", "[" * 5000 + "]" * 5000])
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert "--data.train_urls" in str(e.value) and "nested" in str(e.value)
 
 

@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.xdist_group("levanter-serve"), pytest.mark.slow]
 
 REQUESTS = 2000
 CONCURRENCY = 24
-TIME_LIMIT = 120.0
-"""Seconds the 2,000 requests may take (on 2 CPU cores they take far less)."""
+# The test is bounded in time by its client's 60 s timeout per request, not by a wall-clock
+# assertion: how fast the requests go is a benchmark's business (bench/generate.py), and a busy
+# machine must not fail a test of behaviour.
 
 
 def _valid() -> list[tuple[str, dict]]:
@@ -150,5 +151,4 @@ def test_two_thousand_requests_mixing_valid_and_bad_input(engine, loaded):
     assert 500 not in statuses and 503 not in statuses
     assert health["status"] == "ok" and engine.failed is None and engine.accepting
     print(f"\n{REQUESTS} requests in {seconds:.1f} s: " + ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items())))
-    assert seconds < TIME_LIMIT
 

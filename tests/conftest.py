@@ -68,7 +68,13 @@ def bucket_objects(url: str) -> dict[str, bytes]:
 
     fs, root = fileio.filesystem(url)
     fs.invalidate_cache()
-    return {path[len(root) + 1 :]: fs.cat_file(path) for path in fs.find(root)}
+    found = {}
+    for path in fs.find(root):
+        try:
+            found[path[len(root) + 1 :]] = fs.cat_file(path)
+        except FileNotFoundError:  # replaced or removed between the listing and the read: look again
+            continue
+    return found
 
 
 def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

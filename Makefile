@@ -48,8 +48,14 @@ train-whisper: setup speech-data
 bench: setup
 	$(BIN)/python bench/suite.py --out bench/last-suite.json
 
+# Lint and format: every Python file of the repository (pyproject.toml's [tool.ruff]).
+.PHONY: lint
+lint: setup-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 # A worker that dies fails the run at once (xdist's replacement worker can wait forever).
-test: setup-test
+test: setup-test lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -q --durations=25
 
 test-fast: setup-test

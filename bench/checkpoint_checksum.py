@@ -79,7 +79,9 @@ def worker(megabytes: int, directory: str) -> None:
     from levanter_core.checkpoint import load_checkpoint, write_checkpoint
 
     rng = np.random.default_rng(0)
-    weights = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in gpt2_like_shapes(megabytes).items()}
+    weights = {
+        name: rng.standard_normal(shape, dtype=np.float32) for name, shape in gpt2_like_shapes(megabytes).items()
+    }
     state = {
         "step": jax.numpy.asarray(1000, jax.numpy.int32),
         "model": {name: jax.device_put(w) for name, w in weights.items()},
@@ -97,7 +99,9 @@ def worker(megabytes: int, directory: str) -> None:
     import levanter_core
 
     code = os.path.dirname(levanter_core.__file__)
-    print(json.dumps({"code": code, "state_mib": nbytes / (1 << 20), "arrays": len(jax.tree.leaves(state))}), flush=True)
+    print(
+        json.dumps({"code": code, "state_mib": nbytes / (1 << 20), "arrays": len(jax.tree.leaves(state))}), flush=True
+    )
     for line in sys.stdin:
         if line.strip() == "save":
             shutil.rmtree(path)
@@ -198,10 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     for kind in ("save", "restore"):
         for figure, values in (("median", medians), ("minimum", minimums)):
             before, after = values["baseline"][kind], values["checksums"][kind]
-            print(f"  {kind:<8} {figure:<8} baseline {before:6.3f} s   checksums {after:6.3f} s   "
-                  f"{100 * (after / before - 1):+5.1f}%")
-    print(f"  XXH3-64 of the whole state alone: {hashing * 1000:.1f} ms, {100 * hashing / medians['baseline']['save']:.1f}% "
-          f"of the baseline's median save, {100 * hashing / medians['baseline']['restore']:.1f}% of its median restore")
+            print(
+                f"  {kind:<8} {figure:<8} baseline {before:6.3f} s   checksums {after:6.3f} s   "
+                f"{100 * (after / before - 1):+5.1f}%"
+            )
+    print(
+        f"  XXH3-64 of the whole state alone: {hashing * 1000:.1f} ms, {100 * hashing / medians['baseline']['save']:.1f}% "
+        f"of the baseline's median save, {100 * hashing / medians['baseline']['restore']:.1f}% of its median restore"
+    )
     if args.out:
         record = {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     figures = {"plugins_installed": len(plugins), "types": sum(len(v) for p in plugins for v in p["types"].values())}
     for label, command in COMMANDS.items():
         figures[label] = time_command(command, args.repeats)
-        print(f"{label:<20} median {figures[label]['median_s']:.3f} s  (min {figures[label]['min_s']:.3f}, "
-              f"max {figures[label]['max_s']:.3f})")
+        print(
+            f"{label:<20} median {figures[label]['median_s']:.3f} s  (min {figures[label]['min_s']:.3f}, "
+            f"max {figures[label]['max_s']:.3f})"
+        )
     print(f"{figures['plugins_installed']} plugins, {figures['types']} types installed")
     if args.out:
         with open(args.out, "w") as f:

@@ -226,7 +226,11 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     rng = np.random.default_rng(0)
-    results = {"machine": f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads()}
+    results = {
+        "machine": f"{os.cpu_count()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch_threads": torch.get_num_threads(),
+    }
     with tempfile.TemporaryDirectory() as directory:
         make_model(directory)
         cases = {
@@ -247,9 +251,15 @@ def main() -> None:
                 print(f"{'server':>14} {side:>12}: {r['requests_per_s']:.2f} requests/s, p50 {r['p50_s']:.2f} s, "
                       f"p99 {r['p99_s']:.2f} s, total {r['total_s']:.1f} s ({args.clients} clients)", flush=True)  # fmt: skip
     for name in ("batch 1", "batch 16"):
-        ratio = results[f"{name} / levanter"]["decode_tokens_per_s"] / results[f"{name} / transformers"]["decode_tokens_per_s"]
+        ratio = (
+            results[f"{name} / levanter"]["decode_tokens_per_s"]
+            / results[f"{name} / transformers"]["decode_tokens_per_s"]
+        )
         print(f"decode at {name}: {ratio:.2f}x transformers")
-    ratio = results["prefill 8x256 / levanter"]["prefill_tokens_per_s"] / results["prefill 8x256 / transformers"]["prefill_tokens_per_s"]
+    ratio = (
+        results["prefill 8x256 / levanter"]["prefill_tokens_per_s"]
+        / results["prefill 8x256 / transformers"]["prefill_tokens_per_s"]
+    )
     print(f"prefill: {ratio:.2f}x transformers")
     if args.server_requests:
         ratio = results["server / levanter"]["requests_per_s"] / results["server / transformers"]["requests_per_s"]

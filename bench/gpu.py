@@ -203,9 +203,13 @@ def markdown(summary: dict) -> str:
         ]
         for name, part in train.items():
             r = part["figures"]
-            peak = f"{r['mfu_published_peak']:.1%} of {r['published_peak_tflops']:.0f}" if r["mfu_published_peak"] else "n/a"
+            peak = (
+                f"{r['mfu_published_peak']:.1%} of {r['published_peak_tflops']:.0f}"
+                if r["mfu_published_peak"]
+                else "n/a"
+            )
             lines.append(
-                f"| {name[len('train-'):]} | {r['parameters'] / 1e6:,.0f} M | {r['device']} | {r['tokens_per_step']:,} | "
+                f"| {name[len('train-') :]} | {r['parameters'] / 1e6:,.0f} M | {r['device']} | {r['tokens_per_step']:,} | "
                 f"{r['tokens_per_second']:,.0f} | {r['step_seconds']:.3f} s | {r['model_tflops']:.1f} | "
                 f"{r['mfu_measured_matmul']:.1%} of {r['matmul_tflops']:.0f} | {peak} | "
                 f"{r['loss']['first_step']:.3f} -> {r['loss']['last_step']:.3f} |"
@@ -293,9 +297,11 @@ def decode_benchmark(preset: str, quick: bool, repeats: int) -> dict:
         prompts = rng.integers(1, vocab, size=(rows, prompt))
         params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
         listed = [p.tolist() for p in prompts]
-        with Engine(model, max_seqs=rows, max_rounds=16, max_prefill_seqs=rows, max_seq_len=prompt + new + 16) as engine:
+        with Engine(
+            model, max_seqs=rows, max_rounds=16, max_prefill_seqs=rows, max_seq_len=prompt + new + 16
+        ) as engine:
 
-            def ours():
+            def ours(listed=listed, params=params, new=new):
                 started = time.perf_counter()
                 done = engine.generate(listed, params)
                 total = time.perf_counter() - started
@@ -307,7 +313,7 @@ def decode_benchmark(preset: str, quick: bool, repeats: int) -> dict:
     del model
     try:
         import torch
-        import transformers
+        import transformers  # noqa: F401  (the peer: without it, only our figures)
     except ImportError:
         return result
     try:  # the peer's failure (a package missing on the machine) leaves our figures standing
@@ -315,10 +321,13 @@ def decode_benchmark(preset: str, quick: bool, repeats: int) -> dict:
         for case, (rows, prompt, new) in cases.items():
             prompts = torch.as_tensor(rng.integers(1, vocab, size=(rows, prompt)), device=theirs.device)
             result["cases"][case]["transformers"] = rates(
-                timed(lambda: generate_theirs(theirs, prompts, new), repeats), rows, prompt, new
+                timed(lambda prompts=prompts, new=new: generate_theirs(theirs, prompts, new), repeats),
+                rows,
+                prompt,
+                new,
             )
             print(f"{case}: transformers {result['cases'][case]['transformers']}", flush=True)
-    except Exception as e:  # noqa: BLE001 - reported in the figures
+    except Exception as e:
         result["transformers_error"] = f"{type(e).__name__}: {e}"
         print(f"transformers failed: {result['transformers_error']}", flush=True)
     return result

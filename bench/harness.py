@@ -90,10 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    from levanter_eval_harness.lm import LevanterLM
     from lm_eval.models.huggingface import HFLM
 
     from levanter_core.models.source import load_model_source
-    from levanter_eval_harness.lm import LevanterLM
 
     figures: dict = {"questions": args.questions, "batch_size": args.batch_size, "workloads": {}}
     with tempfile.TemporaryDirectory() as directory:
@@ -104,7 +104,9 @@ def main() -> None:
         for name, pairs in workloads(args.questions).items():
             requests = instances(pairs)
             first, our_answers = timed(lambda r: ours.loglikelihood(r, disable_tqdm=True), requests)
-            our_runs = [timed(lambda r: ours.loglikelihood(r, disable_tqdm=True), requests)[0] for _ in range(args.repeats)]
+            our_runs = [
+                timed(lambda r: ours.loglikelihood(r, disable_tqdm=True), requests)[0] for _ in range(args.repeats)
+            ]
             theirs.loglikelihood(requests[:8], disable_tqdm=True)  # warm-up
             their_runs, their_answers = [], None
             for _ in range(args.repeats):
@@ -122,7 +124,9 @@ def main() -> None:
             }
         ours.close()
 
-    print(f"{'workload':<12} {'requests':>8} {'ours req/s':>11} {'(1st run)':>10} {'hf req/s':>9} {'speedup':>8} {'max |dLL|':>10}")
+    print(
+        f"{'workload':<12} {'requests':>8} {'ours req/s':>11} {'(1st run)':>10} {'hf req/s':>9} {'speedup':>8} {'max |dLL|':>10}"
+    )
     for name, f in figures["workloads"].items():
         print(
             f"{name:<12} {f['requests']:>8} {f['ours_requests_per_s']:>11.1f} {f['ours_first_run_requests_per_s']:>10.1f} "

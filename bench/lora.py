@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import reference_gpt2  # noqa: E402
+import reference_gpt2
 
 OPTIMIZER = {"learning_rate": 1e-3, "weight_decay": 0.1}
 """The reference run's ``optimizer:`` section (type ``adam``: AdamW)."""
@@ -157,8 +157,12 @@ def print_table(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=sorted(reference_gpt2.PRESETS),
-                        help="the model preset of reference_gpt2.py (default llama)")
+    parser.add_argument(
+        "--model",
+        default="llama",
+        choices=sorted(reference_gpt2.PRESETS),
+        help="the model preset of reference_gpt2.py (default llama)",
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="LoRA ranks (default 8 16)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of turns (default 3)")

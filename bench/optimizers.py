@@ -37,7 +37,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import reference_gpt2  # noqa: E402
+import reference_gpt2
 
 WARMUP_STEPS = 5
 EVAL_BATCHES = 16
@@ -87,7 +87,9 @@ class Workspace:
         from levanter_core.config.train import validate_train_config
         from levanter_core.trainer.run import run_training
 
-        run_id = f"{optimizer['type']}-{optimizer['learning_rate']:g}-{steps}-" + datetime.datetime.now().strftime("%H%M%S")
+        run_id = f"{optimizer['type']}-{optimizer['learning_rate']:g}-{steps}-" + datetime.datetime.now().strftime(
+            "%H%M%S"
+        )
         raw = reference_gpt2.train_config(self.workdir, self.tokenizer, steps, run_id)
         raw["optimizer"] = optimizer
         raw["trainer"]["max_eval_batches"] = EVAL_BATCHES
@@ -136,8 +138,11 @@ def run_all(workspace: Workspace, sections: list[dict], steps: int, out: str, ev
         print(f"-- {key}", flush=True)
         results[key] = workspace.run(optimizer, steps, eval_every)
         r = results[key]
-        print(f"   eval loss {r['eval_loss']:.4f}, train loss (last 20) {r['train_loss_last_20']:.4f}, "
-              f"step {r['step_seconds']:.3f} s", flush=True)
+        print(
+            f"   eval loss {r['eval_loss']:.4f}, train loss (last 20) {r['train_loss_last_20']:.4f}, "
+            f"step {r['step_seconds']:.3f} s",
+            flush=True,
+        )
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     return results
@@ -172,7 +177,11 @@ def time_steps(names: list[str], rates: dict[str, float], *, steps: int = 20, ro
     from levanter_core.trainer.trainer import Trainer
 
     preset = reference_gpt2.PRESETS["gpt2"]
-    model = registry("model").get("gpt2").config_cls.model_validate({k: v for k, v in preset["model"].items() if k != "type"})
+    model = (
+        registry("model")
+        .get("gpt2")
+        .config_cls.model_validate({k: v for k, v in preset["model"].items() if k != "type"})
+    )
     config = TrainerConfig(num_train_steps=1000, **preset["trainer"])
     tokens = np.random.default_rng(0).integers(0, reference_gpt2.VOCAB_SIZE, (config.train_batch_size, model.seq_len))
     runs = {}
@@ -180,12 +189,14 @@ def time_steps(names: list[str], rates: dict[str, float], *, steps: int = 20, ro
         fields = {k: v for k, v in section(name, rates.get(name, RATES[name][0])).items() if k != "type"}
         optimizer = registry("optimizer").get(name).config_cls.model_validate(fields)
         trainer = Trainer(config, optimizer.build_for_trainer(1000), LmObjective(), mesh=make_mesh(config))
-        state = trainer.init_state(lambda k: model.build(hax.Axis("vocab", reference_gpt2.VOCAB_SIZE), key=k), jax.random.PRNGKey(0))
+        state = trainer.init_state(
+            lambda k: model.build(hax.Axis("vocab", reference_gpt2.VOCAB_SIZE), key=k), jax.random.PRNGKey(0)
+        )
         for _ in range(3):
             state, _ = trainer.train_step(state, tokens)
         runs[name] = [trainer, jax.block_until_ready(state), []]
     for _ in range(rounds):
-        for name, run in runs.items():
+        for run in runs.values():
             trainer, state, times = run
             start = time.perf_counter()
             for _ in range(steps):
@@ -214,7 +225,10 @@ def plot(results: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("step (16 x 256 tokens each)")
     ax.set_ylabel("loss (nats per token)")
     # from the loss most runs reach after a tenth of the steps: the start dwarfs the rest
-    tops = sorted(statistics.mean(l for _, l in r["curve"][len(r["curve"]) // 10 : len(r["curve"]) // 10 + 20]) for r in results)
+    tops = sorted(
+        statistics.mean(loss for _, loss in r["curve"][len(r["curve"]) // 10 : len(r["curve"]) // 10 + 20])
+        for r in results
+    )
     ax.set_ylim(top=tops[len(tops) // 2] + 0.5)
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -243,9 +257,13 @@ def main(argv: list[str] | None = None) -> None:
         adam = timed.get("adam")
         for name, t in timed.items():
             ratio = f"{t['step_seconds'] / adam['step_seconds']:.2f}x" if adam else "-"
-            print(f"{name:<22}{t['step_seconds']:>9.3f} s{ratio:>10}  rounds {['%.3f' % x for x in t['rounds']]}")
-        record = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                  "machine": reference_gpt2.machine(), "load_average_1min": os.getloadavg()[0], "steps": timed}
+            print(f"{name:<22}{t['step_seconds']:>9.3f} s{ratio:>10}  rounds {[f'{x:.3f}' for x in t['rounds']]}")
+        record = {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": reference_gpt2.machine(),
+            "load_average_1min": os.getloadavg()[0],
+            "steps": timed,
+        }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         return
@@ -264,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{'optimizer':<22}{'lr':>8}{'eval loss':>11}{'train loss':>12}{'step s':>9}{'vs AdamW':>10}")
     for r in chosen:
         ratio = f"{r['step_seconds'] / adam['step_seconds']:.2f}x" if adam else "-"
-        print(f"{r['optimizer']['type']:<22}{r['optimizer']['learning_rate']:>8g}{r['eval_loss']:>11.4f}"
-              f"{r['train_loss_last_20']:>12.4f}{r['step_seconds']:>9.3f}{ratio:>10}")
+        print(
+            f"{r['optimizer']['type']:<22}{r['optimizer']['learning_rate']:>8g}{r['eval_loss']:>11.4f}"
+            f"{r['train_loss_last_20']:>12.4f}{r['step_seconds']:>9.3f}{ratio:>10}"
+        )
     if args.plot:
         plot(chosen, args.plot, f"Reference GPT-2, {args.steps} steps of {16 * 256} tokens")
 

@@ -26,16 +26,16 @@ import time
 STARTED = time.perf_counter()
 """When this script started: the whole command's wall time counts from here."""
 
-import argparse
-import datetime
-import json
-import os
-import platform
-import resource
-import statistics
-import sys
-import tempfile
-import threading
+import argparse  # noqa: E402  (after STARTED, so that the imports count)
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
 
 MATMUL_RUNS = 10
 WARMUP_STEPS = 5
@@ -52,8 +52,15 @@ REFERENCE_TRAINER = {"mp": "p=f32", "train_batch_size": 16}
 PRESETS: dict[str, dict] = {
     # The reference model of REFERENCE.md; GPT-2 ties its embeddings.
     "gpt2": {
-        "model": {"type": "gpt2", "hidden_dim": 256, "num_layers": 4, "num_heads": 4, "seq_len": 256,
-                  "gradient_checkpointing": False, "unroll_layers": True},
+        "model": {
+            "type": "gpt2",
+            "hidden_dim": 256,
+            "num_layers": 4,
+            "num_heads": 4,
+            "seq_len": 256,
+            "gradient_checkpointing": False,
+            "unroll_layers": True,
+        },
         "trainer": REFERENCE_TRAINER,
     },
     # A Llama of the same size: 5.31 M parameters against GPT-2's 5.32 M. Its gated MLP has
@@ -61,18 +68,35 @@ PRESETS: dict[str, dict] = {
     # than 688 also makes up for GPT-2's position embeddings. Tied embeddings, as in GPT-2, so
     # both spend the same on the output projection.
     "llama": {
-        "model": {"type": "llama", "hidden_dim": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
-                  "intermediate_dim": 704, "seq_len": 256, "tie_word_embeddings": True,
-                  "gradient_checkpointing": False, "unroll_layers": True},
+        "model": {
+            "type": "llama",
+            "hidden_dim": 256,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "intermediate_dim": 704,
+            "seq_len": 256,
+            "tie_word_embeddings": True,
+            "gradient_checkpointing": False,
+            "unroll_layers": True,
+        },
         "trainer": REFERENCE_TRAINER,
     },
     # The GPU target of issue 8: 344 M parameters with the 8,192-token vocabulary (untied),
     # seq_len 2048, bf16 compute; attn_backend ``jax`` is cuDNN's fused attention on GPU.
     # Checkpointed layers: without, batch 16 x 2048 tokens of activations would not fit in 80 GB.
     "llama350m": {
-        "model": {"type": "llama", "hidden_dim": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 16,
-                  "intermediate_dim": 3072, "seq_len": 2048, "attn_backend": "jax",
-                  "gradient_checkpointing": True},
+        "model": {
+            "type": "llama",
+            "hidden_dim": 1024,
+            "num_layers": 24,
+            "num_heads": 16,
+            "num_kv_heads": 16,
+            "intermediate_dim": 3072,
+            "seq_len": 2048,
+            "attn_backend": "jax",
+            "gradient_checkpointing": True,
+        },
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
     # Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 query and 8 key/value heads, MLP 8192, tied
@@ -80,17 +104,35 @@ PRESETS: dict[str, dict] = {
     # parameters. seq_len 2048, bf16 compute, f32 parameters and optimizer state; each layer's
     # input is kept and its inside recomputed in the backward pass. For one H100/H200 (issue 39).
     "llama1b": {
-        "model": {"type": "llama", "hidden_dim": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
-                  "intermediate_dim": 8192, "seq_len": 2048, "tie_word_embeddings": True,
-                  "attn_backend": "jax", "gradient_checkpointing": True},
+        "model": {
+            "type": "llama",
+            "hidden_dim": 2048,
+            "num_layers": 16,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "intermediate_dim": 8192,
+            "seq_len": 2048,
+            "tie_word_embeddings": True,
+            "attn_backend": "jax",
+            "gradient_checkpointing": True,
+        },
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
     # The same model with every activation kept for the backward pass (no recomputation): fewer
     # FLOPs on the device per step, about 60 GB of activations at batch 16 (an H200 holds them).
     "llama1b-keep": {
-        "model": {"type": "llama", "hidden_dim": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
-                  "intermediate_dim": 8192, "seq_len": 2048, "tie_word_embeddings": True,
-                  "attn_backend": "jax", "gradient_checkpointing": False},
+        "model": {
+            "type": "llama",
+            "hidden_dim": 2048,
+            "num_layers": 16,
+            "num_heads": 32,
+            "num_kv_heads": 8,
+            "intermediate_dim": 8192,
+            "seq_len": 2048,
+            "tie_word_embeddings": True,
+            "attn_backend": "jax",
+            "gradient_checkpointing": False,
+        },
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
     # Not a benchmark: exercises the benchmark itself in seconds (tests use it).
@@ -206,7 +248,12 @@ def train_config(
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; expected one of {sorted(PRESETS)}")
     keep = [{"every": save_every}] if save_every else [{"every": 10000}]
-    data = {"type": "python_stdlib", "tokenizer": tokenizer_path, "shuffle": True, "cache_dir": os.path.join(workdir, "cache")}
+    data = {
+        "type": "python_stdlib",
+        "tokenizer": tokenizer_path,
+        "shuffle": True,
+        "cache_dir": os.path.join(workdir, "cache"),
+    }
     if max_files:
         data["max_files"] = max_files
     return {
@@ -371,8 +418,7 @@ def benchmark(
     train = [m for m in metrics if "train/loss" in m]
     # The step that also ran the final evaluation is slower by that evaluation: not steady state.
     steady = [
-        m for m in train
-        if m["step"] > WARMUP_STEPS and "throughput/tokens_per_second" in m and "eval/loss" not in m
+        m for m in train if m["step"] > WARMUP_STEPS and "throughput/tokens_per_second" in m and "eval/loss" not in m
     ]
     if not steady:
         raise SystemExit(f"too few steps for a steady state: run more than {WARMUP_STEPS + 1} steps")
@@ -438,25 +484,38 @@ def print_table(r: dict) -> None:
     first = s["run_training_to_first_step_logged"]
     rows = [
         ("machine", f"{r['machine']['nproc']} x {r['machine']['cpu']}, jax {r['machine']['jax']}"),
-        ("load average (1 min) before/after", "{:.2f} / {:.2f}".format(
-            r["load_average_1_5_15min"]["before"][0], r["load_average_1_5_15min"]["after"][0])),
-        ("corpus", f"{r['corpus']['files']['train']} train + {r['corpus']['files']['validation']} validation files, "
-                   f"{r['corpus']['tokens']['train']:,} train tokens"),
-        ("model", f"{r['model']['preset']} ({r['model']['model']['type']}), "
-                  f"{r['model']['parameters'] / 1e6:.2f} M parameters"),
+        (
+            "load average (1 min) before/after",
+            "{:.2f} / {:.2f}".format(r["load_average_1_5_15min"]["before"][0], r["load_average_1_5_15min"]["after"][0]),
+        ),
+        (
+            "corpus",
+            f"{r['corpus']['files']['train']} train + {r['corpus']['files']['validation']} validation files, "
+            f"{r['corpus']['tokens']['train']:,} train tokens",
+        ),
+        (
+            "model",
+            f"{r['model']['preset']} ({r['model']['model']['type']}), "
+            f"{r['model']['parameters'] / 1e6:.2f} M parameters",
+        ),
         ("steps", f"{r['steps']} ({r['steady_state_steps']} in the steady state)"),
         ("tokens/s", f"{tps['median']:,.0f} median ({tps['min']:,.0f} to {tps['max']:,.0f})"),
         ("step time", f"{step['median']:.3f} s median ({step['min']:.3f} to {step['max']:.3f})"),
         ("model FLOPs/token", f"{r['flops_per_token'] / 1e6:.2f} M"),
         ("model GFLOP/s", f"{r['model_gflops_per_second']:.1f}"),
-        (f"{mm['dtype']} {mm['size']}x{mm['size']} matmul GFLOP/s (median)",
-         f"{mm['mean']['median']:.1f} (before {mm['before']['median']:.1f}, after {mm['after']['median']:.1f})"),
+        (
+            f"{mm['dtype']} {mm['size']}x{mm['size']} matmul GFLOP/s (median)",
+            f"{mm['mean']['median']:.1f} (before {mm['before']['median']:.1f}, after {mm['after']['median']:.1f})",
+        ),
         ("matmul GFLOP/s (best)", f"{mm['mean']['best']:.1f}"),
         ("MFU", f"{r['mfu']:.1%}"),
         ("tokens/s per matmul GFLOP/s", f"{r['tokens_per_second_per_matmul_gflops']:.1f} (peer: 17.9)"),
         ("loss first -> last step", f"{r['loss']['first_step']:.3f} -> {r['loss']['last_step']:.3f}"),
         ("tokenizer training", f"{s['tokenizer_training']:.1f} s"),
-        ("cache build", f"{s['cache_build']:.1f} s" if s["cache_build"] is not None else "during run_training (--cold-cache)"),
+        (
+            "cache build",
+            f"{s['cache_build']:.1f} s" if s["cache_build"] is not None else "during run_training (--cold-cache)",
+        ),
         ("run_training start -> step 1 logged", f"{first:.1f} s" if first is not None else "n/a"),
         ("run_training", f"{s['run_training']:.1f} s"),
         ("wall, whole command", f"{s['wall']:.1f} s"),
@@ -465,10 +524,16 @@ def print_table(r: dict) -> None:
     if r["checkpoints"]:
         c = r["checkpoints"]
         rows += [
-            ("checkpoints saved during training", f"{c['saves']} (state {c['state_mib']:.1f} MiB, "
-                                                  f"{c['checkpoint_mib']:.1f} MiB on disk)"),
-            ("training loop held up per save", "{:.3f} s median ({:.3f} to {:.3f})".format(
-                c["blocked_seconds"]["median"], c["blocked_seconds"]["min"], c["blocked_seconds"]["max"])),
+            (
+                "checkpoints saved during training",
+                f"{c['saves']} (state {c['state_mib']:.1f} MiB, {c['checkpoint_mib']:.1f} MiB on disk)",
+            ),
+            (
+                "training loop held up per save",
+                "{:.3f} s median ({:.3f} to {:.3f})".format(
+                    c["blocked_seconds"]["median"], c["blocked_seconds"]["min"], c["blocked_seconds"]["max"]
+                ),
+            ),
             ("the same save written synchronously", f"{c['synchronous_write_seconds']:.3f} s"),
         ]
     width = max(len(name) for name, _ in rows)
@@ -479,17 +544,29 @@ def print_table(r: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    parser.add_argument("--model", default="gpt2", choices=sorted(PRESETS),
-                        help="the model preset (default gpt2, the reference)")
-    parser.add_argument("--max-files", type=int, default=None,
-                        help="use only the first N files of each split of the corpus (quick tests)")
-    parser.add_argument("--save-every", type=int, default=None,
-                        help="save a checkpoint every N steps and report what saving costs")
+    parser.add_argument(
+        "--model", default="gpt2", choices=sorted(PRESETS), help="the model preset (default gpt2, the reference)"
+    )
+    parser.add_argument(
+        "--max-files",
+        type=int,
+        default=None,
+        help="use only the first N files of each split of the corpus (quick tests)",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=None, help="save a checkpoint every N steps and report what saving costs"
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--cold-cache", action="store_true",
-                        help="let the run build the token caches itself (in the background, while compiling)")
-    parser.add_argument("--workdir", default=None, help="where the tokenizer, cache, logs and checkpoints go "
-                                                        "(default: a new directory under the system temp dir)")
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="let the run build the token caches itself (in the background, while compiling)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where the tokenizer, cache, logs and checkpoints go (default: a new directory under the system temp dir)",
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"reference-{args.model}-")
     os.makedirs(workdir, exist_ok=True)

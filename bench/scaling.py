@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import reference_gpt2  # noqa: E402  (the reference run's config and tokenizer)
+import reference_gpt2
 
 
 def prepare(workdir: str) -> str:

@@ -168,8 +168,8 @@ def run_levanter(inputs) -> dict[str, np.ndarray]:
     results = {}
     for kind, config_cls in (("sophia-h", SophiaHConfig), ("sophia-g", SophiaGConfig)):
         optimizer = config_cls(**CONFIG, gamma=GAMMA[kind]).build(STEPS)
-        loss = lambda p: cross_entropy(logits(p, x), y)  # noqa: E731
-        step = jax.jit(lambda g, s, p: optimizer.update(g, s, p, obj_fn=loss))
+        loss = lambda p: cross_entropy(logits(p, x), y)
+        step = jax.jit(lambda g, s, p, optimizer=optimizer, loss=loss: optimizer.update(g, s, p, obj_fn=loss))
         results.update(_run(kind, step, optimizer.init(step_tree(inputs, "params", 0)), inputs))
     return results
 
@@ -199,7 +199,7 @@ def run_ours(inputs, kinds=KINDS) -> dict[str, np.ndarray]:
     results = {}
     for kind in kinds:
         optimizer = ours_config(kind).build(STEPS)
-        step = jax.jit(lambda g, s, p: optimizer.update(g, s, p, objective=objective))
+        step = jax.jit(lambda g, s, p, optimizer=optimizer: optimizer.update(g, s, p, objective=objective))
         results.update(_run(kind, step, optimizer.init(step_tree(inputs, "params", 0)), inputs))
     return results
 
@@ -259,9 +259,17 @@ def run_ours_in(precision: str, inputs) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peer-python", default=DEFAULT_PEER, help=f"the Levanter environment's python (default {DEFAULT_PEER})")
-    parser.add_argument("--write-golden", action="store_true", help=f"store Levanter's updates and their inputs in {os.path.relpath(GOLDEN, REPO)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--peer-python", default=DEFAULT_PEER, help=f"the Levanter environment's python (default {DEFAULT_PEER})"
+    )
+    parser.add_argument(
+        "--write-golden",
+        action="store_true",
+        help=f"store Levanter's updates and their inputs in {os.path.relpath(GOLDEN, REPO)}",
+    )
     parser.add_argument("--as-peer", nargs=2, metavar=("INPUTS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 

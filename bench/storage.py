@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import reference_gpt2  # noqa: E402
+import reference_gpt2
 
 
 def best_of(repeats: int, work) -> float:

@@ -61,8 +61,18 @@ def throughput(model: str, steps: int, workdir: str, max_files: int | None, *, o
     ``one_core``: the process (training and matmul yardstick alike) may use only the first CPU."""
     label = f"{model}-one-core" if one_core else model
     out = os.path.join(workdir, f"{label}-throughput.json")
-    command = [sys.executable, os.path.join(BENCH, "reference_gpt2.py"), "--model", model, "--steps", str(steps),
-               "--workdir", workdir, "--out", out]
+    command = [
+        sys.executable,
+        os.path.join(BENCH, "reference_gpt2.py"),
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--workdir",
+        workdir,
+        "--out",
+        out,
+    ]
     if max_files:
         command += ["--max-files", str(max_files)]
     log = os.path.join(workdir, f"{label}-throughput.log")
@@ -238,8 +248,10 @@ def rows(r: dict) -> list[tuple[str, str]]:
         ("tokens/s per matmul GFLOP/s", f"{t['tokens_per_second_per_matmul_gflops']:.2f}"),
         ("start -> step 1, cold", seconds(cold["seconds_to_first_step"])),
         ("start -> step 1, warm", seconds(warm["seconds_to_first_step"])),
-        ("warm: compile cache hits/misses", "{} / {}".format(warm["compilation_cache"]["hits"],
-                                                             warm["compilation_cache"]["misses"])),
+        (
+            "warm: compile cache hits/misses",
+            "{} / {}".format(warm["compilation_cache"]["hits"], warm["compilation_cache"]["misses"]),
+        ),
         ("peak host memory, throughput", f"{t['peak_rss_mib']:,.0f} MiB"),
         ("peak host memory, CLI cold", f"{cold['peak_rss_mib']:,.0f} MiB"),
         ("loss, first -> last step", f"{t['loss']['first_step']:.3f} -> {t['loss']['last_step']:.3f}"),
@@ -261,8 +273,10 @@ def one_core_rows(t: dict | None) -> list[tuple[str, str]]:
 def print_table(results: dict) -> None:
     """One short table: rows = figures, columns = models; the machine and load above it."""
     m, load = results["machine"], results["load_average_1_5_15min"]
-    print(f"{m['nproc']} x {m['cpu']}, jax {m['jax']} ({m['jax_backend']}: {', '.join(m['devices'])}); "
-          f"load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after")
+    print(
+        f"{m['nproc']} x {m['cpu']}, jax {m['jax']} ({m['jax_backend']}: {', '.join(m['devices'])}); "
+        f"load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after"
+    )
     models = list(results["models"])
     columns = {model: dict(rows(results["models"][model])) for model in models}
     names = [name for name, _ in rows(results["models"][models[0]])]
@@ -276,14 +290,24 @@ def print_table(results: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="training steps of each throughput run (default 60)")
-    parser.add_argument("--models", default="gpt2,llama",
-                        help=f"comma-separated presets, from {', '.join(reference_gpt2.PRESETS)} (default gpt2,llama)")
+    parser.add_argument(
+        "--models",
+        default="gpt2,llama",
+        help=f"comma-separated presets, from {', '.join(reference_gpt2.PRESETS)} (default gpt2,llama)",
+    )
     parser.add_argument("--gpu-llama", action="store_true", help="run only llama350m (the same as --models llama350m)")
-    parser.add_argument("--max-files", type=int, default=None,
-                        help="use only the first N files of each split of the corpus (quick tests)")
+    parser.add_argument(
+        "--max-files",
+        type=int,
+        default=None,
+        help="use only the first N files of each split of the corpus (quick tests)",
+    )
     parser.add_argument("--out", default="bench/last-suite.json", help="write the figures as JSON here")
-    parser.add_argument("--workdir", default=None, help="where tokenizer, caches, logs and checkpoints go "
-                                                        "(default: a new directory under the system temp dir)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where tokenizer, caches, logs and checkpoints go (default: a new directory under the system temp dir)",
+    )
     args = parser.parse_args(argv)
     models = ["llama350m"] if args.gpu_llama else [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in reference_gpt2.PRESETS]

@@ -17,10 +17,11 @@ import os
 import tempfile
 import time
 
+from reference_gpt2 import train_tokenizer  # the same tokenizer as the training benchmark
+
 from levanter_core.data.cache import open_cache
 from levanter_core.data.source import PythonStdlibSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
-from reference_gpt2 import train_tokenizer  # the same tokenizer as the training benchmark
 
 
 def measure(source, tokenizer, path: str, workers: int) -> dict:

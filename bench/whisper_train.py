@@ -174,15 +174,16 @@ def our_config(preset: dict, layers: str, mp: str, workdir: str, steps: int, *, 
 class Ours:
     """The core's trainer on the batch: :meth:`step` runs one training step and waits for it."""
 
-    def __init__(self, preset: dict, batch: dict, *, layers: str, mp: str, workdir: str, steps: int,
-                 checkpointing: bool = False):
+    def __init__(
+        self, preset: dict, batch: dict, *, layers: str, mp: str, workdir: str, steps: int, checkpointing: bool = False
+    ):
         import jax
         from haliax import Axis
+        from levanter_model_whisper.objective import SpeechBatch, SpeechRecognition
 
         from levanter_core.trainer.mesh import make_mesh
         from levanter_core.trainer.run import configure_jax
         from levanter_core.trainer.trainer import Trainer
-        from levanter_model_whisper.objective import SpeechBatch, SpeechRecognition
 
         self.config = config = our_config(preset, layers, mp, workdir, steps, checkpointing=checkpointing)
         configure_jax(config)
@@ -218,9 +219,9 @@ def profile_ours(ours: Ours, repeats: int) -> dict:
     import equinox as eqx
     import haliax as hax
     import jax
+    from levanter_model_whisper.objective import features_of
 
     from levanter_core.models.lm import next_token_loss
-    from levanter_model_whisper.objective import features_of
 
     trainer, objective = ours.trainer, ours.objective
     example = trainer.to_device(ours.batch, trainer.Batch)
@@ -259,7 +260,9 @@ def profile_ours(ours: Ours, repeats: int) -> dict:
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
         for name, (fn, args) in pieces.items():
             compiled = eqx.filter_jit(fn)
-            out[name] = median_seconds(lambda: jax.block_until_ready(compiled(*args)), repeats)
+            out[name] = median_seconds(
+                lambda compiled=compiled, args=args: jax.block_until_ready(compiled(*args)), repeats
+            )
     out["whole step"] = statistics.median([ours.step() for _ in range(repeats)])
     return with_differences(out)
 
@@ -416,6 +419,7 @@ def profile_theirs(theirs: Theirs, repeats: int) -> dict:
               "decoder + loss forward + backward": decoder_backward, "loss forward + backward": loss_backward,
               "whole model forward + loss": whole_forward, "whole model forward + backward": whole_backward,
               "whole step": whole_step}  # fmt: skip
+
     def waited(fn):
         def call():
             fn()
@@ -438,7 +442,6 @@ def machine_info(torch_device: str) -> dict:
     import jax
     import torch
     import transformers
-
     from reference_gpt2 import cpu_name
 
     info = {
@@ -522,16 +525,25 @@ def benchmark(preset_name: str, *, batch_size: int | None = None, rounds: int, s
         "machine": machine_info(torch_device),
         "load_average_1_5_15min": {"before": load_before, "after": load_after},
         "preset": preset_name,
-        "model": {**preset["model"], "vocab_size": preset["vocab_size"], "layers": layers, **LAYER_CHOICES[layers],
-                  "gradient_checkpointing": False},
+        "model": {
+            **preset["model"],
+            "vocab_size": preset["vocab_size"],
+            "layers": layers,
+            **LAYER_CHOICES[layers],
+            "gradient_checkpointing": False,
+        },
         "parameters": {"ours": int(ours.parameters), "transformers": int(theirs.parameters)},
         "mp": mp,
         "transformers_attention": theirs.attention,
         "transformers_autocast_bf16": bf16,
-        "batch": {"rows": rows, "seq_len": preset["model"]["seq_len"],
-                  "window_seconds_per_row": batch["window_samples"] / SAMPLE_RATE,
-                  "audio_seconds": audio_seconds, "window_seconds": window_seconds,
-                  "transcript_tokens": int(batch["loss_mask"].sum()) + rows},
+        "batch": {
+            "rows": rows,
+            "seq_len": preset["model"]["seq_len"],
+            "window_seconds_per_row": batch["window_samples"] / SAMPLE_RATE,
+            "audio_seconds": audio_seconds,
+            "window_seconds": window_seconds,
+            "transcript_tokens": int(batch["loss_mask"].sum()) + rows,
+        },
         "rounds": rounds,
         "steps_per_round": steps,
         "warmup_steps": warmup,
@@ -557,9 +569,10 @@ def benchmark(preset_name: str, *, batch_size: int | None = None, rounds: int, s
         "ratio": {
             "vs_step_with_features": t / o,
             "vs_step_without_features": tm / o,
-            "per_round_with_features": [statistics.median(s for s, _ in b) / statistics.median(a)
-                                        for a, b in zip(timed_ours, timed_theirs)],
-        },  # fmt: skip
+            "per_round_with_features": [
+                statistics.median(s for s, _ in b) / statistics.median(a) for a, b in zip(timed_ours, timed_theirs)
+            ],
+        },
         "goal_ratio": 1.5,
         "profile_seconds": pieces,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -599,7 +612,9 @@ def print_table(r: dict) -> None:
     ]  # fmt: skip
     if r["profile_seconds"]:
         ours, theirs = r["profile_seconds"]["ours"], r["profile_seconds"]["transformers"]
-        rows += [(f"profile: {name}", f"ours {sec:.3f} s, transformers {theirs[name]:.3f} s") for name, sec in ours.items()]
+        rows += [
+            (f"profile: {name}", f"ours {sec:.3f} s, transformers {theirs[name]:.3f} s") for name, sec in ours.items()
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -607,18 +622,36 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shapes and batch (default tiny)")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: the preset's; a GPU wants more)")
+    parser.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="model shapes and batch (default tiny)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=None, help="rows per step (default: the preset's; a GPU wants more)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each side per round (default 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each side first (default 2)")
-    parser.add_argument("--layers", default=None, choices=sorted(LAYER_CHOICES),
-                        help="how our layers run (default: the preset's, the faster on the CPU)")
-    parser.add_argument("--mp", default="p=f32", help="our trainer.mp; a bfloat16 compute dtype also runs theirs under autocast")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
-                        help="cpu: both on the CPU; gpu: both on the GPU; auto: the GPU where there is one")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch.set_num_threads for theirs (default: the cores this process may use)")
+    parser.add_argument(
+        "--layers",
+        default=None,
+        choices=sorted(LAYER_CHOICES),
+        help="how our layers run (default: the preset's, the faster on the CPU)",
+    )
+    parser.add_argument(
+        "--mp", default="p=f32", help="our trainer.mp; a bfloat16 compute dtype also runs theirs under autocast"
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "gpu"),
+        help="cpu: both on the CPU; gpu: both on the GPU; auto: the GPU where there is one",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for theirs (default: the cores this process may use)",
+    )
     parser.add_argument("--profile", action="store_true", help="also time pieces of our step")
     parser.add_argument("--workdir", default=None, help="where our trainer may write (default: a temp dir)")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import click
 import typer
@@ -217,7 +217,7 @@ def eval_command(
         ),
     ],
     config: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--config",
             help="A training config whose validation sets (and their tags) to evaluate on, tokenized into its "
@@ -225,7 +225,7 @@ def eval_command(
         ),
     ] = None,
     data: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(
             "--data",
             help="A file to evaluate on (repeat for several), read in the data format the model trains on with "
@@ -237,16 +237,20 @@ def eval_command(
     ] = None,
     as_json: Annotated[
         bool,
-        typer.Option("--json", help="Print the results as JSON: the metrics (loss, bpb or wer) overall, per set and per tag."),
+        typer.Option(
+            "--json", help="Print the results as JSON: the metrics (loss, bpb or wer) overall, per set and per tag."
+        ),
     ] = False,
     batch_size: Annotated[int, typer.Option(help="Sequences (or utterances) per evaluation batch.", min=1)] = 8,
     max_batches: Annotated[
-        Optional[int], typer.Option(help="Evaluate at most this many batches of each set [default: all].", min=1)
+        int | None, typer.Option(help="Evaluate at most this many batches of each set [default: all].", min=1)
     ] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
     cache_dir: Annotated[
-        Optional[str],
-        typer.Option(help="Keep the tokenized --data files here (reused next time) rather than in a temporary directory."),
+        str | None,
+        typer.Option(
+            help="Keep the tokenized --data files here (reused next time) rather than in a temporary directory."
+        ),
     ] = None,
 ) -> None:
     """Evaluate a model on a config's validation sets or on files, as its training evaluates.
@@ -292,7 +296,7 @@ def import_hf(
         ),
     ],
     seq_len: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(help="Training sequence length to record (default: max_position_embeddings).", min=1),
     ] = None,
 ) -> None:
@@ -325,7 +329,9 @@ def export_hf(
             metavar="OUTPUT",
         ),
     ],
-    dtype: Annotated[str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[
+        str, typer.Option(help="Data type of the saved weights: float32, bfloat16 or float16.")
+    ] = "float32",
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 2GB or 500MB.")] = "2GB",
     raw_weights: Annotated[
         bool,
@@ -373,8 +379,13 @@ def export_hf(
     for argument, path in (("CHECKPOINT", checkpoint), ("OUTPUT", output)):
         _check_reachable(argument, path)
     written = do_export(
-        checkpoint, output, dtype=dtype, max_shard_bytes=parse_size(max_shard_size), averaged=not raw_weights,
-        peft=peft, overwrite=overwrite,
+        checkpoint,
+        output,
+        dtype=dtype,
+        max_shard_bytes=parse_size(max_shard_size),
+        averaged=not raw_weights,
+        peft=peft,
+        overwrite=overwrite,
     )
     print(f"exported {checkpoint} to {written}")
 
@@ -398,15 +409,15 @@ def _check_reachable(argument: str, path: str) -> None:
 def sample(
     ctx: typer.Context,
     source: Annotated[
-        Optional[str],
+        str | None,
         typer.Argument(
             help=SOURCE_HELP_WITH_CONFIG,
             metavar="SOURCE",
         ),
     ] = None,
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for several).")] = None,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeat for several).")] = None,
     prompts: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--prompts",
             help='A JSONL file of prompts: per line a string, {"prompt": TEXT} or {"messages": [...]} '
@@ -414,37 +425,45 @@ def sample(
             metavar="FILE.jsonl",
         ),
     ] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per sample [default: 128].")] = None,
-    temperature: Annotated[
-        Optional[float], typer.Option(help="Softmax temperature; 0 is greedy [default: 1.0].")
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens to generate per sample [default: 128].")
     ] = None,
+    temperature: Annotated[float | None, typer.Option(help="Softmax temperature; 0 is greedy [default: 1.0].")] = None,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0: all.")] = 0,
-    top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens holding this much probability.")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(help="Sample among the most likely tokens holding this much probability.")
+    ] = 1.0,
     seed: Annotated[
-        Optional[int],
-        typer.Option(help="Seed of the random draws (64 bits, signed); the same seed gives the same text [default: 0]."),
+        int | None,
+        typer.Option(
+            help="Seed of the random draws (64 bits, signed); the same seed gives the same text [default: 0]."
+        ),
     ] = None,
     stop: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(
             "--stop",
             help="A string that ends a sample (repeat for several). Backslash escapes are read as in Python: "
             "--stop '\\n\\n' stops at a blank line; write \\\\ for a backslash.",
         ),
     ] = None,
-    n: Annotated[Optional[int], typer.Option("-n", help="Samples per prompt [default: 1].", min=1, max=10_000)] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Put each --prompt through the tokenizer's chat template as a user message.")] = False,
+    n: Annotated[int | None, typer.Option("-n", help="Samples per prompt [default: 1].", min=1, max=10_000)] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Put each --prompt through the tokenizer's chat template as a user message.")
+    ] = False,
     as_json: Annotated[
         bool,
-        typer.Option("--json", help="Print one JSON line per sample: text, token ids, log-probabilities, finish reason."),
+        typer.Option(
+            "--json", help="Print one JSON line per sample: text, token ids, log-probabilities, finish reason."
+        ),
     ] = False,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
-    max_seqs: Annotated[Optional[int], typer.Option(help="Sequences decoded together [default: 16].", min=1)] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
+    max_seqs: Annotated[int | None, typer.Option(help="Sequences decoded together [default: 16].", min=1)] = None,
     max_seq_len: Annotated[
-        Optional[int], typer.Option(help="Longest prompt plus generation [default: the model's seq_len].", min=2)
+        int | None, typer.Option(help="Longest prompt plus generation [default: the model's seq_len].", min=2)
     ] = None,
     config: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--config",
             help="A sampler config in Levanter's sample_lm format (hf_checkpoint or checkpoint_path, prompts, "
@@ -531,7 +550,7 @@ def _usage_error(error) -> str:
     return message
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turning errors into messages and exit codes."""
     _setup_logging()
     from levanter_core.plugins import get_manager

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from levanter_core.data.cache import SKIP_BAD_DATA_HINT
 from levanter_core.data.dataset import TOO_SHORT_HINT
 from levanter_core.data.formats import MESSAGES_FIELD_HINT, TEXT_KEY_HINT
 from levanter_core.errors import DataError, UserError
+
 
 @dataclasses.dataclass
 class EvalSet:
@@ -72,7 +73,12 @@ class EvalReport:
                 **{rate: own.get(rate) for rate in self.rates},
                 **{count: int(totals[i]) for i, count in self.counts.items()},
             }
-        return {"source": self.source, **pick("eval"), "eval_sets": sets, "tags": {t: pick(f"eval/{t}") for t in self.tags}}
+        return {
+            "source": self.source,
+            **pick("eval"),
+            "eval_sets": sets,
+            "tags": {t: pick(f"eval/{t}") for t in self.tags},
+        }
 
     def table(self) -> str:
         """The report as a text table: one row per set, then per tag, then all together."""
@@ -85,7 +91,9 @@ class EvalReport:
 
         rows = [("set", "loss", *rates, *(name for _, name in counts))]
         for name, entry in self.as_json()["eval_sets"].items():
-            rows.append((name, f"{entry['loss']:.4f}", *(_fmt(entry[r]) for r in rates), *(f"{entry[c]:,}" for _, c in counts)))
+            rows.append(
+                (name, f"{entry['loss']:.4f}", *(_fmt(entry[r]) for r in rates), *(f"{entry[c]:,}" for _, c in counts))
+            )
         blank = [""] * len(counts)
         for tag, names in self.tags.items():
             rows.append((f"tag {tag} ({len(names)} sets)", *values(f"eval/{tag}"), *blank))
@@ -94,7 +102,9 @@ class EvalReport:
             rows.append(("all (micro)", *values("eval"), *summed))
             rows.append(("all (macro)", *values("eval", macro="macro_"), *blank))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        lines = [
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
@@ -133,7 +143,9 @@ def sets_from_config(
         tags = tuple(t for t in (source.tags or []) if t != name)
         sets.append(EvalSet(name, dataset, tags, f"{path}: {data.field_of(name)}"))
     if not sets:
-        raise UserError(f"{path}: the config has no validation data (no source has validation_urls or a validation split)")
+        raise UserError(
+            f"{path}: the config has no validation data (no source has validation_urls or a validation split)"
+        )
     return tokenizer, sets
 
 
@@ -203,7 +215,14 @@ def for_eval_data(message: str) -> str:
 
 
 def evaluate_sets(
-    model, sets: Sequence[EvalSet], objective, tokenizer, *, batch_size: int, max_batches: int | None, progress: bool = True
+    model,
+    sets: Sequence[EvalSet],
+    objective,
+    tokenizer,
+    *,
+    batch_size: int,
+    max_batches: int | None,
+    progress: bool = True,
 ):
     """Each set's evaluation totals under ``model``, those of ``objective``
     (:meth:`~levanter_core.objective.Objective.eval_totals`, then the sums of its
@@ -291,7 +310,13 @@ def run_eval(
         sets.extend(found)
         totals.update(
             evaluate_sets(
-                model, found, objective, with_tokenizer, batch_size=batch_size, max_batches=max_batches, progress=progress
+                model,
+                found,
+                objective,
+                with_tokenizer,
+                batch_size=batch_size,
+                max_batches=max_batches,
+                progress=progress,
             )
         )
 
@@ -318,5 +343,7 @@ def run_eval(
     set_metrics = {}
     for name, t in totals.items():
         own = objective.eval_metrics({name: t}, {}, per_set=False)
-        set_metrics[name] = {k[len("eval/") :]: v for k, v in own.items() if k.count("/") == 1 and k != "eval/micro_loss"}
+        set_metrics[name] = {
+            k[len("eval/") :]: v for k, v in own.items() if k.count("/") == 1 and k != "eval/micro_loss"
+        }
     return EvalReport(loaded.name, totals, metrics, tags, set_metrics, dict(objective.eval_counts))

@@ -3,6 +3,7 @@ config sections that name paths."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import posixpath
@@ -60,7 +61,7 @@ def require_filesystem(url: str | None) -> str | None:
     return url
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _filesystem_problem(protocol: str) -> str | None:
     """Why fsspec cannot open ``protocol://`` URLs here; None if it can."""
     import fsspec
@@ -74,7 +75,9 @@ def _filesystem_problem(protocol: str) -> str | None:
         package = known_implementations[protocol]["class"].split(".")[0]
         cause = e.__cause__ or e
         extra = _EXTRAS.get(package)
-        install = f"pip install 'levanter-core[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        install = (
+            f"pip install 'levanter-core[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        )
         if isinstance(cause, ModuleNotFoundError) and (cause.name or "").split(".")[0] == package:
             return f"{protocol}:// paths need the {package} package, which is not installed: {install}"
         return f"{protocol}:// paths need the {package} package, which cannot be imported ({cause}); reinstall it: {install}"
@@ -257,10 +260,8 @@ def remove_tree(path: str) -> None:
         shutil.rmtree(local_path(path), ignore_errors=True)
         return
     fs, inner = filesystem(path)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm(inner, recursive=True)
-    except FileNotFoundError:
-        pass
 
 
 def move_tree(source: str, destination: str) -> None:

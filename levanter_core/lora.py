@@ -53,6 +53,7 @@ M = TypeVar("M")
 LORA_R = "lora_r"
 """The name of the adapters' rank axis."""
 
+
 class LoraConfig(ConfigModel):
     """Low-rank adapters (LoRA) on the model's linear layers: only the adapters are trained
     (Levanter's ``lora`` section, PEFT's ``LoraConfig``)."""
@@ -182,9 +183,7 @@ def layer_name(path: tuple) -> str:
     parts, i = [], 0
     while i < len(names):
         name, following = names[i], names[i + 1] if i + 1 < len(names) else None
-        if name == "stacked":
-            i += 1
-        elif name == "blocks" and isinstance(following, int):
+        if name == "stacked" or (name == "blocks" and isinstance(following, int)):
             i += 1
         elif name == "groups" and isinstance(following, int):
             i += 2

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -80,7 +81,7 @@ class Objective(abc.ABC):
     default (``text``)."""
 
     @classmethod
-    def for_evaluation(cls, model_config: Any, tokenizer: Any) -> "Objective":
+    def for_evaluation(cls, model_config: Any, tokenizer: Any) -> Objective:
         """The objective as evaluation outside a training run uses it (``levanter eval``), for a
         model of ``model_config`` whose data ``tokenizer`` encoded; by default built with no
         arguments."""
@@ -102,7 +103,7 @@ class Objective(abc.ABC):
         nothing is refused."""
 
     @classmethod
-    def from_config(cls, config: Any) -> "Objective":
+    def from_config(cls, config: Any) -> Objective:
         """The objective of the run ``config`` (a :class:`~levanter_core.config.train.TrainConfig`)
         describes; by default built with no arguments, or with the settings of its ``objective:``
         section (``config.objective_options``, an instance of :attr:`options`) as keywords."""
@@ -136,7 +137,7 @@ class Objective(abc.ABC):
         the batch's rows."""
         import jax.numpy as jnp
 
-        leaves = [x for x in jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray))]
+        leaves = list(jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray)))
         return jnp.asarray(leaves[0].axes[0].size, jnp.float32)
 
     def eval_loss(self, model: Any, example: Any) -> jax.Array:
@@ -179,7 +180,9 @@ class Objective(abc.ABC):
         return eval_metrics(totals, tags, per_set=per_set)
 
 
-def evaluate_batch(objective: Objective, model: Any, example: Any, *constants: Any, **reference: Any) -> tuple[jax.Array, Any]:
+def evaluate_batch(
+    objective: Objective, model: Any, example: Any, *constants: Any, **reference: Any
+) -> tuple[jax.Array, Any]:
     """One evaluation batch's :meth:`~Objective.eval_totals` and :meth:`~Objective.eval_outputs`
     (None for an objective without outputs), traceable: compiled as one program, so what both
     compute (a speech model's encoder) is computed once. ``reference``: the keyword
@@ -208,7 +211,7 @@ class LmObjective(Objective):
     eval_counts = {1: "tokens", 2: "bytes"}
 
     @classmethod
-    def from_config(cls, config) -> "LmObjective":
+    def from_config(cls, config) -> LmObjective:
         return cls(z_loss_weight=config.z_loss_weight)
 
     def __init__(
@@ -220,7 +223,9 @@ class LmObjective(Objective):
     ):
         from levanter_core.models import lm
 
-        self._loss = loss_fn or (lambda model, ex, *, key: lm.lm_loss_and_metrics(model, ex, key=key, z_loss_weight=z_loss_weight))
+        self._loss = loss_fn or (
+            lambda model, ex, *, key: lm.lm_loss_and_metrics(model, ex, key=key, z_loss_weight=z_loss_weight)
+        )
         if eval_loss_fn is not None:
             self._eval_loss = eval_loss_fn
         elif loss_fn is not None:
@@ -255,7 +260,7 @@ class LmObjective(Objective):
 
     def data_points(self, example):
         """The positions whose next token the loss counts."""
-        from levanter_core.models.lm import as_example, _targets_and_mask
+        from levanter_core.models.lm import _targets_and_mask, as_example
 
         example = as_example(example)
         return _targets_and_mask(example.tokens, example.loss_mask)[1].sum().scalar()

@@ -15,7 +15,9 @@ from levanter_core.trainer.mesh import make_mesh
 from levanter_core.trainer.trainer import Trainer
 
 port, process_id, model_axis_size = (int(a) for a in sys.argv[1:4])
-distributed.initialize(DistributedConfig(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id))
+distributed.initialize(
+    DistributedConfig(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+)
 config = TrainerConfig(train_batch_size=8, model_axis_size=model_axis_size)
 trainer = Trainer(config, optax.sgd(0.1), lambda model, batch, *, key: (0.0, {}), mesh=make_mesh(config))
 rows = trainer.local_rows(trainer.Batch)

@@ -9,6 +9,7 @@ import pytest
 
 import levanter_core.plugins as plugins
 from levanter_core.plugins import hookimpl
+
 # The tests import the tiny-run helpers from here.
 from levanter_core.testing import MODEL, code_docs, read_metrics, run_config, write_jsonl  # noqa: F401
 from levanter_core.tracker import Tracker, TrackerConfig
@@ -77,7 +78,9 @@ def bucket_objects(url: str) -> dict[str, bytes]:
     return found
 
 
-def run_cli(*args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run ``levanter ARGS`` in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(

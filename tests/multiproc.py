@@ -56,7 +56,9 @@ class Processes:
             return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in self.procs]
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"the processes did not finish within {timeout:.0f}s:\n{self.outputs_text()}") from None
+            raise AssertionError(
+                f"the processes did not finish within {timeout:.0f}s:\n{self.outputs_text()}"
+            ) from None
 
     def output(self, i: int) -> str:
         with open(self.logs[i]) as f:
@@ -71,7 +73,7 @@ class Processes:
                 p.kill()
                 p.wait()
 
-    def __enter__(self) -> "Processes":
+    def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc) -> None:

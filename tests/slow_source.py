@@ -5,7 +5,7 @@ module, not in a test function."""
 
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from levanter_core.data.source import Record, UrlSourceConfig
 from levanter_core.plugins import hookimpl

@@ -7,12 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-import reference_gpt2  # noqa: E402
-import whisper_train  # noqa: E402
+import reference_gpt2
+import whisper_train
 
 
 def parameters(model: str) -> int:
@@ -45,8 +46,16 @@ def test_suite_reports_every_figure_for_a_tiny_model(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 
-    for row in ("tokens/s, median", "step time, median", "MFU", "start -> step 1, cold", "start -> step 1, warm",
-                "peak host memory, CLI cold", "model FLOPs/token", "matmul GFLOP/s, median"):
+    for row in (
+        "tokens/s, median",
+        "step time, median",
+        "MFU",
+        "start -> step 1, cold",
+        "start -> step 1, warm",
+        "peak host memory, CLI cold",
+        "model FLOPs/token",
+        "matmul GFLOP/s, median",
+    ):
         assert row in done.stdout, done.stdout
     results = json.loads(out.read_text())
     assert results["machine"]["jax_backend"] == "cpu" and results["machine"]["nproc"] >= 1

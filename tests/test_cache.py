@@ -95,7 +95,7 @@ def test_built_once_then_reused(tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="levanter_core.data.cache"):
         again = build(tmp_path / "cache", source(tmp_path / "data"))
-    assert [r.message for r in caplog.records if "cache" in r.message][0].startswith("reusing the cache")
+    assert next(r.message for r in caplog.records if "cache" in r.message).startswith("reusing the cache")
     assert not any(r.message.startswith("built") for r in caplog.records)
     assert ledger_file.stat().st_mtime_ns == written
     np.testing.assert_array_equal(again.tokens(100, 200), cache.tokens(100, 200))

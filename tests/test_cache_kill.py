@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from test_cache import assert_same_cache, build, source, write_corpus
 
 SHARDS = 40

@@ -132,7 +132,7 @@ def test_keep_intervals_count_multiples_of_every_until_their_until(tmp_path):
     keep = [CheckpointInterval(every=3, until=6), CheckpointInterval(every=5)]
     ckpt = checkpointer(tmp_path, keep=keep)
     state = make_state()
-    for step in range(0, 21):
+    for step in range(21):
         ckpt.on_step(state, step)
     ckpt.wait_until_finished()
     assert committed_steps(tmp_path) == [3, 6, 10, 15, 20]
@@ -472,5 +472,7 @@ def test_every_chunk_is_checksummed_and_checked_also_where_a_shard_holds_several
     assert np.asarray(loaded["w"]).tobytes() == np.asarray(big["w"]).tobytes() and float(loaded["s"]) == 2.0
 
     flip_one_bit(os.path.join(saved, "w", "2.0"))
-    with pytest.raises(DamagedCheckpointError, match=r"w: chunk 2\.0 reads with xxh3_64 [0-9a-f]{16}, it was saved with"):
+    with pytest.raises(
+        DamagedCheckpointError, match=r"w: chunk 2\.0 reads with xxh3_64 [0-9a-f]{16}, it was saved with"
+    ):
         load_checkpoint(template, saved)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from test_cli_train import make_run, metrics
 
 from conftest import REPO, run_cli
-from test_cli_train import make_run, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,10 @@ def test_a_damaged_final_checkpoint_is_skipped_and_its_steps_retrained_identical
 
     again = run_cli("train", config, "--no-progress")
     assert again.returncode == 0, again.stderr
-    assert f"skipped damaged checkpoint {tmp_path / CKPT}/step-6; moved to {tmp_path / CKPT}/step-6.damaged-" in again.stdout
+    assert (
+        f"skipped damaged checkpoint {tmp_path / CKPT}/step-6; moved to {tmp_path / CKPT}/step-6.damaged-"
+        in again.stdout
+    )
     assert damaged in again.stdout  # names the array that cannot be read
     assert f"resumed from {tmp_path / CKPT}/step-3 at step 3" in again.stdout
     assert losses(tmp_path) == before  # steps 4-6 trained again, to the same bits
@@ -74,7 +77,17 @@ def train_more(config: str, steps: int, *, prefix: list[str] = (), setup: str = 
     the Python statements ``setup``."""
     main = setup + "from levanter_core.cli import main; main()"
     return subprocess.run(
-        [*prefix, sys.executable, "-c", main, "train", config, "--no-progress", "--trainer.num_train_steps", str(steps)],
+        [
+            *prefix,
+            sys.executable,
+            "-c",
+            main,
+            "train",
+            config,
+            "--no-progress",
+            "--trainer.num_train_steps",
+            str(steps),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -7,7 +7,6 @@ import re
 import pytest
 
 from conftest import REPO, run_cli
-
 from levanter_core.testing import logged, read_metrics
 
 TINY = """\
@@ -82,10 +81,15 @@ def test_a_bad_data_line_exits_2_naming_file_and_line(tmp_path):
 def test_the_main_job_learns(tmp_path):
     """`levanter train config/gpt2_nano.yaml`, with its outputs redirected into tmp_path."""
     args = [
-        "train", os.path.join(REPO, "config", "gpt2_nano.yaml"), "--no-progress",
-        "--trainer.log_dir", str(tmp_path / "logs"),
-        "--trainer.checkpointer.base_path", str(tmp_path / "ckpt"),
-        "--data.cache_dir", str(tmp_path / "cache"),
+        "train",
+        os.path.join(REPO, "config", "gpt2_nano.yaml"),
+        "--no-progress",
+        "--trainer.log_dir",
+        str(tmp_path / "logs"),
+        "--trainer.checkpointer.base_path",
+        str(tmp_path / "ckpt"),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
     ]
     result = run_cli(*args, timeout=900)
     assert result.returncode == 0, result.stderr

@@ -5,11 +5,10 @@ import textwrap
 
 import pytest
 
+from conftest import run_cli
 from levanter_core.config.loader import load_config_dict
 from levanter_core.config.train import TrainConfig, load_train_config
 from levanter_core.errors import ConfigError
-
-from conftest import run_cli
 
 GOOD = """\
 data:
@@ -80,7 +79,15 @@ def test_include_is_relative_to_the_including_file(tmp_path):
     sub = tmp_path / "parts"
     sub.mkdir()
     write(sub, "type: python_stdlib\ntokenizer: byte\ncache_dir: /tmp/x\n", "data.yaml")
-    main = write(tmp_path, GOOD.split("model:")[0].replace("data:\n  type: python_stdlib\n  tokenizer: byte\n  cache_dir: {cache}\n", "data: !include parts/data.yaml\n") + "model:" + GOOD.split("model:")[1].format(cache=""))
+    main = write(
+        tmp_path,
+        GOOD.split("model:")[0].replace(
+            "data:\n  type: python_stdlib\n  tokenizer: byte\n  cache_dir: {cache}\n",
+            "data: !include parts/data.yaml\n",
+        )
+        + "model:"
+        + GOOD.split("model:")[1].format(cache=""),
+    )
     config, _ = load_train_config(main)
     assert config.data.configs["main"].type == "python_stdlib" and config.data.cache_dir == "/tmp/x"
 
@@ -89,11 +96,15 @@ def test_overrides_set_nested_fields_with_yaml_values(good):
     config, _ = load_train_config(
         good,
         [
-            "--trainer.num_train_steps", "123",
+            "--trainer.num_train_steps",
+            "123",
             "--model.hidden_dim=64",
-            "--trainer.tracker", '[{"type": "json"}, {"type": "noop"}]',
-            "--trainer.checkpointer.keep.0.every", "7",
-            "--optimizer.lr_schedule", "linear",
+            "--trainer.tracker",
+            '[{"type": "json"}, {"type": "noop"}]',
+            "--trainer.checkpointer.keep.0.every",
+            "7",
+            "--optimizer.lr_schedule",
+            "linear",
         ],
     )
     assert config.trainer.num_train_steps == 123
@@ -197,8 +208,13 @@ def test_cli_missing_file_exits_2(tmp_path):
 def test_train_help_explains_every_field():
     result = run_cli("train", "--help")
     assert result.returncode == 0
-    for field in ("trainer.num_train_steps", "trainer.per_device_parallelism", "optimizer[type=adam].learning_rate",
-                  "model[type=gpt2].hidden_dim", "trainer.checkpointer[type=tensorstore].save_interval"):
+    for field in (
+        "trainer.num_train_steps",
+        "trainer.per_device_parallelism",
+        "optimizer[type=adam].learning_rate",
+        "model[type=gpt2].hidden_dim",
+        "trainer.checkpointer[type=tensorstore].save_interval",
+    ):
         assert field in result.stdout, field
     assert "Sequences per optimizer step" in result.stdout
 
@@ -220,7 +236,9 @@ model:
 
 
 def test_a_mixture_loads_and_round_trips(tmp_path):
-    path = write(tmp_path, MIXTURE.format(cache=tmp_path / "cache", weights="[[0, {code: 1}], [100, {code: 1, web: 3}]]"))
+    path = write(
+        tmp_path, MIXTURE.format(cache=tmp_path / "cache", weights="[[0, {code: 1}], [100, {code: 1, web: 3}]]")
+    )
     config, _ = load_train_config(path)
 
     assert config.data.is_mixture and list(config.data.configs) == ["code", "web"]
@@ -253,7 +271,9 @@ def test_bad_mixture_weights_are_explained(tmp_path, weights, expected):
 
 
 def test_source_fields_beside_configs_are_pointed_to_their_place(tmp_path):
-    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace("  configs:", "  train_urls: [a.jsonl]\n  configs:")
+    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace(
+        "  configs:", "  train_urls: [a.jsonl]\n  configs:"
+    )
     message = load_error(write(tmp_path, text))
     assert "data.train_urls" in message and "go under data.configs.<name>" in message
 
@@ -261,7 +281,9 @@ def test_source_fields_beside_configs_are_pointed_to_their_place(tmp_path):
 def test_typos_in_the_data_section_get_suggestions(good, tmp_path):
     message = load_error(good, ["--data.max_filez", "3"])
     assert "data.max_filez" in message and "did you mean 'max_files'?" in message
-    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace("      type: python_stdlib", "      type: python_stdlib\n      max_filez: 3")
+    text = MIXTURE.format(cache=tmp_path / "cache", weights="{code: 1}").replace(
+        "      type: python_stdlib", "      type: python_stdlib\n      max_filez: 3"
+    )
     message = load_error(write(tmp_path, text, "typo.yaml"))
     assert "data.configs.code.max_filez" in message and "did you mean 'max_files'?" in message
 

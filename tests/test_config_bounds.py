@@ -7,11 +7,10 @@ import time
 
 import pytest
 
+from conftest import run_cli
 from levanter_core.config.loader import load_config_dict, parse_overrides
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
-
-from conftest import run_cli
 
 BASE = """\
 data:

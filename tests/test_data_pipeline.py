@@ -7,13 +7,14 @@ import os
 
 import numpy as np
 import pytest
+from slow_source import SlowSourcePlugin
 
 import levanter_core.plugins as plugins
 from conftest import code_docs, metrics, run_cli, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.data.pipeline import build_caches, build_lm_data
 from levanter_core.trainer.run import run_training
-from slow_source import SlowSourcePlugin
+
 
 def prose_docs(n):
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "slept"]

@@ -6,9 +6,8 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from levanter_core.config.reference import main as print_reference
-
 from conftest import REPO
+from levanter_core.config.reference import main as print_reference
 
 
 # The reference lists every installed type: keep away from the test that installs the csv

@@ -64,7 +64,10 @@ def vector_format():
 
 def records(n: int, offset: int = 0) -> list[dict]:
     # lengths vary from 1 to 13 values, texts from 5 to 9 bytes
-    return [{"text": f"doc {i}" + "!" * (i % 5), "values": [i + k / 10 for k in range(1 + i % 13)]} for i in range(offset, offset + n)]
+    return [
+        {"text": f"doc {i}" + "!" * (i % 5), "values": [i + k / 10 for k in range(1 + i % 13)]}
+        for i in range(offset, offset + n)
+    ]
 
 
 def write(path, rows) -> str:
@@ -83,13 +86,19 @@ def build(path, src, **kwargs):
 
 def test_a_plugins_format_is_chosen_by_type_and_unknown_ones_are_named():
     assert vector_source("a.jsonl").format == VectorFormat()
-    with pytest.raises(ValidationError, match=r"unknown data format type 'vectr'; installed: chat .*vector \(in-process plugin 'vectors'\)"):
+    with pytest.raises(
+        ValidationError,
+        match=r"unknown data format type 'vectr'; installed: chat .*vector \(in-process plugin 'vectors'\)",
+    ):
         UrlSourceConfig(train_urls=["a.jsonl"], format={"type": "vectr"})
 
 
 def test_the_cache_stores_each_documents_own_arrays(tmp_path):
     rows = records(40)
-    cache = build(tmp_path / "cache", vector_source(write(tmp_path / "a.jsonl", rows[:25]), write(tmp_path / "b.jsonl", rows[25:])))
+    cache = build(
+        tmp_path / "cache",
+        vector_source(write(tmp_path / "a.jsonl", rows[:25]), write(tmp_path / "b.jsonl", rows[25:])),
+    )
     assert cache.fields == {"values": "float32"} and cache.num_documents == 40
     found = cache.document_field("values", [39, 0, 24, 25, 7])
     for document, values in zip([39, 0, 24, 25, 7], found):
@@ -172,5 +181,8 @@ class Forgetful(VectorFormat):
 
 def test_a_format_that_forgets_its_fields_is_named(tmp_path):
     src = UrlSourceConfig(train_urls=[write(tmp_path / "a.jsonl", records(3))], format=Forgetful())
-    with pytest.raises(RuntimeError, match=r"a.jsonl:1: the Forgetful format declares the document field .values. but encoded this record with nothing"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"a.jsonl:1: the Forgetful format declares the document field .values. but encoded this record with nothing",
+    ):
         build(tmp_path / "cache", src, num_workers=1)

@@ -1,6 +1,8 @@
 """The continuous-batching engine: many requests share each decoding step, a request's result
 does not depend on what it was batched with, the queue's bound, streaming, and truncation."""
 
+import functools
+import operator
 import threading
 
 import jax
@@ -83,7 +85,7 @@ def test_streamed_updates_add_up_to_the_result(model):
     with Engine(model, tokenizer=Digits(), max_seqs=2, max_rounds=3) as engine:
         done = engine.submit([5, 6, 7], SamplingParams(max_new_tokens=10, seed=1), on_update=updates.append).result()
     assert "".join(u.text for u in updates) == done.text
-    assert sum((u.tokens for u in updates), []) == done.tokens
+    assert functools.reduce(operator.iadd, (u.tokens for u in updates), []) == done.tokens
     assert updates[-1].finished is done and all(u.finished is None for u in updates[:-1])
 
 
@@ -198,6 +200,7 @@ def test_seeds_select_streams_by_all_their_bits(model):
     assert (keys[0] == jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(7), 0), 0)).all()
     assert not (keys[0] == keys[1]).all() and not (keys[0] == keys[2]).all()
     with Engine(model, max_seqs=4) as engine:
+
         def text(seed):
             params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, ignore_eos=True)
             return engine.submit([1, 2, 3], params).result(60).tokens
@@ -222,7 +225,9 @@ def test_out_of_range_settings_are_refused_not_fatal(model):
                 engine.submit([1, 2], SamplingParams(max_new_tokens=2, **bad))
             assert e.value.status == 400 and e.value.field == field
         # a top_k past the vocabulary keeps every token, as 0 does
-        same = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, top_k=k, ignore_eos=True) for k in (0, 2**31 - 1)]
+        same = [
+            SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, top_k=k, ignore_eos=True) for k in (0, 2**31 - 1)
+        ]
         first, second = (engine.submit([4, 5], p).result(60).tokens for p in same)
         assert first == second and engine.accepting
 

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from pydantic import Field
 
@@ -157,7 +156,9 @@ def test_an_evaluator_that_cannot_be_built_stops_the_run_before_its_first_step(t
     from levanter_core.errors import UserError
 
     data = {"train_urls": [write_jsonl(tmp_path / "a.jsonl", code_docs(10))], "cache_dir": str(tmp_path / "cache")}
-    config, _ = load_train_config(run_config(tmp_path, data, steps=4), ["--evaluators", '[{"type": "unbuildable", "every": 2}]'])
+    config, _ = load_train_config(
+        run_config(tmp_path, data, steps=4), ["--evaluators", '[{"type": "unbuildable", "every": 2}]']
+    )
     with pytest.raises(UserError, match="no task named nonsense"):
         run_training(config, progress=False)
     log = tmp_path / "logs" / "pipe" / "metrics.jsonl"
@@ -283,7 +284,16 @@ def test_levanter_eval_of_a_hugging_face_model_reads_the_same_on_two_devices(tmp
     one = json.loads(out)
     # JAX fixes its device count when it starts: the two devices live in a subprocess
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-c", "from levanter_core.cli import main; main()", "eval", model, "--data", data, "--json"]
+    command = [
+        sys.executable,
+        "-c",
+        "from levanter_core.cli import main; main()",
+        "eval",
+        model,
+        "--data",
+        data,
+        "--json",
+    ]
     two = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["loss"] == pytest.approx(one["loss"], rel=1e-5)

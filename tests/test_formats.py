@@ -244,7 +244,9 @@ def test_format_is_chosen_by_type_in_a_source_section():
     assert fmt({"type": "chat", "mask_user_turns": False}) == ChatFormat(mask_user_turns=False)
     assert fmt({"type": "supervised", "separator": "\n"}) == SupervisedFormat(separator="\n")
     assert ChatFormat().fingerprint() != ChatFormat(chat_template=BUILTIN_CHAT_TEMPLATE).fingerprint()
-    with pytest.raises(ValidationError, match=r"unknown data format type 'sign-language'; installed: .*chat .*supervised .*text"):
+    with pytest.raises(
+        ValidationError, match=r"unknown data format type 'sign-language'; installed: .*chat .*supervised .*text"
+    ):
         fmt({"type": "sign-language"})
     with pytest.raises(ValidationError, match="messages_fieldd"):
         fmt({"type": "chat", "messages_fieldd": "m"})

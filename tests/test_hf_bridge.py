@@ -192,7 +192,9 @@ def test_truncated_shard_names_its_tensors(hf_dir, tmp_path):
 def test_bfloat16_checkpoint_loads_into_a_float32_model(hf_dir, tmp_path):
     import ml_dtypes
 
-    directory = damaged_copy(hf_dir, tmp_path, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}))
+    directory = damaged_copy(
+        hf_dir, tmp_path, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()})
+    )
     model = load(llama(), directory)
     assert model.model.norm.weight.dtype == np.float32
 
@@ -258,12 +260,12 @@ def test_initialize_from_an_imported_checkpoint(hf_dir, tmp_path):
 
 def test_exporting_a_model_without_a_hugging_face_mapping(fresh_plugins, tmp_path):
     import jax
+    from levanter_model_llama.llama import LlamaConfig
 
     from levanter_core.checkpoint import write_checkpoint
     from levanter_core.hf.bridge import export_hf
     from levanter_core.models.lm import LmConfig
     from levanter_core.plugins import hookimpl, register_plugin
-    from levanter_model_llama.llama import LlamaConfig
 
     class NoHfConfig(LmConfig):
         """A model type whose plugin has no Hugging Face translation."""

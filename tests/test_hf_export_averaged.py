@@ -15,9 +15,10 @@ from conftest import run_cli
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
+from levanter_model_gpt2.gpt2 import Gpt2Config  # noqa: E402
+
 from levanter_core.checkpoint import write_checkpoint  # noqa: E402
 from levanter_core.hf.parity import hf_logits, our_logits  # noqa: E402
-from levanter_model_gpt2.gpt2 import Gpt2Config  # noqa: E402
 
 VOCAB = 257
 CONFIG = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=32)
@@ -48,7 +49,9 @@ def test_the_average_is_exported_unless_raw_weights_are_asked_for(tmp_path):
 
     log = export(checkpoint, str(tmp_path / "averaged"))
     assert "averaged weights" in log
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "averaged"), attn_implementation="eager")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "averaged"), attn_implementation="eager"
+    )
     np.testing.assert_allclose(hf_logits(reloaded, tokens), our_logits(average, tokens), atol=1e-4)
 
     export(checkpoint, str(tmp_path / "raw"), "--raw-weights")

@@ -44,10 +44,15 @@ FAMILIES = {
     # pad 0, bos 2, eos 1: inside the vocabulary, but not the byte tokenizer's tokens
     "gemma": lambda: tiny(
         transformers.GemmaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=32,
         )
-    ),  # fmt: skip
+    ),
 }
 
 

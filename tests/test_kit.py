@@ -61,7 +61,7 @@ def test_attention_sinks_join_every_softmax():
 def eqx_replace(module, **changes):
     import equinox as eqx
 
-    fields = lambda m: [getattr(m, n) for n in changes]  # noqa: E731
+    fields = lambda m: [getattr(m, n) for n in changes]
     return eqx.tree_at(fields, module, list(changes.values()), is_leaf=lambda x: x is None)
 
 
@@ -177,7 +177,7 @@ def test_layer_groups_number_layers_as_one_sequence(scan):
     loaded = from_hf_state_dict(jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(1))), state)
     ids = hax.named(jnp.arange(20).reshape(2, 10), ("batch", "position"))
     np.testing.assert_array_equal(loaded(ids).array, model(ids).array)
-    hidden, aux = model.activations_with_aux(ids)
+    _hidden, aux = model.activations_with_aux(ids)
     assert aux.metrics["moe/load_balancing_loss"].shape == ()  # pooled over the two moe layers
 
 

@@ -111,7 +111,7 @@ def test_causal_attention_in_query_blocks_equals_one_block(monkeypatch, mask_kin
 
     def run(query_block):
         monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
-        loss = lambda a, x: hax.sum(a(x, mask) ** 2).scalar()  # noqa: E731
+        loss = lambda a, x: hax.sum(a(x, mask) ** 2).scalar()
         value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(attn, x)
         return value, jax.tree.leaves(grads)
 
@@ -135,7 +135,9 @@ def test_attention_dropout_only_in_training_and_not_on_the_jax_backend():
     np.testing.assert_array_equal(untrained.array, plain.array)  # no key: inference, nothing dropped
     assert not np.allclose(dropped.array, plain.array)
     with pytest.raises(ValueError, match="cannot drop out"):
-        dot_product_attention(q, k, v, AttentionMask.causal_mask(), dropout=0.5, key=key, **{**kwargs, "backend": "jax"})
+        dot_product_attention(
+            q, k, v, AttentionMask.causal_mask(), dropout=0.5, key=key, **{**kwargs, "backend": "jax"}
+        )
 
 
 def test_all_heads_norm_exports_flat_weights():
@@ -254,7 +256,7 @@ def test_fused_cross_entropy_never_holds_the_full_logits():
     logits_bytes = rows * positions * vocab * 4
 
     def temp_bytes(block):
-        loss = lambda h, w: cross_entropy_sum(h, w, targets, weights, block=block)  # noqa: E731
+        loss = lambda h, w: cross_entropy_sum(h, w, targets, weights, block=block)
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, head).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 

@@ -23,6 +23,7 @@ def load_yaml_fragment(path) -> dict:
     with open(path) as f:
         return yaml.safe_load(f)
 
+
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "levanter-configs"
 
 # What needs a later issue's plugin: each config, and what its error must name.
@@ -110,12 +111,24 @@ def test_each_train_lm_config_loads(relative):
 def test_sophia_and_muon_configs_mean_what_they_mean_in_levanter():
     """The six configs that only failed for want of an optimizer (levanter-optim-contrib)."""
     small = _load("config/gpt2_small_sophiah.yaml").optimizer  # optimizer: !include optim/sophia-h_small.yaml
-    assert (small.type, small.learning_rate, small.weight_decay, small.gamma, small.warmup) == ("sophia-h", 6e-4, 0.2, 0.01, 2000)
+    assert (small.type, small.learning_rate, small.weight_decay, small.gamma, small.warmup) == (
+        "sophia-h",
+        6e-4,
+        0.2,
+        0.01,
+        2000,
+    )
     assert (small.beta1, small.beta2, small.update_interval, small.clip_threshold) == (0.96, 0.99, 10, 1.0)
     fast = _load("config/gpt2_small_fast_sophiah.yaml").optimizer
     assert (fast.learning_rate, fast.gamma, fast.warmup) == (0.8e-3, 0.005, 0.01)
     muon = _load("config/gpt2_small_fast_muon.yaml").optimizer
-    assert (muon.type, muon.learning_rate, muon.weight_decay, muon.adam_lr, muon.momentum) == ("muon", 1e-2, 0.05, 6e-4, 0.95)
+    assert (muon.type, muon.learning_rate, muon.weight_decay, muon.adam_lr, muon.momentum) == (
+        "muon",
+        1e-2,
+        0.05,
+        6e-4,
+        0.95,
+    )
     for fragment in ("small", "medium", "large", "xl"):
         section = load_yaml_fragment(REFERENCE / "config" / "optim" / f"sophia-h_{fragment}.yaml")
         assert registry("optimizer").get(section.pop("type")).config_cls.model_validate(section).gamma > 0

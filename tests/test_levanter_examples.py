@@ -71,9 +71,12 @@ def test_templates_make_the_prompt_and_an_empty_input_picks_prompt_no_input():
 
 def test_a_template_naming_a_field_the_record_lacks_is_bad_data_with_its_line():
     fmt = SupervisedFormat(output_field="output", prompt_input="{instruction} / {context}")
-    bad, = fmt.encode_batch([{"instruction": "x", "output": "y"}], ["alpaca.json:7"], load_tokenizer("byte"), None)
+    (bad,) = fmt.encode_batch([{"instruction": "x", "output": "y"}], ["alpaca.json:7"], load_tokenizer("byte"), None)
     assert isinstance(bad, DataError)
-    assert str(bad) == "alpaca.json:7: format.prompt_input names the field 'context', which the record lacks (the record's fields: 'instruction', 'output')"
+    assert (
+        str(bad)
+        == "alpaca.json:7: format.prompt_input names the field 'context', which the record lacks (the record's fields: 'instruction', 'output')"
+    )
 
 
 @pytest.mark.parametrize(("template", "message"), [("{instruction", "not a valid template"), ("{} =", "filled by name"),
@@ -87,7 +90,7 @@ def test_output_replacements_and_suffix_are_trained_on():
     tok = load_tokenizer("byte")
     fmt = SupervisedFormat(input_field="q", output_field="a", prompt_input="Q: {q}\nA: ",
                            output_replacements=[["####", "The answer is"], ["\n", " "]], output_suffix=".\n")  # fmt: skip
-    e, = fmt.encode_batch([{"q": "1+1?", "a": "1+1=2\n#### 2"}], ["g:1"], tok, tok.eos_id)
+    (e,) = fmt.encode_batch([{"q": "1+1?", "a": "1+1=2\n#### 2"}], ["g:1"], tok, tok.eos_id)
     assert tok.decode(e.ids) == "Q: 1+1?\nA: 1+1=2 The answer is 2.\n<|endoftext|>"
     assert tok.decode(e.ids[e.target_mask == 1]) == "1+1=2 The answer is 2.\n<|endoftext|>"
 
@@ -139,7 +142,9 @@ def test_alpaca_or_alpaca_lora_by_the_lora_section_or_the_files_name(tmp_path, n
     (folder / name).parent.mkdir(parents=True)
     config, _ = load_train_config(_write(folder, {"model_name_or_path": "org/model", **extra}, name))
     assert (config.lora is not None) == lora
-    assert (config.peft_save_path, config.hf_save_path) == (("alpaca_hf_ckpts", extra.get("merged_hf_save_path")) if lora else (None, "alpaca_hf_ckpts"))
+    assert (config.peft_save_path, config.hf_save_path) == (
+        ("alpaca_hf_ckpts", extra.get("merged_hf_save_path")) if lora else (None, "alpaca_hf_ckpts")
+    )
     assert config.data.effective_shuffle is not lora
 
 
@@ -162,11 +167,19 @@ def test_alpaca_configs_mean_full_fine_tuning_with_alpacas_prompts():
     source = _source(config)
     assert config.initialize_from_hf == "huggyllama/llama-7b" and config.model.type == "llama"
     assert config.data.tokenizer == 'huggyllama/llama-7b+{"add_missing_defaults": true}'  # [PAD] etc. where missing
-    assert (source.id, source.train_split, source.validation_split, source.stream) == ("tatsu-lab/alpaca", "train", None, True)
+    assert (source.id, source.train_split, source.validation_split, source.stream) == (
+        "tatsu-lab/alpaca",
+        "train",
+        None,
+        True,
+    )
     assert config.data.cache_dir == "cache/" and config.data.effective_shuffle is True
     fmt = source.format
     assert (fmt.input_field, fmt.output_field, fmt.mask_inputs) == ("input", "output", True)
-    assert {"prompt_input": fmt.prompt_input, "prompt_no_input": fmt.prompt_no_input} == ALPACA_PROMPTS  # as the file writes them
+    assert {
+        "prompt_input": fmt.prompt_input,
+        "prompt_no_input": fmt.prompt_no_input,
+    } == ALPACA_PROMPTS  # as the file writes them
     assert config.lora is None and config.hf_save_path == "alpaca_hf_ckpts" and config.peft_save_path is None
     assert (config.optimizer.learning_rate, config.optimizer.weight_decay) == (2e-5, 0.0)
     assert (config.trainer.num_train_steps, config.trainer.train_batch_size) == (1218, 128)
@@ -182,7 +195,10 @@ def test_alpaca_lora_configs_mean_adapters_and_peft_exports():
     assert config.data.tokenizer == "huggyllama/llama-7b"  # no tokens added (unreadable offline: the roles as they are)
     assert config.data.effective_shuffle is False  # alpaca_lora reads its examples in order
     assert config.optimizer.learning_rate == 3e-4 and config.trainer.num_train_steps == 1218
-    assert {"prompt_input": _source(config).format.prompt_input, "prompt_no_input": _source(config).format.prompt_no_input} == ALPACA_PROMPTS
+    assert {
+        "prompt_input": _source(config).format.prompt_input,
+        "prompt_no_input": _source(config).format.prompt_no_input,
+    } == ALPACA_PROMPTS
 
     code = _load("examples/alpaca-lora/code-alpaca-lora.yaml")
     source = _source(code)
@@ -191,8 +207,14 @@ def test_alpaca_lora_configs_mean_adapters_and_peft_exports():
     assert source.format.prompt_no_input == "### Instruction: {instruction}\n### Output:"
     assert code.trainer.num_train_steps == 500 and code.lora == LoraConfig()
 
-    merged = _load("examples/alpaca-lora/alpaca-lora.yaml", ["--merged_hf_save_path", "merged", "--hf_upload", "me/adapter"])
-    assert (merged.hf_save_path, merged.peft_save_path, merged.peft_hf_upload) == ("merged", "alpaca_hf_ckpts", "me/adapter")
+    merged = _load(
+        "examples/alpaca-lora/alpaca-lora.yaml", ["--merged_hf_save_path", "merged", "--hf_upload", "me/adapter"]
+    )
+    assert (merged.hf_save_path, merged.peft_save_path, merged.peft_hf_upload) == (
+        "merged",
+        "alpaca_hf_ckpts",
+        "me/adapter",
+    )
 
 
 @needs_reference
@@ -201,15 +223,20 @@ def test_gsm8k_config_means_lora_on_gsm8k_with_its_prompt():
     source = _source(config)
     assert (source.id, source.name, source.validation_split) == ("gsm8k", "main", None)
     assert config.data.cache_dir == "gsm8k_cache" and config.data.effective_shuffle is True
-    assert config.initialize_from_hf is True and config.hf_source == "NousResearch/Llama-2-7b-hf"  # model.reference_checkpoint's default
+    assert (
+        config.initialize_from_hf is True and config.hf_source == "NousResearch/Llama-2-7b-hf"
+    )  # model.reference_checkpoint's default
     assert config.data.tokenizer == "NousResearch/Llama-2-7b-hf"
     assert (config.lora.r, config.lora.alpha, config.lora.dropout) == (8, 8.0, 0.0)
     assert (config.optimizer.learning_rate, config.optimizer.lr_schedule) == (2e-4, "constant")
     assert (config.trainer.num_train_steps, config.trainer.train_batch_size) == (550, 64)
     assert config.hf_save_path is None and config.peft_save_path is None  # gsm8k_lora saves nothing by default
     tok = load_tokenizer("byte")
-    e, = source.format.encode_batch([GSM8K[0]], ["gsm8k:1"], tok, tok.eos_id)
-    assert tok.decode(e.ids) == "Q: Tom has 3 apples and buys 4 more. How many?\nA: 3 + 4 = <<3+4=7>>7 The answer is 7.\n<|endoftext|>"
+    (e,) = source.format.encode_batch([GSM8K[0]], ["gsm8k:1"], tok, tok.eos_id)
+    assert (
+        tok.decode(e.ids)
+        == "Q: Tom has 3 apples and buys 4 more. How many?\nA: 3 + 4 = <<3+4=7>>7 The answer is 7.\n<|endoftext|>"
+    )
     assert tok.decode(e.ids[e.target_mask == 1]) == "3 + 4 = <<3+4=7>>7 The answer is 7.\n<|endoftext|>"
     keyed = _load("examples/gsm8k-lora/gsm8k-llama2.yaml", ["--input_key", "problem", "--data_seed", "5"])
     assert _source(keyed).format.prompt_input == "Q: {problem}\nA: " and keyed.data_seed == 5
@@ -225,16 +252,27 @@ def _write(tmp_path: Path, config: dict, name: str = "alpaca.yaml") -> str:
 
 
 def _line(path: str, key: str) -> int:
-    return 1 + next(i for i, text in enumerate(Path(path).read_text().splitlines()) if text.strip().startswith(key + ":"))
+    return 1 + next(
+        i for i, text in enumerate(Path(path).read_text().splitlines()) if text.strip().startswith(key + ":")
+    )
 
 
 @pytest.mark.parametrize(
     ("changes", "field", "where", "message"),
     [
-        ({"prompts": {"prompt_input": "{instruction", "prompt_no_input": "x"}}, "data.format.prompt_input",
-         "prompt_input", "not a valid template"),
+        (
+            {"prompts": {"prompt_input": "{instruction", "prompt_no_input": "x"}},
+            "data.format.prompt_input",
+            "prompt_input",
+            "not a valid template",
+        ),
         ({"prompts": {"prompt_no_input": "x"}}, "prompts.prompt_input", "prompts", "expected a prompt template"),
-        ({"prompts": "missing-prompts.json"}, "prompts", "prompts", "cannot read the prompts from missing-prompts.json"),
+        (
+            {"prompts": "missing-prompts.json"},
+            "prompts",
+            "prompts",
+            "cannot read the prompts from missing-prompts.json",
+        ),
         ({"data": "train.parquet"}, "data", "data", "only a Hugging Face dataset id or a .json or .jsonl file"),
         ({"model_cache_dir": "/tmp/models"}, "model_cache_dir", "model_cache_dir", "only null"),
         ({"mask_inputs": "sometimes"}, "data.format.mask_inputs", "mask_inputs", "boolean"),
@@ -254,13 +292,17 @@ def test_a_bad_field_is_named_as_written_with_its_line(tmp_path, monkeypatch, ch
 def test_prompts_from_a_json_file(tmp_path):
     prompts = {"prompt_input": "{instruction} ({input}) ->", "prompt_no_input": "{instruction} ->"}
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    path = _write(tmp_path, {"model_name_or_path": str(tmp_path), "data": "a.jsonl", "prompts": str(tmp_path / "prompts.json")})
+    path = _write(
+        tmp_path, {"model_name_or_path": str(tmp_path), "data": "a.jsonl", "prompts": str(tmp_path / "prompts.json")}
+    )
     config, _ = load_train_config(path)
     fmt = _source(config).format
     assert (fmt.prompt_input, fmt.prompt_no_input) == (prompts["prompt_input"], prompts["prompt_no_input"])
     assert _source(config).type == "url" and list(_source(config).train_urls) == ["a.jsonl"]
     (tmp_path / "prompts.json").write_text(json.dumps({"prompt_input": "{0}"}))
-    with pytest.raises(ConfigError, match=r"data\.format\.prompt_input \(prompts at .*alpaca\.yaml:\d+\).*filled by name"):
+    with pytest.raises(
+        ConfigError, match=r"data\.format\.prompt_input \(prompts at .*alpaca\.yaml:\d+\).*filled by name"
+    ):
         load_train_config(path)
 
 
@@ -289,7 +331,9 @@ def base_model(tmp_path_factory) -> str:
 
     directory = tmp_path_factory.mktemp("tiny-llama")
     texts = [ALPACA_PROMPTS["prompt_input"].format_map(r) + r["output"] for r in RECORDS] * 10
-    path = train_bpe_tokenizer(texts, str(directory / "tokenizer.json"), vocab_size=400, special_tokens=("<|endoftext|>", "<unk>"))
+    path = train_bpe_tokenizer(
+        texts, str(directory / "tokenizer.json"), vocab_size=400, special_tokens=("<|endoftext|>", "<unk>")
+    )
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<unk>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(special))
     tokenizer = Tokenizer.from_file(path)
@@ -317,9 +361,14 @@ def test_alpaca_lora_on_a_local_model_uses_the_unknown_token_and_the_models_cont
     tokenizer = load_tokenizer(config.data.tokenizer)
     assert tokenizer.vocab_size == load_tokenizer(base_model).vocab_size  # nothing added: the adapters' model fits
     assert config.model.seq_len == 128  # the model's own context (max_position_embeddings)
-    shorter = _load("examples/alpaca-lora/alpaca-lora.yaml", [*_run_overrides(tmp_path, base_model, "a.json", 2), "--max_tune_length", "64"])
+    shorter = _load(
+        "examples/alpaca-lora/alpaca-lora.yaml",
+        [*_run_overrides(tmp_path, base_model, "a.json", 2), "--max_tune_length", "64"],
+    )
     assert shorter.model.seq_len == 64
-    full = _load("examples/alpaca/alpaca.yaml", [*_run_overrides(tmp_path, base_model, "a.json", 2), "--max_tune_length", "96"])
+    full = _load(
+        "examples/alpaca/alpaca.yaml", [*_run_overrides(tmp_path, base_model, "a.json", 2), "--max_tune_length", "96"]
+    )
     assert full.model.seq_len == 96 and full.data.tokenizer == base_model + '+{"add_missing_defaults": true}'
     assert load_tokenizer(full.data.tokenizer).added_tokens == ("[PAD]",)  # Levanter's alpaca grows the vocabulary
 
@@ -353,9 +402,15 @@ def test_alpaca_lora_trains_adapters_on_the_outputs(base_model, tmp_path, monkey
 
     source = _source(config)
     tokenizer = load_tokenizer(config.data.tokenizer)
-    encoded = source.format.encode_batch(RECORDS, [f"alpaca.json:{i}" for i in range(len(RECORDS))], tokenizer, tokenizer.eos_id)
-    assert [tokenizer.decode(e.ids[e.target_mask == 1]) for e in encoded] == [r["output"] + "<|endoftext|>" for r in RECORDS]
-    assert tokenizer.decode(encoded[0].ids).endswith("### Instruction:\nWrite the number 0 in words\n\n### Response:zero<|endoftext|>")
+    encoded = source.format.encode_batch(
+        RECORDS, [f"alpaca.json:{i}" for i in range(len(RECORDS))], tokenizer, tokenizer.eos_id
+    )
+    assert [tokenizer.decode(e.ids[e.target_mask == 1]) for e in encoded] == [
+        r["output"] + "<|endoftext|>" for r in RECORDS
+    ]
+    assert tokenizer.decode(encoded[0].ids).endswith(
+        "### Instruction:\nWrite the number 0 in words\n\n### Response:zero<|endoftext|>"
+    )
     assert "### Input:\nthe number is 1" in tokenizer.decode(encoded[1].ids)
 
     result = run_training(config, config_path=str(REFERENCE / relative), progress=False)

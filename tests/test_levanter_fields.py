@@ -60,7 +60,8 @@ def test_an_unknown_gradient_checkpointing_policy_is_refused():
 
 
 @pytest.mark.parametrize(
-    "name, ours", [(None, "auto"), ("default", "auto"), ("jax_flash", "auto"), ("vanilla", "reference"), ("nvte", "jax")]
+    "name, ours",
+    [(None, "auto"), ("default", "auto"), ("jax_flash", "auto"), ("vanilla", "reference"), ("nvte", "jax")],
 )
 def test_levanter_attention_backend_names_are_read(name, ours):
     assert validate_section("model", {**LLAMA, "attn_backend": name}).attn_backend == ours
@@ -169,7 +170,12 @@ def test_require_accelerator_stops_a_cpu_run_before_training(tmp_path):
 def test_batch_size_schedule_z_loss_entropy_and_profiler_in_one_run(tmp_path):
     schedule = [{"start": 0, "value": 4}, {"start": 2, "value": 8}]
     path = _write_run(
-        tmp_path, train_batch_size=schedule, steps_per_eval=4, profiler=True, profiler_start_step=1, profiler_num_steps=1
+        tmp_path,
+        train_batch_size=schedule,
+        steps_per_eval=4,
+        profiler=True,
+        profiler_start_step=1,
+        profiler_num_steps=1,
     )
     config, _ = load_train_config(path, ["--z_loss_weight", "0.01", "--log_entropy", "true"])
     result = run_training(config, progress=False)
@@ -210,7 +216,14 @@ def test_partial_checkpoints_and_initialize_from_checkpoint_path(tmp_path):
     # a new run branching from the trunk's state continues at its step
     config, _ = load_train_config(
         path,
-        ["--trainer.id", "branch", "--trainer.num_train_steps", "5", "--initialize_from_checkpoint_path", trunk.checkpoint],
+        [
+            "--trainer.id",
+            "branch",
+            "--trainer.num_train_steps",
+            "5",
+            "--initialize_from_checkpoint_path",
+            trunk.checkpoint,
+        ],
     )
     branch = run_training(config, progress=False)
     assert branch.start_step == 3 and branch.final_step == 5

@@ -44,12 +44,23 @@ FAMILIES = {
     "olmo2": lambda: transformers.Olmo2Config(**LLAMA),
     "mixtral": lambda: transformers.MixtralConfig(**MOE, intermediate_size=32, num_local_experts=4),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **{**MOE, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-    ),  # fmt: skip
-    "gpt_oss": lambda: transformers.GptOssConfig(**MOE, intermediate_size=48, head_dim=16, num_local_experts=4,
-                                                 num_experts_per_tok=2),  # fmt: skip
+        **{**MOE, "num_key_value_heads": 4},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+    ),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **MOE, intermediate_size=48, head_dim=16, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 FUSED = {"phi3": "qkv_proj"}
 """Families whose Hugging Face form fuses projections that we keep apart: their adapters have no
@@ -152,10 +163,14 @@ def test_adapters_on_whisper_the_encoder_decoder(tmp_path):
     merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
     write_hf_model(model, loaded.config, loaded.Vocab, merged_dir, run_config={"data": {"tokenizer": "byte"}},
                    imported_hf_config=loaded.hf_config)  # fmt: skip
-    np.testing.assert_allclose(theirs_of(transformers.AutoModelForSpeechSeq2Seq.from_pretrained(merged_dir)), ours, atol=1e-4)
+    np.testing.assert_allclose(
+        theirs_of(transformers.AutoModelForSpeechSeq2Seq.from_pretrained(merged_dir)), ours, atol=1e-4
+    )
     task = task_type_of(loaded.config, loaded.Vocab.size)
     assert task == "SEQ_2_SEQ_LM"
-    write_peft_adapter(model, lora.LoraConfig(r=4, alpha=8), adapter_dir, base_model_name_or_path=base_dir, task_type=task)
+    write_peft_adapter(
+        model, lora.LoraConfig(r=4, alpha=8), adapter_dir, base_model_name_or_path=base_dir, task_type=task
+    )
     base = transformers.AutoModelForSpeechSeq2Seq.from_pretrained(base_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -182,8 +197,18 @@ def llama_dir(tmp_path_factory):
 def test_targets_by_list_regex_and_all_linear(llama_dir):
     model = load_hf_model(llama_dir).model
     every = lora.target_layers(model, lora.LoraConfig())
-    assert every == [f"model.layers.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert every == [
+        f"model.layers.{p}"
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     assert "lm_head" in lora.linear_layers(model)  # the head is a linear layer, left alone by default
     assert lora.target_layers(model, lora.LoraConfig(target_modules=["q_proj", "v_proj"])) == [
         "model.layers.self_attn.q_proj", "model.layers.self_attn.v_proj"]  # fmt: skip
@@ -206,7 +231,7 @@ def test_scanned_and_unrolled_layers_get_the_same_adapters(llama_dir):
     assert lora.count_parameters(lora.adapter_params(a)) == lora.count_parameters(lora.adapter_params(b)) == 2 * 2 * (
         (64 + 32) + (96 + 64))  # fmt: skip
     # the scanned stack's adapters, exported, go to the right layer of the unrolled model
-    names_a = {k for k in to_hf_state_dict(lora.merge(a))}
+    names_a = set(to_hf_state_dict(lora.merge(a)))
     assert names_a == set(to_hf_state_dict(lora.merge(b)))
     tensors, modules, conv1d = __import__("levanter_core.hf.peft", fromlist=["peft_tensors"]).peft_tensors(a)
     assert modules == sorted(modules) and len(modules) == 4 and not conv1d
@@ -237,7 +262,9 @@ def test_only_the_adapters_train_and_hold_optimizer_state(llama_dir):
     after, _ = trainer.train_step(state, batch)  # (the step takes the state's buffers)
     for x, y in zip(base_before, jax.tree.leaves(lora.base_model(after.model))):
         np.testing.assert_array_equal(x, np.asarray(y))  # frozen, bit for bit
-    changed = [not np.array_equal(x, np.asarray(y)) for x, y in zip(adapters_before, jax.tree.leaves(trainable(after.model)))]
+    changed = [
+        not np.array_equal(x, np.asarray(y)) for x, y in zip(adapters_before, jax.tree.leaves(trainable(after.model)))
+    ]
     assert changed and all(changed)
 
 
@@ -285,14 +312,15 @@ def _losses(tmp_path: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_a_lora_run_resumes_bit_for_bit_and_exports_what_it_trained(llama_dir, tmp_path):
     from conftest import run_cli
-
     from levanter_core.checkpoint import read_metadata
     from levanter_core.hf.bridge import load_checkpoint_model
 
     config = _lora_run(tmp_path, llama_dir, steps=6)
     result = run_cli("train", config, "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert "LoRA: training 3,072 adapter parameters" in result.stdout  # 2 layers x r 4 x ((64+64) + (64+32) + (96+64)) and "point to the base weights" in result.stdout
+    assert (
+        "LoRA: training 3,072 adapter parameters" in result.stdout
+    )  # 2 layers x r 4 x ((64+64) + (64+32) + (96+64)) and "point to the base weights" in result.stdout
     whole = _losses(tmp_path)
     assert len(whole) == 6
 
@@ -416,7 +444,6 @@ def test_a_lora_run_exports_every_1000_steps_unless_told(tmp_path, llama_dir):
 @pytest.mark.slow
 def test_peft_save_path_on_a_fused_family_is_refused_before_training(tmp_path):
     from conftest import run_cli
-
     from levanter_core.data.tokenizer import ByteTokenizer
 
     base = str(tmp_path / "phi3")
@@ -440,7 +467,9 @@ def test_averaged_adapters_leave_the_base_exact(llama_dir):
 
     loaded = load_hf_model(llama_dir)
     model = lora.loraize(loaded.model, lora.LoraConfig(r=2, alpha=4), key=jax.random.PRNGKey(0))
-    config = TrainerConfig(train_batch_size=2, num_train_steps=3, mp="p=f32", model_averaging={"type": "ema", "beta": 0.999})
+    config = TrainerConfig(
+        train_batch_size=2, num_train_steps=3, mp="p=f32", model_averaging={"type": "ema", "beta": 0.999}
+    )
     trainer = Trainer(config, optax.adamw(1e-2), LmObjective(), mesh=make_mesh(config))
     state = trainer.state_from_model(model, jax.random.PRNGKey(0))
     base = [np.asarray(x) for x in jax.tree.leaves(lora.base_model(model))]

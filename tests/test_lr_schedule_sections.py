@@ -52,7 +52,7 @@ def test_cosine_exponent_raises_the_cosine_factor_between_peak_and_min(exponent)
 
 
 def test_cosine_exponent_one_and_the_named_shapes_equal_the_plain_names_bit_for_bit():
-    steps = range(0, 121)
+    steps = range(121)
     for name, section in [
         ("cosine", {"type": "cosine", "exponent": 1.0}),
         ("cosine", {"type": "cosine"}),

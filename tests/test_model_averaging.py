@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorstore as ts
+from test_trainer import read_metrics, tiny_config
 
 from levanter_core.checkpoint import read_metadata
 from levanter_core.config.loader import Sources
@@ -21,8 +22,6 @@ from levanter_core.optim import AdamConfig, EmaDecaySqrtConfig, EmaModelAveragin
 from levanter_core.trainer.mesh import make_mesh
 from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer
-
-from test_trainer import read_metrics, tiny_config
 
 
 def as_model(value: float) -> dict:
@@ -82,7 +81,11 @@ def test_ema_decay_sqrt_matches_a_hand_computation():
 
 
 def train_config(tmp_path, **trainer):
-    raw = {"data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"}, "trainer": trainer}
+    raw = {
+        "data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)},
+        "model": {"type": "gpt2"},
+        "trainer": trainer,
+    }
     return validate_train_config(raw, Sources("run.yaml"))
 
 

@@ -9,10 +9,9 @@ import sys
 import time
 
 import pytest
-
-from conftest import code_docs, metrics, run_config, write_jsonl
 from multiproc import CLI, Processes, cpu_env, distributed_args, free_port, train_together
 
+from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.checkpoint import discover_latest
 from levanter_core.testing import logged
 
@@ -168,6 +167,8 @@ def test_each_process_loads_only_its_rows_of_the_batch(tmp_path, model_axis_size
     with Processes(commands, [cpu_env(devices=2), cpu_env(devices=2)], tmp_path) as run:
         assert run.wait(120) == [0, 0], run.outputs_text()
         # the JSON line, wherever gloo's own messages (on stderr, same log) fall around it
-        shares = [json.loads([line for line in run.output(i).splitlines() if line.startswith("{")][-1]) for i in range(2)]
+        shares = [
+            json.loads([line for line in run.output(i).splitlines() if line.startswith("{")][-1]) for i in range(2)
+        ]
     assert [s["rows"] for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert all(s["whole"] for s in shares)

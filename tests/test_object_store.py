@@ -19,13 +19,18 @@ import uuid
 
 import numpy as np
 import pytest
-
 import test_resume
-from conftest import REPO, bucket_objects, code_docs, run_cli, run_config, write_jsonl
 from test_resume import command, logged_losses
 
+from conftest import REPO, bucket_objects, code_docs, run_cli, run_config, write_jsonl
 from levanter_core import fileio
-from levanter_core.checkpoint import COMMIT_MARKER, TensorStoreCheckpointer, discover_latest, load_checkpoint, write_checkpoint
+from levanter_core.checkpoint import (
+    COMMIT_MARKER,
+    TensorStoreCheckpointer,
+    discover_latest,
+    load_checkpoint,
+    write_checkpoint,
+)
 
 
 def state(seed: float) -> dict:
@@ -194,7 +199,9 @@ def run_killed_in_a_save(args: list[str], checkpoints: str, min_step: int) -> tu
     save it was killed in (or "" when it ended first), and each checkpoint it said it resumed
     from, with whether that checkpoint's marker was there when it said so."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(command(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        command(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     resumed: list[tuple[str, bool]] = []
 
     def watch():
@@ -354,7 +361,9 @@ def test_two_processes_sharing_only_the_bucket_train_like_one(bucket, tmp_path):
 
     fs, root = fileio.filesystem(f"{bucket}/data")
     for i in range(4):
-        fs.pipe_file(f"{root}/train-{i}.jsonl", "".join(json.dumps(d) + "\n" for d in code_docs(50, offset=50 * i)).encode())
+        fs.pipe_file(
+            f"{root}/train-{i}.jsonl", "".join(json.dumps(d) + "\n" for d in code_docs(50, offset=50 * i)).encode()
+        )
     data = {"train_urls": [f"{bucket}/data/train-*.jsonl"], "cache_dir": f"{bucket}/cache", "shuffle": False}
 
     def config_in(directory, run_id: str) -> str:

@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, bucket_objects as objects, code_docs, run_cli, run_config, write_jsonl
+from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
+from conftest import bucket_objects as objects
 from levanter_core import fileio
 from levanter_core.trainer.run_sync import RunDirectory, RunDirectorySync, mirror_directory
 
@@ -194,11 +195,11 @@ def test_export_hf_reads_a_checkpoint_in_a_bucket_and_uploads_the_export(tmp_pat
     pytest.importorskip("torch")
     import jax
     from haliax import Axis
+    from levanter_model_gpt2.gpt2 import Gpt2Config
 
     from levanter_core.checkpoint import write_checkpoint
     from levanter_core.data.tokenizer import load_tokenizer
     from levanter_core.hf.parity import hf_logits, our_logits
-    from levanter_model_gpt2.gpt2 import Gpt2Config
 
     config, vocab = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=32), 257
     model = config.build(Axis("vocab", vocab), key=jax.random.PRNGKey(0))

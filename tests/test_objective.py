@@ -86,7 +86,7 @@ def _run(tmp_path, model_type: str):
     path = run_config(tmp_path, data, steps=2, steps_per_eval=2, run_id=model_type)
     config, _ = load_train_config(path, ["--model.type", model_type])
     run_training(config, progress=False)
-    return [m for m in metrics(tmp_path, run_id=model_type)]
+    return list(metrics(tmp_path, run_id=model_type))
 
 
 def test_a_plugins_objective_trains_through_the_same_trainer(tmp_path, weighted):
@@ -98,7 +98,9 @@ def test_a_plugins_objective_trains_through_the_same_trainer(tmp_path, weighted)
     assert heavy_train[0] == pytest.approx(WEIGHT * plain_train[0], rel=1e-5)
     # evaluation is the objective's too (here the plain cross-entropy), before any step
     initial = [m for m in heavy if m.get("step") == 0 and "eval/loss" in m]
-    assert initial and initial[0]["eval/loss"] == pytest.approx([m for m in plain if m.get("step") == 0][0]["eval/loss"])
+    assert initial and initial[0]["eval/loss"] == pytest.approx(
+        next(m for m in plain if m.get("step") == 0)["eval/loss"]
+    )
     assert "eval/bpb" in initial[0]
 
 
@@ -107,7 +109,9 @@ def test_a_model_type_whose_objective_is_not_installed_is_refused_by_name(tmp_pa
     plugins.register_plugin(WeightedModel(), name="model-without-its-objective")
     data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(10))], "cache_dir": str(tmp_path / "cache")}
     config, _ = load_train_config(run_config(tmp_path, data, steps=1), ["--model.type", "weighted_gpt2"])
-    with pytest.raises(ConfigError, match="model.type 'weighted_gpt2' trains with the 'weighted_lm' objective: unknown objective type"):
+    with pytest.raises(
+        ConfigError, match="model.type 'weighted_gpt2' trains with the 'weighted_lm' objective: unknown objective type"
+    ):
         run_training(config, progress=False)
 
 
@@ -176,16 +180,20 @@ def test_a_run_picks_an_objective_that_keeps_the_starting_model_as_reference(tmp
     logged = [m for m in metrics(tmp_path / "anchored", run_id="anchored") if "train/loss" in m]
     # the reference is the model as it started: no distance at the first step, so the loss is the LM's
     assert logged[0]["anchor/distance"] == 0.0
-    assert logged[0]["train/loss"] == pytest.approx([m for m in plain if "train/loss" in m][0]["train/loss"], rel=1e-6)
+    assert logged[0]["train/loss"] == pytest.approx(next(m for m in plain if "train/loss" in m)["train/loss"], rel=1e-6)
     assert logged[-1]["anchor/distance"] > 0  # the model moved away from it, the reference did not
-    leaves = [leaf["name"] for leaf in read_metadata(str(tmp_path / "anchored" / "ckpt" / "anchored" / "step-3"))["leaves"]]
+    leaves = [
+        leaf["name"] for leaf in read_metadata(str(tmp_path / "anchored" / "ckpt" / "anchored" / "step-3"))["leaves"]
+    ]
     assert any(name.startswith("reference/") for name in leaves)  # kept with the state, for an exact resume
 
 
 def test_an_unknown_objective_or_setting_names_the_field(tmp_path, anchored):
     data = {"train_urls": [write_jsonl(tmp_path / "train.jsonl", code_docs(4))], "cache_dir": str(tmp_path / "cache")}
     path = run_config(tmp_path, data, steps=1)
-    with pytest.raises(ConfigError, match=r"objective \(command line.*unknown objective 'dop'; installed: .*anchored_lm"):
+    with pytest.raises(
+        ConfigError, match=r"objective \(command line.*unknown objective 'dop'; installed: .*anchored_lm"
+    ):
         load_train_config(path, ["--objective", "dop"])
     with pytest.raises(ConfigError, match="objective .*the 'anchored_lm' objective's settings: strength: Extra inputs"):
         load_train_config(path, ["--objective", '{"type": "anchored_lm", "strength": 2}'])

@@ -1,3 +1,4 @@
+import itertools
 import operator
 
 import equinox as eqx
@@ -9,11 +10,10 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import Centre, distance_loss
 from levanter_core.errors import ConfigError
 from levanter_core.optim import AdamConfig, SkipStepConfig, parameter_path
 from levanter_core.optim.skipstep import skipped_step
-
-from conftest import Centre, distance_loss
 
 PEAK = 1.0
 MIN = 0.1  # the default min_lr_ratio times PEAK
@@ -57,7 +57,7 @@ def test_inverse_shapes_fall_from_peak_to_exactly_min(shape):
     lr = lrs(AdamConfig(learning_rate=PEAK, warmup=10, lr_schedule=shape), range(10, 101))
     assert lr[0] == pytest.approx(PEAK)
     assert lr[-1] == pytest.approx(MIN, rel=1e-5)
-    assert all(a > b for a, b in zip(lr, lr[1:]))
+    assert all(a > b for a, b in itertools.pairwise(lr))
     # Steeper than linear early on: that is the point of these shapes.
     assert lr[45] < (PEAK + MIN) / 2
 
@@ -281,8 +281,11 @@ def test_bad_skip_bad_steps_values_name_the_field(tmp_path, value, message):
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
 
-    raw = {"data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)}, "model": {"type": "gpt2"},
-           "optimizer": {"skip_bad_steps": value}}
+    raw = {
+        "data": {"type": "python_stdlib", "tokenizer": "byte", "cache_dir": str(tmp_path)},
+        "model": {"type": "gpt2"},
+        "optimizer": {"skip_bad_steps": value},
+    }
     with pytest.raises(ConfigError, match=message):
         validate_train_config(raw, Sources("run.yaml"))
 
@@ -353,15 +356,15 @@ def test_without_skip_bad_steps_the_optimizer_ignores_the_loss():
     state = opt.init(params)
     assert skipped_step(state, state) is None
     with_loss, _ = opt.update({"w": DIRECTION}, state, params, loss=jnp.asarray(1e9))
-    plain, _ = AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0).build(10).update({"w": DIRECTION}, state, params)
+    plain, _ = (
+        AdamConfig(learning_rate=0.1, warmup=0, weight_decay=0.0).build(10).update({"w": DIRECTION}, state, params)
+    )
     np.testing.assert_array_equal(with_loss["w"], plain["w"])
 
 
 # -- skip_bad_steps in the trainer, across a checkpoint ---------------------------------------------
 
 Pos = hax.Axis("position", 16)
-
-
 
 
 def test_the_trainer_skips_a_spike_and_a_checkpoint_keeps_the_window(tmp_path):
@@ -372,7 +375,10 @@ def test_the_trainer_skips_a_spike_and_a_checkpoint_keeps_the_window(tmp_path):
 
     config = TrainerConfig(train_batch_size=8, num_train_steps=100)
     optimizer = AdamConfig(
-        learning_rate=0.01, warmup=0, lr_schedule="constant", weight_decay=0.0,
+        learning_rate=0.01,
+        warmup=0,
+        lr_schedule="constant",
+        weight_decay=0.0,
         skip_bad_steps={"rolling_interval_length": 8, "sigma_factor": 3.0},
     ).build_for_trainer(config.num_train_steps)
     trainer = Trainer(config, optimizer, distance_loss, mesh=make_mesh(config))

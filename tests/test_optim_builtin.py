@@ -13,6 +13,7 @@ import optax
 import optax.contrib
 import pytest
 
+from conftest import Centre, distance_loss
 from levanter_core.errors import ConfigError
 from levanter_core.optim import AdamConfig, AdoptConfig, CautiousConfig, LionConfig, RMSPropConfig
 from levanter_core.optim.transforms import (
@@ -24,8 +25,6 @@ from levanter_core.optim.transforms import (
 )
 from levanter_core.plugins import registry
 from levanter_core.tracker.jit_log import collecting
-
-from conftest import Centre, distance_loss
 
 STEPS = 5
 RUN = 20  # num_train_steps the schedules are built for
@@ -426,7 +425,7 @@ def has_layers(x: hax.NamedArray) -> bool:
 
 
 def test_rms_clipping_clips_each_stacked_layer_on_its_own(gpt2):
-    is_stacked = lambda x: isinstance(x, hnn.Stacked)  # noqa: E731
+    is_stacked = lambda x: isinstance(x, hnn.Stacked)
     assert len([x for x in jax.tree.leaves(gpt2, is_leaf=is_stacked) if is_stacked(x)]) == 1
     Layers = hax.Axis("layers", 2)
     layer_scale = hax.named(jnp.array([100.0, 0.01]), Layers)
@@ -452,7 +451,7 @@ def test_rms_clipping_clips_each_stacked_layer_on_its_own(gpt2):
         return float(np.sqrt(np.mean(np.asarray(a, np.float64) ** 2)))
 
     checked = 0
-    named = lambda tree: jax.tree.leaves(tree, is_leaf=hax.is_named_array)  # noqa: E731
+    named = lambda tree: jax.tree.leaves(tree, is_leaf=hax.is_named_array)
     for before, after in zip(named(updates), named(clipped)):
         if not has_layers(before):
             expected = np.asarray(before.array) / max(1.0, rms(before.array) / 0.5)
@@ -469,15 +468,23 @@ def test_rms_clipping_clips_each_stacked_layer_on_its_own(gpt2):
                 np.testing.assert_array_equal(a, b)
     assert checked >= 4
     # Clipping the stacked array as one block would have shrunk the small layer too.
-    c_fc = lambda tree: tree.transformer.blocks.stacked.mlp.c_fc.weight  # noqa: E731
+    c_fc = lambda tree: tree.transformer.blocks.stacked.mlp.c_fc.weight
     assert not np.allclose(np.asarray(c_fc(joint)["layers", 1].array), np.asarray(c_fc(updates)["layers", 1].array))
 
 
 # -- configs -------------------------------------------------------------------------------------
 
 LEVANTER_DEFAULTS = {
-    "adam": dict(beta1=0.9, beta2=0.95, epsilon=1e-8, max_grad_norm=1.0, nesterov=False, update_rms_clipping=None,
-                 clip_update_norm=None, adamc_weight_decay=False),
+    "adam": dict(
+        beta1=0.9,
+        beta2=0.95,
+        epsilon=1e-8,
+        max_grad_norm=1.0,
+        nesterov=False,
+        update_rms_clipping=None,
+        clip_update_norm=None,
+        adamc_weight_decay=False,
+    ),
     "lion": dict(beta1=0.9, beta2=0.95, epsilon=1e-8, max_grad_norm=1.0),
     "adopt": dict(
         weight_decay=0.1, beta1=0.9, beta2=0.95, epsilon=1e-6, max_grad_norm=1.0, haps=None, schedule_list=None
@@ -553,8 +560,10 @@ def test_levanter_yaml_sections_load(tmp_path, yaml, check):
     [
         ("  update_rms_clipping: 1.0\n  clip_update_norm: {}\n", r"cannot be used together; set one of them to null"),
         ("  update_rms_clipping: 0\n", r"optimizer\.update_rms_clipping .*greater than 0"),
-        ("  clip_update_norm: {rolling_interval_length: 1}\n",
-         r"optimizer\.clip_update_norm\.rolling_interval_length .*greater than or equal to 2"),
+        (
+            "  clip_update_norm: {rolling_interval_length: 1}\n",
+            r"optimizer\.clip_update_norm\.rolling_interval_length .*greater than or equal to 2",
+        ),
         ("  clip_update_norm: {sigma_factor: -1}\n", r"optimizer\.clip_update_norm\.sigma_factor .*greater than 0"),
         ("  clip_update_norm: {window: 8}\n", r"optimizer\.clip_update_norm\.window .*unknown field"),
         ("  type: lion\n  beta2: 1.0\n", r"optimizer\.beta2 .*less than 1"),
@@ -577,7 +586,10 @@ def test_every_state_is_arrays(params):
     configs = [
         AdamConfig(update_rms_clipping=1.0, adamc_weight_decay=True),
         AdamConfig(clip_update_norm={}, skip_bad_steps=True),
-        LionConfig(), AdoptConfig(), RMSPropConfig(), CautiousConfig(adamc_weight_decay=True),
+        LionConfig(),
+        AdoptConfig(),
+        RMSPropConfig(),
+        CautiousConfig(adamc_weight_decay=True),
     ]
     for config in configs:
         state = config.build_for_trainer(RUN).init(params)
@@ -630,8 +642,6 @@ def test_a_few_steps_lower_the_loss_of_a_tiny_gpt2(gpt2, gpt2_loss_and_grad, con
 Pos = hax.Axis("position", 16)
 
 
-
-
 def test_the_trainer_logs_the_clip_and_a_checkpoint_keeps_its_window(tmp_path):
     from levanter_core.checkpoint import load_checkpoint, write_checkpoint
     from levanter_core.trainer.config import TrainerConfig
@@ -652,14 +662,18 @@ def test_the_trainer_logs_the_clip_and_a_checkpoint_keeps_its_window(tmp_path):
     state = trainer.init_state(model_init, key)
     for _ in range(3):
         state, metrics = trainer.train_step(state, rng.integers(0, 10, (8, Pos.size)))
-    for name in [PRE_CLIP_UPDATE_NORM, POST_CLIP_UPDATE_NORM, "optim/clip_update/did_clip",
-                 "optim/clip_update/update_norm_threshold"]:
+    for name in [
+        PRE_CLIP_UPDATE_NORM,
+        POST_CLIP_UPDATE_NORM,
+        "optim/clip_update/did_clip",
+        "optim/clip_update/update_norm_threshold",
+    ]:
         assert np.isfinite(float(metrics[name])), name
     write_checkpoint(state, str(tmp_path / "step-3"), step=3)
     resumed = load_checkpoint(trainer.state_template(model_init, key), str(tmp_path / "step-3"))
 
     def window(opt_state) -> ClipUpdateNormState:
-        is_window = lambda x: isinstance(x, ClipUpdateNormState)  # noqa: E731
+        is_window = lambda x: isinstance(x, ClipUpdateNormState)
         (found,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_window) if is_window(s)]
         return found
 

@@ -40,10 +40,7 @@ TOLERANCE = {"cautious": 5e-4}
 
 
 def sections() -> dict:
-    return {
-        name: {"type": name, "learning_rate": 1e-2, "warmup": 0, **SETTINGS.get(name, {})}
-        for name in NAMES
-    }
+    return {name: {"type": name, "learning_rate": 1e-2, "warmup": 0, **SETTINGS.get(name, {})} for name in NAMES}
 
 
 def run_matrix(tmp_path, devices: int) -> dict:

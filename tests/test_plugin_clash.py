@@ -78,9 +78,10 @@ class ShadowJson:
 def test_a_clash_with_a_builtin_stops_a_config_that_names_it(fresh_plugins, tmp_path):
     """Config loading: the clashed tracker stops the run (exit status 2, both distributions
     named); the qualified name loads; a config that names neither is untouched."""
+    from levanter_model_gpt2 import plugin as gpt2_plugin
+
     from levanter_core.config.train import load_train_config
     from levanter_core.errors import UserError
-    from levanter_model_gpt2 import plugin as gpt2_plugin
 
     plugins.register_plugin(gpt2_plugin, name="gpt2")
     plugins.register_plugin(ShadowJson(), name="shadowing")
@@ -161,7 +162,10 @@ def test_an_installed_clash_is_listed_and_chosen_by_qualified_name(third_party_p
     assert by_name["thirdparty-phi3"]["types"] == {"model": ["phi3"]} and by_name["gpt2"]["error"] is None
     [clash] = listed["clashes"]
     assert (clash["kind"], clash["name"]) == ("model", "phi3")
-    assert {r["qualified_name"] for r in clash["registrations"]} == {"levanter-model-llama:phi3", "levanter-model-phi3:phi3"}
+    assert {r["qualified_name"] for r in clash["registrations"]} == {
+        "levanter-model-llama:phi3",
+        "levanter-model-phi3:phi3",
+    }
     code, out, err = _levanter(capsys, "plugins")
     assert code == 0 and "phi3 (clash)" in out and "clash: model type 'phi3' is registered by" in out
 
@@ -188,10 +192,13 @@ def test_an_installed_clash_is_listed_and_chosen_by_qualified_name(third_party_p
 
 
 def test_a_clashed_hugging_face_model_type_names_both_and_a_setting_chooses(third_party_phi3, monkeypatch):
-    from levanter_core.hf.bridge import config_from_hf
     from levanter_model_llama.phi3 import Phi3Config
 
-    hf_config = Phi3Config(hidden_dim=32, num_heads=2, num_kv_heads=2, intermediate_dim=64, num_layers=1).to_hf_config(100)
+    from levanter_core.hf.bridge import config_from_hf
+
+    hf_config = Phi3Config(hidden_dim=32, num_heads=2, num_kv_heads=2, intermediate_dim=64, num_layers=1).to_hf_config(
+        100
+    )
     with pytest.raises(PluginError) as raised:
         config_from_hf(hf_config)
     message = str(raised.value)

@@ -7,11 +7,10 @@ import textwrap
 import pytest
 
 import levanter_core.plugins as plugins
+from conftest import run_cli
 from levanter_core.errors import PluginError
 from levanter_core.plugins import PluginManager, hookimpl
 from levanter_core.tracker import NoopTracker, TrackerConfig
-
-from conftest import run_cli
 
 
 class RecordingTrackerConfig(TrackerConfig):
@@ -63,6 +62,7 @@ def test_in_process_plugin_registers_a_usable_type(fresh_plugins):
 
 def test_duplicate_type_name_is_an_error_naming_both_plugins(fresh_plugins):
     """Using a name two plugins register is the error (tests/test_plugin_clash.py has the rest)."""
+
     class Again:
         @hookimpl
         def register_trackers(self, register):

@@ -8,7 +8,6 @@ import signal
 import sys
 
 import pytest
-
 from multiproc import Processes, cpu_env, free_port
 from test_cache import assert_same_cache, build, source, write_corpus
 

@@ -3,11 +3,10 @@ without Ray, and says so; a config that asks for a Ray cluster stops before trai
 message saying what to install. Never an import traceback."""
 
 import pytest
-
 from blocked_imports import env_without
-from conftest import code_docs, metrics, run_config, write_jsonl
 from multiproc import CLI, Processes, cpu_env, distributed_args, free_port
 
+from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.distributed.ray_cluster import ray_installed, require_ray
 from levanter_core.trainer.config import RayConfig
 

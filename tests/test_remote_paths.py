@@ -5,8 +5,8 @@ run, after the cache build started."""
 
 import pytest
 import yaml
-
 from blocked_imports import env_without
+
 from conftest import run_cli
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
@@ -91,13 +91,23 @@ def test_an_unknown_scheme_is_named():
 
 
 def test_local_paths_and_installed_filesystems_pass():
-    for path in [None, "checkpoints/", "/abs/path", "~/data/*.jsonl", "file:///tmp/x", "memory://cache", "https://x/a.jsonl"]:
+    for path in [
+        None,
+        "checkpoints/",
+        "/abs/path",
+        "~/data/*.jsonl",
+        "file:///tmp/x",
+        "memory://cache",
+        "https://x/a.jsonl",
+    ]:
         assert require_filesystem(path) == path
 
 
 def test_an_installed_object_store_filesystem_passes(tmp_path):
     pytest.importorskip("gcsfs")
-    config = _write(tmp_path, {"data": {"train_urls": ["gs://bucket/a.jsonl"], "tokenizer": "byte"}, "model": {"type": "gpt2"}})
+    config = _write(
+        tmp_path, {"data": {"train_urls": ["gs://bucket/a.jsonl"], "tokenizer": "byte"}, "model": {"type": "gpt2"}}
+    )
     loaded, _ = load_train_config(config)
     assert loaded.data.configs[next(iter(loaded.data.configs))].train_urls == ("gs://bucket/a.jsonl",)
 

@@ -65,9 +65,7 @@ def cpu_env(devices: int) -> dict:
 
 def train(args: list[str], *, devices: int = 1) -> subprocess.CompletedProcess:
     """Run ``levanter train`` to the end; fail the test if it does not exit 0."""
-    result = subprocess.run(
-        command(args), cwd=REPO, env=cpu_env(devices), capture_output=True, text=True, timeout=600
-    )
+    result = subprocess.run(command(args), cwd=REPO, env=cpu_env(devices), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

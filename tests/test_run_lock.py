@@ -13,10 +13,9 @@ import threading
 import time
 
 import pytest
-
-from conftest import REPO, code_docs, run_config, write_jsonl
 from test_resume import command
 
+from conftest import REPO, code_docs, run_config, write_jsonl
 from levanter_core import fileio
 from levanter_core.checkpoint.lock import RunInUseError, RunLock
 

@@ -26,9 +26,12 @@ def model_dir(tmp_path_factory):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     text = ["the quick brown fox jumps over the lazy dog", "four score and seven years ago our fathers"] * 20
-    tokenizer.train_from_iterator(text, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    ))
+    tokenizer.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer.save(str(directory / "tokenizer.json"))
     with open(directory / "tokenizer_config.json", "w") as f:
         json.dump({"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}, f)
@@ -131,7 +134,10 @@ def test_levanters_sampler_configs_load_and_run(model_dir, capsys):
     [
         (("--prompt", "the " * 150), "this model's context is 128 tokens"),
         (("--prompt", "the", "--max-new-tokens", "200"), "more than this model's context of 128 tokens"),
-        (("--prompt", "the", "--temperature", "-1"), "--temperature: temperature must be a number from 0 (greedy) to 100"),
+        (
+            ("--prompt", "the", "--temperature", "-1"),
+            "--temperature: temperature must be a number from 0 (greedy) to 100",
+        ),
         ((), "give at least one --prompt"),
     ],
 )

@@ -48,8 +48,15 @@ def tiny_model():
 )
 def test_steps_match_optax_schedule_free_adamw(params):
     config = ScheduleFreeAdamWConfig(
-        learning_rate=0.05, warmup=0, beta1=0.9, beta2=0.99, epsilon=1e-7, weight_decay=0.1,
-        weight_lr_power=2.0, max_grad_norm=None, default_weight_decay_mask=False,
+        learning_rate=0.05,
+        warmup=0,
+        beta1=0.9,
+        beta2=0.99,
+        epsilon=1e-7,
+        weight_decay=0.1,
+        weight_lr_power=2.0,
+        max_grad_norm=None,
+        default_weight_decay_mask=False,
     )
     ours = config.build(100)
     theirs = schedule_free_adamw(0.05, b1=0.9, b2=0.99, eps=1e-7, weight_decay=0.1, weight_lr_power=2.0)
@@ -97,7 +104,12 @@ def paper_steps(config, grads_seq, params, num_train_steps, decayed):
 
 def test_warmup_clipping_and_the_decay_mask_follow_the_paper():
     config = ScheduleFreeAdamWConfig(
-        learning_rate=0.1, warmup=4, beta1=0.95, weight_decay=0.2, weight_lr_power=2.0, max_grad_norm=1.5,
+        learning_rate=0.1,
+        warmup=4,
+        beta1=0.95,
+        weight_decay=0.2,
+        weight_lr_power=2.0,
+        max_grad_norm=1.5,
         weight_decay_modules="^weight$",
     )
     params = {"weight": jnp.linspace(-1, 1, 12).reshape(3, 4), "bias": jnp.ones(4)}
@@ -139,7 +151,12 @@ def test_config_loads_from_its_registry_name_with_documented_defaults():
     assert cls is ScheduleFreeAdamWConfig
     config = cls.model_validate({"type": "schedule_free_adamw", "learning_rate": 3e-3, "warmup": 100, "beta1": 0.95})
     assert (config.beta1, config.beta2, config.epsilon, config.max_grad_norm, config.weight_lr_power) == (
-        0.95, 0.95, 1e-8, 1.0, 2.0)
+        0.95,
+        0.95,
+        1e-8,
+        1.0,
+        2.0,
+    )
     assert config.lr_schedule == "constant"
     schedule = config.lr_scheduler(1000)
     assert [float(schedule(s)) for s in (0, 50, 100, 999)] == pytest.approx([0.0, 1.5e-3, 3e-3, 3e-3])

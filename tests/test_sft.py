@@ -70,7 +70,9 @@ def test_added_tokens_are_kept_once_and_a_role_cannot_change(base_model):
 
 def test_the_grown_tokenizer_loads_in_transformers_with_its_roles(base_model, tmp_path):
     transformers = pytest.importorskip("transformers")
-    spec = tokenizer_spec_with(base_model, {"add_missing_defaults": True, "additional_special_tokens": ["<|im_start|>"]})
+    spec = tokenizer_spec_with(
+        base_model, {"add_missing_defaults": True, "additional_special_tokens": ["<|im_start|>"]}
+    )
     grown = load_tokenizer(spec)
     for name, text in grown.hf_files().items():
         (tmp_path / name).write_text(text)
@@ -80,7 +82,9 @@ def test_the_grown_tokenizer_loads_in_transformers_with_its_roles(base_model, tm
     assert theirs.pad_token_id == grown.token_id("[PAD]")
     text = "hello<|im_start|>the lazy dog<unk>"
     assert theirs(text, add_special_tokens=False)["input_ids"] == grown.encode_batch([text])[0].tolist()
-    rendered = theirs.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    rendered = theirs.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert rendered == "[user] hi\n[assistant]" == render_chat_prompt([{"role": "user", "content": "hi"}], grown)
 
 
@@ -99,7 +103,11 @@ def test_special_tokens_join_the_runs_tokenizer_and_chat_data_uses_them(base_mod
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     template += "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     config = {
-        "data": {"tokenizer": base_model, "train_urls": ["chats.jsonl"], "format": {"type": "chat", "chat_template": template}},
+        "data": {
+            "tokenizer": base_model,
+            "train_urls": ["chats.jsonl"],
+            "format": {"type": "chat", "chat_template": template},
+        },
         "model": {"type": "llama", "seq_len": 64},
         "special_tokens": {"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"},
     }
@@ -185,7 +193,9 @@ def test_each_levanter_sft_config_loads_or_says_what_levanter_would(relative):
         assert expected in str(raised.value) and os.path.basename(relative) in str(raised.value)
         return
     config, _ = load_train_config(str(REFERENCE / relative))
-    assert config.special_tokens.add_missing_defaults and config.data.tokenizer.endswith('+{"add_missing_defaults": true}')
+    assert config.special_tokens.add_missing_defaults and config.data.tokenizer.endswith(
+        '+{"add_missing_defaults": true}'
+    )
     assert config.use_hf_model_config and config.data.effective_shuffle is True
 
 
@@ -195,7 +205,9 @@ def test_levanter_sft_configs_mean_what_they_mean_in_levanter():
     source = single.data.configs["main"]
     assert single.initialize_from_hf == "meta-llama/Llama-3.1-8B" and single.model.seq_len == 4096
     assert source.train_urls[0].startswith("gs://marin-us-central2/documents/allenai--tulu-v2")
-    assert source.format.type == "chat" and single.data.cache_dir.endswith("tulu_3_sft_mixture_llama3_instruct_tokenizer-8f8ba3")
+    assert source.format.type == "chat" and single.data.cache_dir.endswith(
+        "tulu_3_sft_mixture_llama3_instruct_tokenizer-8f8ba3"
+    )
     assert single.hf_save_steps == 500 and single.hf_save_path.endswith("hf/seed_0/")
 
     mixture, _ = load_train_config(str(REFERENCE / "config/sft_tootsie_mixture.yaml"))
@@ -208,7 +220,9 @@ def test_levanter_sft_configs_mean_what_they_mean_in_levanter():
     assert mixture.special_tokens.tokens_to_reinit()[-1] == "<|eot_id|>"  # reinit_tokens: true
 
     olmo, _ = load_train_config(str(REFERENCE / "config/olmo2_sft.yaml"))
-    assert olmo.model.type == "olmo2" and olmo.model.upcast_attn  # a run setting kept; the architecture is the checkpoint's
+    assert (
+        olmo.model.type == "olmo2" and olmo.model.upcast_attn
+    )  # a run setting kept; the architecture is the checkpoint's
 
 
 def sft_config(tmp_path: Path, base: str, **changes) -> dict:
@@ -306,7 +320,9 @@ def test_sft_from_an_import_with_two_added_tokens_exports_and_chats(base_model, 
     torch.testing.assert_close(rows[old:], mean.expand(2, -1), atol=1e-6, rtol=0)
 
     # transformers chats with the tokenizer's template and gives the answer the model learned ...
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     generated = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip() == "hello there"

@@ -92,7 +92,9 @@ def test_sharded_runs_match_one_device_and_store_parameters_split(config, one_de
             assert array["axes"] == {axis: placement.get(axis) for axis in array["axes"]}, (name, path)
 
     # one device's piece of the MLP weight (layers, mlp, embed) = (2, 256, 64), over data 4 x model 2
-    pieces = {path: a["piece"] for path, a in eight["fsdp-and-tp"]["arrays"].items() if path.endswith("mlp.c_fc.weight")}
+    pieces = {
+        path: a["piece"] for path, a in eight["fsdp-and-tp"]["arrays"].items() if path.endswith("mlp.c_fc.weight")
+    }
     assert len(pieces) == 3 and set(map(tuple, pieces.values())) == {(2, 128, 16)}
 
 

@@ -64,7 +64,7 @@ def test_a_sentencepiece_style_vocabulary():
     assert byte_count(tok, "the cats") == len(b" the cats")
     # é is not in the vocabulary: two fallback bytes
     (ids,) = tok.encode_batch(["the café"])
-    assert lengths[ids].sum() == len(" the café".encode("utf-8"))
+    assert lengths[ids].sum() == len(" the café".encode())
     # the tokenizer prepends "▁" to the text after an added token too: it decodes as a space
     (ids,) = tok.encode_batch(["the<extra>cat</s>"])
     assert tok.decode(ids) == " the<extra> cat</s>"

@@ -159,8 +159,8 @@ class LocalHub(BaseHTTPRequestHandler):
             self._send(json.dumps({"id": self.MODEL, "sha": self.COMMIT}).encode())
         elif path == f"/api/models/{self.MODEL}/tree/{self.COMMIT}":
             self._send(json.dumps(listing).encode())
-        elif path.startswith(resolve) and path[len(resolve):] in self.files:
-            content = self.files[path[len(resolve):]]
+        elif path.startswith(resolve) and path[len(resolve) :] in self.files:
+            content = self.files[path[len(resolve) :]]
             self._send(content, {"X-Repo-Commit": self.COMMIT, "ETag": f'"{hashlib.sha1(content).hexdigest()}"'})
         else:
             self._send(b"{}", {"X-Error-Code": "RepoNotFound"}, status=404)
@@ -254,7 +254,9 @@ def test_an_export_carries_a_hub_tokenizers_files(tmp_path, offline_hub):
 
     files = tokenizer_files(tmp_path)
     put_in_hub_cache(offline_hub, "gpt2", files)
-    config = validate_section("model", {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32})
+    config = validate_section(
+        "model", {"type": "gpt2", "hidden_dim": 32, "num_heads": 2, "num_layers": 1, "seq_len": 32}
+    )
     Vocab = Axis("vocab", 300)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
     out = tmp_path / "export"

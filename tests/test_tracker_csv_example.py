@@ -16,9 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from test_cli_train import make_run
 
 from conftest import REPO, run_cli
-from test_cli_train import make_run
 
 EXAMPLE = os.path.join(REPO, "examples", "tracker-csv")
 DISTRIBUTION = "levanter-tracker-csv"

@@ -23,7 +23,11 @@ def test_a_finished_run_made_longer_is_a_new_run_and_says_how_to_continue(tmp_pa
     with caplog.at_level(logging.WARNING, logger="levanter_core"):
         second = run_training(longer, config_path=path, progress=False)
     assert second.run_id != first.run_id and second.start_step == 0  # what the warning is about
-    [warning] = [r.getMessage() for r in caplog.records if first.run_id in r.getMessage() and "starts at step 0" in r.getMessage()]
+    [warning] = [
+        r.getMessage()
+        for r in caplog.records
+        if first.run_id in r.getMessage() and "starts at step 0" in r.getMessage()
+    ]
     assert "starts at step 0" in warning and "finished with a checkpoint at step 2" in warning
     assert f"--trainer.id {first.run_id}" in warning and "docs/checkpoints.md" in warning
 

@@ -32,8 +32,13 @@ def tiny_config(tmp_path, *, model: dict | None = None, optimizer: dict | None =
             "checkpointer": {"base_path": str(tmp_path / "ckpt"), "keep": [{"every": 10}]},
             **trainer,
         },
-        "optimizer": {"learning_rate": 1e-2, "warmup": 0, "lr_schedule": "constant", "weight_decay": 0.0,
-                      **(optimizer or {})},
+        "optimizer": {
+            "learning_rate": 1e-2,
+            "warmup": 0,
+            "lr_schedule": "constant",
+            "weight_decay": 0.0,
+            **(optimizer or {}),
+        },
     }
     return validate_train_config(raw, Sources("test"))
 

@@ -2,9 +2,9 @@
 built-in TensorStore checkpointer (``type: tensorstore``)."""
 
 from levanter_core.checkpoint.config import (
+    Checkpointer,
     CheckpointerConfig,
     CheckpointInterval,
-    Checkpointer,
     TensorStoreCheckpointerConfig,
 )
 from levanter_core.checkpoint.tensorstore import (
@@ -20,9 +20,9 @@ from levanter_core.checkpoint.tensorstore import (
 __all__ = [
     "COMMIT_MARKER",
     "METADATA_FILE",
+    "CheckpointInterval",
     "Checkpointer",
     "CheckpointerConfig",
-    "CheckpointInterval",
     "TensorStoreCheckpointer",
     "TensorStoreCheckpointerConfig",
     "discover_latest",

@@ -17,7 +17,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -163,9 +164,7 @@ class Checkpointer(abc.ABC):
 
     # -- what an implementation provides ---------------------------------------------------
     @abc.abstractmethod
-    def save(
-        self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None
-    ) -> str:
+    def save(self, state: Any, step: int, *, temporary: bool, on_commit: Callable[[str], None] | None = None) -> str:
         """Save ``state`` as the checkpoint of ``step`` and return its path. ``on_commit`` is
         called with that path once the checkpoint is complete on disk (which may be after
         this returns: a save may finish in the background, but it must have copied ``state``

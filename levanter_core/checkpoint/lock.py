@@ -29,6 +29,7 @@ it over at once. On another host it waits for the heartbeat to age: the message 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -71,7 +72,7 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.acquire()
         return self
 
@@ -200,7 +201,7 @@ class RunLock:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "process_start": _process_start(os.getpid()),
-            "started": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(timespec="seconds"),
             "heartbeat": now,
             "token": secrets.token_hex(8),
         }
@@ -256,10 +257,8 @@ def _holder(record: dict | None) -> str:
 
 def _remove(path: str) -> None:
     fs, inner = fileio.filesystem(path)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm_file(inner)
-    except FileNotFoundError:
-        pass
 
 
 def _process_start(pid: int) -> int | None:

@@ -44,6 +44,7 @@ the array and the chunk. Checkpoints saved before checksums were recorded load u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -54,7 +55,8 @@ import re
 import secrets
 import shutil
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import haliax as hax
 import jax
@@ -64,10 +66,9 @@ import tensorstore as ts
 import xxhash
 from jax.experimental import multihost_utils
 
-from levanter_core import distributed
+from levanter_core import distributed, fileio
 from levanter_core.checkpoint.config import Checkpointer
 from levanter_core.errors import CheckpointError, DamagedCheckpointError
-from levanter_core import fileio
 from levanter_core.fileio import is_local, join
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,9 @@ class TensorStoreCheckpointer(Checkpointer):
             logger.warning("could not delete %s: %s", checkpoint_path, e)
 
 
-def write_checkpoint(state: Any, final: str, *, step: int, temporary: bool = False, metadata: dict | None = None) -> str:
+def write_checkpoint(
+    state: Any, final: str, *, step: int, temporary: bool = False, metadata: dict | None = None
+) -> str:
     """Write ``state`` (any pytree of arrays) as a committed checkpoint at ``final`` and return
     once it is complete: into a staging directory, then ``metadata.json`` (holding ``metadata``)
     and the ``COMMITTED`` marker, then renamed into place."""
@@ -413,7 +416,7 @@ class _Save:
                 described = {
                     "step": self.step,
                     "temporary": self.temporary,
-                    "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
                     "leaves": [{**leaf, CHECKSUM: merged.get(leaf["name"], {})} for leaf in self.leaves],
                     "metadata": self.metadata,
                 }
@@ -506,7 +509,11 @@ def _write_arrays(directory: str, arrays: list[_HostArray]) -> dict[str, dict[st
             directory,
             array.name,
             dtype=array.dtype,
-            metadata={"shape": list(array.shape), "chunks": list(array.chunks), "compressor": {"id": "zstd", "level": 1}},
+            metadata={
+                "shape": list(array.shape),
+                "chunks": list(array.chunks),
+                "compressor": {"id": "zstd", "level": 1},
+            },
             # Every chunk is written, even one equal to the fill value, so that a missing
             # chunk file always means damage (loading refuses it).
             store_data_equal_to_fill_value=True,
@@ -655,9 +662,7 @@ async def _read_verified(
         if expected is not None:
             found = await asyncio.to_thread(_checksum, data)
             if found != expected:
-                raise _ChecksumMismatch(
-                    f"chunk {key} reads with {CHECKSUM} {found}, it was saved with {expected}"
-                )
+                raise _ChecksumMismatch(f"chunk {key} reads with {CHECKSUM} {found}, it was saved with {expected}")
         return data
 
     # one read per chunk, however many of this process's devices need it
@@ -820,10 +825,8 @@ def _marker_exists(checkpoint: str) -> bool:
 
 def _remove_marker(checkpoint: str) -> None:
     fs, inner = fileio.filesystem(join(checkpoint, COMMIT_MARKER))
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.rm_file(inner)
-    except FileNotFoundError:
-        pass
 
 
 # -- several processes ------------------------------------------------------------------------

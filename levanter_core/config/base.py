@@ -25,7 +25,6 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from levanter_core.config.types import MAX_INT, not_a_bool
 
-
 _SCHEMA_KEYS = (
     *("schema", "items_schema", "keys_schema", "values_schema"),
     *("lax_schema", "strict_schema", "json_schema", "python_schema"),
@@ -186,7 +185,9 @@ def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = 
     reg = registry(kind)
     name = value.get("type", default_type)
     if name is None:
-        raise _fail(loc + ("type",), "missing_type", f"a {kind} `type` is required; installed: {reg.describe_choices()}", value)
+        raise _fail(
+            loc + ("type",), "missing_type", f"a {kind} `type` is required; installed: {reg.describe_choices()}", value
+        )
     if not isinstance(name, str) or name not in reg:
         raise _fail(loc + ("type",), "unknown_type", reg.describe_unknown(str(name)), name)
     cls = reg.get(name).config_cls
@@ -252,7 +253,9 @@ def TypedList(kind: str, default_type: str | None = None) -> Any:
 def fixed_type(field: Any) -> bool:
     """Whether a :func:`typed_field_kind` field takes its default type only (Levanter's
     ``eval_harness``: always the ``eval_harness`` evaluator)."""
-    return any(getattr(getattr(meta, "func", None), "__levanter_fixed__", False) for meta in getattr(field, "metadata", ()))
+    return any(
+        getattr(getattr(meta, "func", None), "__levanter_fixed__", False) for meta in getattr(field, "metadata", ())
+    )
 
 
 def typed_field_kind(field: Any) -> tuple[str, str | None] | None:

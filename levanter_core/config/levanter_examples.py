@@ -137,7 +137,9 @@ class _Translation(ProgramTranslation):
         if gsm8k or raw.get("data") == "gsm8k":
             if "prompts" in raw:
                 why = f"{gsm8k[0]} is a field of" if gsm8k else "data: gsm8k is"
-                self.fail(("prompts",), f"a field of Levanter's alpaca programs, but {why} gsm8k_lora, whose prompt is fixed")
+                self.fail(
+                    ("prompts",), f"a field of Levanter's alpaca programs, but {why} gsm8k_lora, whose prompt is fixed"
+                )
             return "gsm8k_lora"
         if "lora" in raw:
             return "alpaca" if raw["lora"] is None else "alpaca_lora"
@@ -155,7 +157,10 @@ class _Translation(ProgramTranslation):
         out["model"] = self.model(hf_config)
         out["initialize_from_hf"] = True if program == "gsm8k_lora" else source
         out["use_hf_model_config"] = True
-        self.move(("initialize_from_hf",), ("model", "reference_checkpoint") if program == "gsm8k_lora" else ("model_name_or_path",))
+        self.move(
+            ("initialize_from_hf",),
+            ("model", "reference_checkpoint") if program == "gsm8k_lora" else ("model_name_or_path",),
+        )
         out["data"] = self.data(source)
         out["special_tokens"] = {**self.special_tokens(source), **(raw.get("special_tokens") or {})}
         self.exports(out)
@@ -171,7 +176,9 @@ class _Translation(ProgramTranslation):
         if self.program != "gsm8k_lora":
             source = self.get("model_name_or_path", _DEFAULT_MODEL)
             if not isinstance(source, str) or not source:
-                self.fail(("model_name_or_path",), f"expected a Hugging Face model directory or hub name, got {source!r}")
+                self.fail(
+                    ("model_name_or_path",), f"expected a Hugging Face model directory or hub name, got {source!r}"
+                )
             return source
         # gsm8k_lora loads model.reference_checkpoint (the family's default), whatever model_name_or_path says
         model = self.gsm8k_model_section()
@@ -204,7 +211,9 @@ class _Translation(ProgramTranslation):
             given = self.gsm8k_model_section()
             model = {k: v for k, v in given.items() if (k == "type" or k in RUN_SETTINGS) and k != "seq_len"}
         else:
-            model = {"type": ours.type if ours is not None else "llama"}  # (an unread checkpoint: llama's, Levanter's default)
+            model = {
+                "type": ours.type if ours is not None else "llama"
+            }  # (an unread checkpoint: llama's, Levanter's default)
             self.move(("model",), ("model_name_or_path",))
         if "max_tune_length" in self.raw or self.program != "alpaca_lora":
             model["seq_len"] = self.raw.get("max_tune_length", _DEFAULT_LENGTH)
@@ -240,12 +249,16 @@ class _Translation(ProgramTranslation):
         raw = self.raw
         value = self.get("data")
         if not isinstance(value, str) or not value:
-            self.fail(("data",), f"expected a Hugging Face dataset id or the path of a .json or .jsonl file, got {value!r}")
+            self.fail(
+                ("data",), f"expected a Hugging Face dataset id or the path of a .json or .jsonl file, got {value!r}"
+            )
         self.move(("data",), ("data",))
         if ".json" in value:  # (.jsonl too, and compressed ones, as Levanter tells them)
             data: dict[str, Any] = {"type": "url", "train_urls": [value]}
         elif "://" in value or os.path.isfile(value):
-            self.fail(("data",), f"{value}: only a Hugging Face dataset id or a .json or .jsonl file is read, as in Levanter")
+            self.fail(
+                ("data",), f"{value}: only a Hugging Face dataset id or a .json or .jsonl file is read, as in Levanter"
+            )
         else:
             data = {"type": "hf", "id": value, "train_split": "train", "validation_split": None, "stream": True}
             if self.program == "gsm8k_lora" and value == "gsm8k":
@@ -265,7 +278,10 @@ class _Translation(ProgramTranslation):
         self.move(("data", "tokenizer"), ("model",))
         tokenizer = model.get("tokenizer") or source  # (Levanter's model.tokenizer, else the checkpoint's)
         if not isinstance(tokenizer, str) or not tokenizer:
-            self.fail(("model", "reference_checkpoint"), f"model type {model.get('type')!r} has no default checkpoint to start from; set it")
+            self.fail(
+                ("model", "reference_checkpoint"),
+                f"model type {model.get('type')!r} has no default checkpoint to start from; set it",
+            )
         return tokenizer
 
     def format(self) -> dict:
@@ -273,7 +289,9 @@ class _Translation(ProgramTranslation):
         fmt: dict[str, Any] = {"type": "supervised", "mask_inputs": raw.get("mask_inputs", True)}
         self.move(("data", "format", "mask_inputs"), ("mask_inputs",))
         if self.program == "gsm8k_lora":
-            question, answer = (self.field_name(key, default) for key, default in (("input_key", "question"), ("output_key", "answer")))
+            question, answer = (
+                self.field_name(key, default) for key, default in (("input_key", "question"), ("output_key", "answer"))
+            )
             fmt.update(input_field=question, output_field=answer, prompt_input=f"Q: {{{question}}}\nA: ",
                        output_replacements=[list(pair) for pair in GSM8K_ANSWER_REPLACEMENTS], output_suffix=".\n")  # fmt: skip
             self.move(("data", "format", "input_field"), ("input_key",))
@@ -309,13 +327,19 @@ class _Translation(ProgramTranslation):
             if not isinstance(given, dict):
                 self.fail(("prompts",), f"{path} should hold a JSON object with prompt_input and prompt_no_input")
         elif not isinstance(given, dict):
-            self.fail(("prompts",), f"expected prompt_input and prompt_no_input, or the path of a JSON file of them, got {given!r}")
+            self.fail(
+                ("prompts",),
+                f"expected prompt_input and prompt_no_input, or the path of a JSON file of them, got {given!r}",
+            )
         for key in ("prompt_input", "prompt_no_input"):
             self.move(("data", "format", key), ("prompts",) if in_file else ("prompts", key))
             value = given.get(key)
             if (value is None and key == "prompt_input") or (value is not None and not isinstance(value, str)):
                 where = f" in {path}" if in_file else ""
-                self.fail(("prompts",) if in_file else ("prompts", key), f"{key}{where}: expected a prompt template (a string), got {value!r}")
+                self.fail(
+                    ("prompts",) if in_file else ("prompts", key),
+                    f"{key}{where}: expected a prompt template (a string), got {value!r}",
+                )
         return given
 
     # -- exports -----------------------------------------------------------------------------------

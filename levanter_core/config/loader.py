@@ -148,7 +148,9 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, (str, int, float, bool)):
-            raise ConfigError(f"{loader.filename}:{key_node.start_mark.line + 1}: mapping keys must be plain names, got {key!r}")
+            raise ConfigError(
+                f"{loader.filename}:{key_node.start_mark.line + 1}: mapping keys must be plain names, got {key!r}"
+            )
         if key in mapping:
             raise ConfigError(
                 f"{loader.filename}:{key_node.start_mark.line + 1}: key {key!r} appears twice in the same mapping "
@@ -266,7 +268,7 @@ def apply_overrides(data: dict, overrides: list[tuple[str, Any]], sources: Sourc
     """Set each dotted key in ``data`` (creating sections as needed). List items are
     addressed by index: ``--trainer.tracker.0.project x``."""
     for dotted, value in overrides:
-        parts = [p for p in dotted.split(".")]
+        parts = list(dotted.split("."))
         if not all(parts):
             raise ConfigError(f"override --{dotted}: empty name in dotted path")
         node: Any = data

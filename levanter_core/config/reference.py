@@ -10,7 +10,8 @@ from __future__ import annotations
 import textwrap
 import types
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined

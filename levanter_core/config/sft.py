@@ -38,7 +38,13 @@ from levanter_core.config.base import ConfigModel
 from levanter_core.config.loader import Sources
 from levanter_core.errors import ConfigError
 
-LLAMA3_CHAT_TOKENS = ("<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>")
+LLAMA3_CHAT_TOKENS = (
+    "<|finetune_right_pad_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+)
 """The tokens ``reinit_tokens: true`` re-draws: Llama 3's chat markup, as in Levanter."""
 
 
@@ -251,7 +257,9 @@ class _Translation(ProgramTranslation):
     def data(self) -> dict:
         raw = self.raw
         if "supervised_data" not in raw:
-            self.fail(("supervised_data",), "this field is required: the data to fine-tune on (cache_dir, and its URLs)")
+            self.fail(
+                ("supervised_data",), "this field is required: the data to fine-tune on (cache_dir, and its URLs)"
+            )
         supervised = raw["supervised_data"]
         if not isinstance(supervised, dict):
             self.fail(("supervised_data",), f"expected a source (cache_dir, ...) or named sources, got {supervised!r}")
@@ -281,7 +289,10 @@ class _Translation(ProgramTranslation):
                 data["train_urls"] = urls
                 self.move(("data", "train_urls"), ("chat_train_urls",))
             elif "train_urls" not in data:
-                self.fail(("chat_train_urls",), "this field is required with dataset_type chat_jsonl: the JSON lines of conversations")
+                self.fail(
+                    ("chat_train_urls",),
+                    "this field is required with dataset_type chat_jsonl: the JSON lines of conversations",
+                )
         return data
 
     def dataset_type(self, supervised: dict) -> str:
@@ -289,7 +300,9 @@ class _Translation(ProgramTranslation):
         kind = raw.get("dataset_type")
         if kind is None:
             # Levanter's default is chat_jsonl; its older examples give input/output pairs without saying so
-            sections = list(supervised.values()) if all(isinstance(v, dict) for v in supervised.values()) else [supervised]
+            sections = (
+                list(supervised.values()) if all(isinstance(v, dict) for v in supervised.values()) else [supervised]
+            )
             pairs = any(k in s for s in sections for k in ("input_field", "output_field", "id", "hf_dataset_name"))
             kind = "huggingface" if pairs and "chat_train_urls" not in raw else "chat_jsonl"
         if kind not in ("chat_jsonl", "huggingface"):
@@ -299,7 +312,9 @@ class _Translation(ProgramTranslation):
     def mixture(self, supervised: dict, kind: str) -> dict:
         raw = self.raw
         if "chat_train_urls" in raw:
-            self.fail(("chat_train_urls",), "a mixture's sources give their own train_urls under supervised_data.<name>")
+            self.fail(
+                ("chat_train_urls",), "a mixture's sources give their own train_urls under supervised_data.<name>"
+            )
         configs = {}
         for name, section in supervised.items():
             configs[name] = self.source(section, kind, ("supervised_data", name), ("data", "configs", name))
@@ -316,7 +331,9 @@ class _Translation(ProgramTranslation):
         known = _CHAT_SOURCE_KEYS if kind == "chat_jsonl" else _SUPERVISED_SOURCE_KEYS
         for key in section:
             if key not in known:
-                self.fail(theirs + (key,), f"unknown field {key!r} of a {kind} source; known fields here: {', '.join(known)}")
+                self.fail(
+                    theirs + (key,), f"unknown field {key!r} of a {kind} source; known fields here: {', '.join(known)}"
+                )
         out: dict[str, Any] = {}
 
         def take(key, as_key=None, default=None):

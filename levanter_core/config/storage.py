@@ -19,7 +19,6 @@ from pydantic import Field, PlainSerializer, SecretStr
 from levanter_core.config.base import ConfigModel
 from levanter_core.fileio import _GCS_ANONYMOUS, _S3_ANONYMOUS, OBJECT_STORES, protocol_of, require_filesystem
 
-
 Secret = Annotated[SecretStr | None, PlainSerializer(lambda value: None)]
 """A credential: read from the config, never written back (a saved config holds null)."""
 
@@ -118,7 +117,7 @@ def storage_problem(url: str) -> str | None:
     return _credentials_problem(OBJECT_STORES[protocol_of(url)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _credentials_problem(store: str) -> str | None:
     if store == "s3":
         return _s3_credentials_problem()

@@ -5,7 +5,15 @@ from __future__ import annotations
 import difflib
 from typing import Annotated, Any
 
-from pydantic import Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
 from levanter_core.config.levanter_examples import is_levanter_example, translate_levanter_example
@@ -293,7 +301,9 @@ class TrainConfig(ConfigModel):
         from levanter_core.errors import DataError
 
         if self.special_tokens.reinit_tokens and not self.initialize_from_hf:
-            raise ValueError("special_tokens.reinit_tokens re-draws rows of the model that initialize_from_hf loads; set it")
+            raise ValueError(
+                "special_tokens.reinit_tokens re-draws rows of the model that initialize_from_hf loads; set it"
+            )
         recipe = self.special_tokens.recipe()
         if recipe:
             try:
@@ -336,7 +346,7 @@ def _installed_objective(name: Any) -> type:
     return objectives.get(name).config_cls
 
 
-def objective_class(model_config, config: "TrainConfig | None" = None) -> type:
+def objective_class(model_config, config: TrainConfig | None = None) -> type:
     """The :class:`~levanter_core.objective.Objective` subclass a run trains with: its
     ``objective:`` section's (``config``), else the model config's (its ``objective``). Raises
     :class:`ConfigError` when no installed plugin registers it."""

@@ -35,7 +35,7 @@ import os
 import posixpath
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import tensorstore as ts
@@ -765,7 +765,7 @@ class TokenCache:
         documents = np.asarray(documents, np.int64)
         if len(documents) and documents.max() >= self._num_documents:
             self._refresh()
-        if len(documents) and not (0 <= documents.min() and documents.max() < self._num_documents):
+        if len(documents) and not (documents.min() >= 0 and documents.max() < self._num_documents):
             raise IndexError(
                 f"{self.path}: documents up to {documents.max()} requested, the ready prefix has {self._num_documents}"
             )

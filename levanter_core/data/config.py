@@ -36,7 +36,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
 from pydantic_core import PydanticCustomError
 
 from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one, accepted_only_as
@@ -79,6 +78,7 @@ def _typed_sources(configs: Any) -> Any:
     a Hugging Face dataset), as an inline single source does."""
     if not isinstance(configs, dict):
         return configs
+
     def typed(section: Any) -> Any:
         if isinstance(section, dict) and "type" not in section:
             return {**section, "type": _inferred_type(section)}
@@ -269,7 +269,7 @@ class DataConfig(ConfigModel):
     def _raw_stages(self) -> list[tuple[int, dict[str, float]]]:
         raw = self.train_weights
         if raw is None:
-            return [(0, {name: 1.0 for name in self.configs})]
+            return [(0, dict.fromkeys(self.configs, 1.0))]
         if isinstance(raw, dict):
             return [(0, dict(raw))]
         return [(int(step), dict(weights)) for step, weights in raw] or [(0, {})]

@@ -28,7 +28,8 @@ import dataclasses
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -688,7 +689,7 @@ class TrainStream:
         initial_batch_size: int | None = None,
     ):
         if stages is None:
-            stages = [(0, {name: 1.0 for name in datasets})]
+            stages = [(0, dict.fromkeys(datasets, 1.0))]
         names = sorted({name for _, weights in stages for name, w in weights.items() if w > 0})
         missing = [name for name in names if name not in datasets]
         if missing:
@@ -785,9 +786,7 @@ class TrainStream:
         """Whether the stream never ends (``restart`` and no ``max_epochs``)."""
         return self._passes is None and self.stop_strategy != "all_exhausted"
 
-    def batch(
-        self, step: int, batch_size: int, rows: np.ndarray | None = None, *, start: int | None = None
-    ) -> Batch:
+    def batch(self, step: int, batch_size: int, rows: np.ndarray | None = None, *, start: int | None = None) -> Batch:
         """Stream positions ``start ..`` ``start + batch_size - 1`` (``start`` default
         ``step * batch_size``; with a batch-size schedule, where the step's batch starts).
         Waits for the cache where they are not yet built, and raises its build's error.
@@ -878,10 +877,13 @@ class TrainStream:
                     source = f"source {order.name!r}" if self._mixture is not None else "the training data"
                     why = f"{source} ran out after {passes} over its {length} sequences ({reason})"
                     break
-        if why is None and self.stop_strategy == "all_exhausted":
-            if all(order.exceeds(n, 1) for order, n in zip(self._orders, needed)):
-                sources = "every source has" if self._mixture is not None else "the training data has"
-                why = f"{sources} run out at least once (data.stop_strategy: all_exhausted)"
+        if (
+            why is None
+            and self.stop_strategy == "all_exhausted"
+            and all(order.exceeds(n, 1) for order, n in zip(self._orders, needed))
+        ):
+            sources = "every source has" if self._mixture is not None else "the training data has"
+            why = f"{sources} run out at least once (data.stop_strategy: all_exhausted)"
         if why is None:
             return
         lengths = [order.pass_length(wait=True) for order in self._orders]

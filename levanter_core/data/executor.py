@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from levanter_core.distributed.ray_cluster import check_reachable
 from levanter_core.errors import DataError, UserError

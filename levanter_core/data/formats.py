@@ -139,9 +139,7 @@ class TextFormat(FormatConfig):
             raise DataError(f"{where}: expected a JSON object with a {self.text_key!r} field, found {_clip(value)}")
         if self.text_key not in value:
             keys = ", ".join(map(repr, value)) or "none"
-            raise DataError(
-                f"{where}: no {self.text_key!r} field (the record's fields: {keys}); {TEXT_KEY_HINT}"
-            )
+            raise DataError(f"{where}: no {self.text_key!r} field (the record's fields: {keys}); {TEXT_KEY_HINT}")
         text = value[self.text_key]
         if not isinstance(text, str):
             raise DataError(

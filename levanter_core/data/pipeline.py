@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from levanter_core.data.cache import TokenCache, open_cache, read_cache
 from levanter_core.data.config import DataConfig
@@ -55,7 +55,15 @@ class LmData:
 
 
 def _open(
-    config: DataConfig, name: str, split: str, tokenizer: Tokenizer, *, ray, background: bool, progress: bool, build: bool
+    config: DataConfig,
+    name: str,
+    split: str,
+    tokenizer: Tokenizer,
+    *,
+    ray,
+    background: bool,
+    progress: bool,
+    build: bool,
 ):
     source = config.configs[name]
     try:

@@ -21,7 +21,8 @@ import platform
 import re
 import sys
 import sysconfig
-from typing import ClassVar, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import ClassVar, NamedTuple
 
 import zstandard
 from pydantic import Field, PositiveInt, field_validator
@@ -481,7 +482,7 @@ class PythonStdlibSourceConfig(DataSourceConfig):
 
     def records(self, split: str, shard: str, start: int = 0) -> Iterator[Record]:
         root = _stdlib_root()
-        groups = dict((f"files[{lo}:{lo + len(group)}]", group) for lo, group in _groups(self.files(split)))
+        groups = {f"files[{lo}:{lo + len(group)}]": group for lo, group in _groups(self.files(split))}
         if shard not in groups:
             raise DataError(f"python_stdlib: no shard {shard!r} in the {split} split")
         for rel in groups[shard][start:]:

@@ -304,7 +304,9 @@ def split_tokenizer_spec(spec: str) -> tuple[str, dict]:
     try:
         recipe = json.loads(spec[at + 1 :])
     except json.JSONDecodeError as e:
-        raise DataError(f"data.tokenizer {spec!r}: the added special tokens after '+' are not a JSON object ({e})") from None
+        raise DataError(
+            f"data.tokenizer {spec!r}: the added special tokens after '+' are not a JSON object ({e})"
+        ) from None
     problem = _recipe_problem(recipe)
     if problem:
         raise DataError(f"data.tokenizer {spec!r}: {problem}")
@@ -370,7 +372,11 @@ def add_special_tokens(base: Tokenizer, recipe: dict, name: str) -> HfTokenizer:
         for role, default in LEVANTER_SFT_DEFAULTS.items():
             if role not in named and role not in roles:
                 roles[role] = default
-    wanted = list(dict.fromkeys([*(roles[r] for r in SPECIAL_TOKEN_ROLES if r in roles), *recipe.get("additional_special_tokens", [])]))
+    wanted = list(
+        dict.fromkeys(
+            [*(roles[r] for r in SPECIAL_TOKEN_ROLES if r in roles), *recipe.get("additional_special_tokens", [])]
+        )
+    )
     tok = RustTokenizer.from_str(base.to_tokenizer_json())
     new = [t for t in wanted if tok.token_to_id(t) is None]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in wanted])
@@ -450,8 +456,7 @@ def find_tokenizer_json(spec: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = _find_tokenizer(spec)
     if fs.isdir(path):
         raise DataError(
-            f"data.tokenizer: {spec!r} is a {CTC_TOKENIZER_CLASS} (vocab.json, no tokenizer.json; "
-            f"looked in {path})"
+            f"data.tokenizer: {spec!r} is a {CTC_TOKENIZER_CLASS} (vocab.json, no tokenizer.json; looked in {path})"
         )
     return fs, path
 
@@ -658,6 +663,7 @@ def _ctc_tokenizer_json(
     tok.decoder = decoders.Sequence(
         [decoders.Replace(word_delimiter_token, replace_word_delimiter_char), decoders.Fuse()]
     )
+
     # Matched in the raw text, before upper-casing. Those of the vocabulary longer than one
     # character take the whitespace around them along; special tokens missing from it (which
     # get the next ids, in the order given) do not.

@@ -152,4 +152,3 @@ def coordinator_host() -> str | None:
     if process_count() == 1 or not address:
         return None
     return address.rsplit(":", 1)[0].strip("[]")
-

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from levanter_core import distributed
 from levanter_core.errors import ConfigError, LevanterError

@@ -338,7 +338,7 @@ def _check_output(output: str, *, overwrite: bool) -> None:
         )
     if present and is_local(output):
         for name in present:
-            if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+            if name.endswith((".safetensors", ".safetensors.index.json")):
                 os.remove(os.path.join(output, name))
 
 
@@ -346,7 +346,9 @@ def _export_peft(loaded: CheckpointModel, output: str) -> str:
     from levanter_core.hf.peft import task_type_of, write_peft_adapter
 
     if loaded.lora is None:
-        raise CheckpointError(f"{loaded.path} was not trained with LoRA (no lora section): it has no adapters to export")
+        raise CheckpointError(
+            f"{loaded.path} was not trained with LoRA (no lora section): it has no adapters to export"
+        )
     base = loaded.stored.get("lora_base") or {}
     source = base.get("initialize_from_hf")
     if source is None:
@@ -355,7 +357,9 @@ def _export_peft(loaded: CheckpointModel, output: str) -> str:
         source = imported
     with local_output(output) as directory:
         task = task_type_of(loaded.config, loaded.Vocab.size)
-        modules = write_peft_adapter(loaded.model, loaded.lora, directory, base_model_name_or_path=source, task_type=task)
+        modules = write_peft_adapter(
+            loaded.model, loaded.lora, directory, base_model_name_or_path=source, task_type=task
+        )
         _write_tokenizer((join(loaded.path, HF_TOKENIZER_DIR),), loaded.run_config, directory, loaded.tokenizer)
         if not is_local(output):
             upload_hf_directory(directory, output)
@@ -711,7 +715,9 @@ def _write_tokenizer(tokenizer_dirs: tuple[str, ...], run_config: dict, output: 
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
         if tokenizer.eos_token is not None:
             tokenizer_config["eos_token"] = tokenizer.eos_token
-        write_text_atomically(os.path.join(output, "tokenizer_config.json"), json.dumps(tokenizer_config, indent=2) + "\n")
+        write_text_atomically(
+            os.path.join(output, "tokenizer_config.json"), json.dumps(tokenizer_config, indent=2) + "\n"
+        )
     # whichever files were written, a run trained on chat data exports the template it used
     _write_trained_chat_template(run_config, output)
 

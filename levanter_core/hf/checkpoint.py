@@ -8,6 +8,7 @@ are all known up front and can be reported together with any shape mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -90,7 +91,9 @@ class HfCheckpoint:
             if others
             else ""
         )
-        raise CheckpointError(f"{self.directory} holds no safetensors weights (no {INDEX_FILE} or *.safetensors).{hint}")
+        raise CheckpointError(
+            f"{self.directory} holds no safetensors weights (no {INDEX_FILE} or *.safetensors).{hint}"
+        )
 
     def _scan(self, file: str, promised: set[str]) -> None:
         path = os.path.join(self.directory, file)
@@ -103,7 +106,7 @@ class HfCheckpoint:
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            begin, end = entry["data_offsets"]
+            _begin, end = entry["data_offsets"]
             dtype = _DTYPES.get(entry["dtype"], entry["dtype"])
             self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), dtype, file)
             if data_start + end > size:
@@ -121,7 +124,7 @@ class HfCheckpoint:
         with safe_open(os.path.join(self.directory, stored.file), framework="np") as f:
             return f.get_tensor(stored.name)
 
-    def with_base_model_prefix(self, expected: Iterable[str]) -> "HfCheckpoint":
+    def with_base_model_prefix(self, expected: Iterable[str]) -> HfCheckpoint:
         """This checkpoint with the prefix that ``expected`` (the model's tensor names) puts
         before every name (``transformer.``, ``model.``) added to its own names, if it was
         saved without it; else this checkpoint.
@@ -180,7 +183,7 @@ def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_s
         path = os.path.join(directory, file)
         save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, path, metadata={"format": "pt"})
         os.chmod(path, new_file_mode())  # safetensors makes it its owner's alone; the export is for everyone
-        weight_map.update({n: file for n in names})
+        weight_map.update(dict.fromkeys(names, file))
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))}, "weight_map": weight_map}
     write_text_atomically(os.path.join(directory, INDEX_FILE), json.dumps(index, indent=2) + "\n")
     return files
@@ -195,10 +198,8 @@ def upload_hf_directory(local: str, url: str) -> None:
     fs, root = filesystem(url)
     root = root.rstrip("/")
     for name in (INDEX_FILE, SINGLE_FILE):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fs.rm_file(f"{root}/{name}")
-        except FileNotFoundError:
-            pass
     files = sorted(
         os.path.relpath(os.path.join(directory, name), local)
         for directory, _, names in os.walk(local)

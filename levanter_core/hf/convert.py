@@ -187,7 +187,7 @@ def from_hf_state_dict(template: Any, state_dict: dict[str, Any]) -> Any:
 
 def _loadable_stacks(tree: Any) -> Any:
     """``tree`` with each ``hnn.BlockSeq`` wrapped in an :class:`_UnrolledLayers`."""
-    is_seq = lambda x: isinstance(x, hnn.BlockSeq)  # noqa: E731
+    is_seq = lambda x: isinstance(x, hnn.BlockSeq)
     return jax.tree.map(lambda x: _UnrolledLayers(x) if is_seq(x) else x, tree, is_leaf=is_seq)
 
 

@@ -15,7 +15,7 @@ through; biases are ``(..., out)``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from levanter_core.hf.convert import HfConvertible
 from levanter_core.layers.rotary import rotary_from_hf

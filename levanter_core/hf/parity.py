@@ -178,7 +178,7 @@ class GenerationReport:
                 at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
                 raise AssertionError(
                     f"the continuations of a {len(prompt)}-token prompt differ from token {at} on: "
-                    f"transformers {theirs[at:at + 8]}..., ours {ours[at:at + 8]}..."
+                    f"transformers {theirs[at : at + 8]}..., ours {ours[at : at + 8]}..."
                 )
 
 

@@ -66,7 +66,7 @@ def check_peft_form(model: Any) -> None:
     adapter_names(model, names_only=True)
 
 
-def adapter_names(model: Any, *, names_only: bool = False) -> dict[tuple[str, int], "Placement"]:
+def adapter_names(model: Any, *, names_only: bool = False) -> dict[tuple[str, int], Placement]:
     """For each adapted layer ``(its path in the model, index in its stack)``, where its weight
     sits among Hugging Face's tensors (:class:`Placement`), found by three probes: one number
     per layer (which tensor), then each weight filled with its inputs' positions, then its

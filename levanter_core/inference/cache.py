@@ -32,7 +32,7 @@ class KvCache(eqx.Module):
     v: NamedArray
 
     @staticmethod
-    def zeros(Layers: Axis, Batch: Axis, KeyPos: Axis, k_like: NamedArray, v_like: NamedArray) -> "KvCache":
+    def zeros(Layers: Axis, Batch: Axis, KeyPos: Axis, k_like: NamedArray, v_like: NamedArray) -> KvCache:
         """An empty cache whose keys and values have the head axes and dtype of ``k_like`` and
         ``v_like``: an attention layer's projection of some tokens, whose axes other than
         ``layers``, batch and ``position`` are the heads' and, last, the head's own."""
@@ -46,7 +46,7 @@ class KvCache(eqx.Module):
     def KeyPos(self) -> Axis:
         return self.k.resolve_axis("key_position")
 
-    def write(self, layer, k: NamedArray, v: NamedArray, positions: NamedArray) -> "KvCache":
+    def write(self, layer, k: NamedArray, v: NamedArray, positions: NamedArray) -> KvCache:
         """The cache with layer ``layer``'s keys ``k`` and values ``v`` of new tokens written at
         ``positions`` (``(batch, position)``; ``k`` and ``v`` have those axes and the heads'). A
         position past the cache's end is dropped."""
@@ -57,7 +57,7 @@ class KvCache(eqx.Module):
         ``(batch, *heads, key_position, head)``."""
         return _read(self.k, layer, key_len), _read(self.v, layer, key_len)
 
-    def insert(self, rows, other: "KvCache") -> "KvCache":
+    def insert(self, rows, other: KvCache) -> KvCache:
         """The cache with ``other``'s rows (all of them) put at ``rows`` (an integer array)."""
         return KvCache(_put_rows(self.k, rows, other.k), _put_rows(self.v, rows, other.v))
 
@@ -96,7 +96,7 @@ class TokenHistory(eqx.Module):
     tokens: NamedArray
 
     @staticmethod
-    def zeros(Batch: Axis, KeyPos: Axis) -> "TokenHistory":
+    def zeros(Batch: Axis, KeyPos: Axis) -> TokenHistory:
         return TokenHistory(hax.zeros((Batch, KeyPos), dtype=jnp.int32))
 
     @property
@@ -107,12 +107,14 @@ class TokenHistory(eqx.Module):
     def KeyPos(self) -> Axis:
         return self.tokens.axes[1]
 
-    def write(self, tokens: NamedArray, positions: NamedArray) -> "TokenHistory":
+    def write(self, tokens: NamedArray, positions: NamedArray) -> TokenHistory:
         Batch = self.Batch
         new = tokens.rearrange((Batch.name, "position")).array.astype(jnp.int32)
         where = positions.rearrange((Batch.name, "position")).array
         rows = jnp.arange(Batch.size)[:, None]
         return TokenHistory(hax.named(self.tokens.array.at[rows, where].set(new, mode="drop"), self.tokens.axes))
 
-    def insert(self, rows, other: "TokenHistory") -> "TokenHistory":
-        return TokenHistory(hax.named(self.tokens.array.at[jnp.asarray(rows)].set(other.tokens.array, mode="drop"), self.tokens.axes))
+    def insert(self, rows, other: TokenHistory) -> TokenHistory:
+        return TokenHistory(
+            hax.named(self.tokens.array.at[jnp.asarray(rows)].set(other.tokens.array, mode="drop"), self.tokens.axes)
+        )

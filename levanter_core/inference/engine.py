@@ -28,10 +28,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -217,7 +216,7 @@ class Engine:
         self.on_failure = on_failure
 
     # -- the public side ---------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._thread is None:
             if self._cache is None:
                 self._cache = decoding.slot_cache(self.model, self._Batch, self._KeyPos)
@@ -234,7 +233,10 @@ class Engine:
             raise RuntimeError("precompile() must come before the engine's first request")
         if self._cache is None:
             self._cache = decoding.slot_cache(self.model, self._Batch, self._KeyPos)
-        variants = [(top_n, sample) for top_n in ((0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)) for sample in (False, True)]
+        variants = [
+            (top_n, sample) for top_n in ((0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)) for sample in (False, True)
+        ]
+
         def buckets(smallest, largest, most):
             return sorted({_bucket(n, smallest, largest) for n in range(1, most + 1)})
 
@@ -267,7 +269,7 @@ class Engine:
         jax.block_until_ready(self._cache)
         return count
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -607,7 +609,10 @@ class Engine:
                 n = params.top_logprobs
                 request.top_logprobs.append(list(zip(top_ids[j, :n].tolist(), top_lps[j, :n].tolist())))
             added += 1
-            if len(request.tokens) >= params.max_new_tokens or len(request.prompt) + len(request.tokens) >= self.max_seq_len:
+            if (
+                len(request.tokens) >= params.max_new_tokens
+                or len(request.prompt) + len(request.tokens) >= self.max_seq_len
+            ):
                 reason = "length"
                 break
         text, cut = self._text(request)

@@ -225,7 +225,7 @@ def run_sample(
     chat: bool = False,
     as_json: bool = False,
     tokenizer: str | None = None,
-    engine: EngineConfig = EngineConfig(),
+    engine: EngineConfig | None = None,
     rounds: int = 1,
     out=print,
 ) -> list[list[Any]]:
@@ -238,7 +238,7 @@ def run_sample(
     if loaded.tokenizer is None:
         raise UserError(f"{source} has no tokenizer (no tokenizer.json); name one with --tokenizer")
     ids = encode_prompts(prompts, loaded.tokenizer, chat=chat)
-    kwargs = engine.engine_kwargs(loaded.config.seq_len)
+    kwargs = (engine or EngineConfig()).engine_kwargs(loaded.config.seq_len)
     with Engine(loaded.model, tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids, **kwargs) as running:
         for round_ in range(rounds):
             started = time.perf_counter()
@@ -248,7 +248,9 @@ def run_sample(
                 raise UserError(str(e)) from None
             seconds = time.perf_counter() - started
             generated = sum(len(c.tokens) for row in completions for c in row)
-            logger.info("round %d: %d tokens in %.2f s (%.1f tokens/s)", round_ + 1, generated, seconds, generated / seconds)
+            logger.info(
+                "round %d: %d tokens in %.2f s (%.1f tokens/s)", round_ + 1, generated, seconds, generated / seconds
+            )
     for p, prompt_ids, row in zip(prompts, ids, completions):
         for c in row:
             if as_json:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-
 MAX_TOP_LOGPROBS = 20
 """The most alternatives a request may ask to see at each position (OpenAI's limit)."""
 

@@ -2,7 +2,13 @@
 embeddings, normalization, feed-forward and mixture-of-experts layers, and stacks of layers.
 The decoder they make up is :mod:`levanter_core.models.decoder`."""
 
-from levanter_core.layers.attention import Attention, AttentionBackend, AttentionConfig, AttentionMask, dot_product_attention
+from levanter_core.layers.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionConfig,
+    AttentionMask,
+    dot_product_attention,
+)
 from levanter_core.layers.mlp import ACTIVATIONS, ActivationName, GatedMlp, Mlp, init_linear
 from levanter_core.layers.moe import (
     FUSED_INTERLEAVED_EXPERTS,
@@ -19,8 +25,8 @@ from levanter_core.layers.norm import LayerNorm, RmsNorm
 from levanter_core.layers.rotary import (
     DefaultRotaryConfig,
     DynamicRotaryConfig,
-    Llama3RotaryConfig,
     LinearRotaryConfig,
+    Llama3RotaryConfig,
     LongRopeConfig,
     RotaryConfig,
     YarnRotaryConfig,

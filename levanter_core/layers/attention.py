@@ -31,9 +31,8 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
-from pydantic import BeforeValidator
-
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
+from pydantic import BeforeValidator
 
 from levanter_core.hf.layouts import fuse, unfuse
 from levanter_core.layers.mlp import init_linear
@@ -89,13 +88,13 @@ class AttentionMask(eqx.Module):
     far, indexed by position, the queries its newest tokens). None: query ``i`` is at ``i``."""
 
     @staticmethod
-    def causal_mask() -> "AttentionMask":
+    def causal_mask() -> AttentionMask:
         return AttentionMask()
 
-    def with_segments(self, segment_ids: NamedArray) -> "AttentionMask":
+    def with_segments(self, segment_ids: NamedArray) -> AttentionMask:
         return dataclasses.replace(self, segment_ids=segment_ids)
 
-    def at_positions(self, positions: NamedArray) -> "AttentionMask":
+    def at_positions(self, positions: NamedArray) -> AttentionMask:
         """This mask for queries at ``positions`` (``(..., position)``) over keys indexed by position."""
         return dataclasses.replace(self, query_positions=positions)
 
@@ -226,9 +225,7 @@ def dot_product_attention(
     return out.rearrange(axes).astype(v.dtype)
 
 
-def _attend(
-    q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key, sinks=None
-):
+def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key, sinks=None):
     """Softmax attention of the (already scaled) queries ``q`` over ``k``/``v``, where ``allowed``,
     dropping each weight with probability ``dropout`` (with ``key``; None: none dropped), with
     ``sinks`` (per query head) as one more logit in each softmax."""
@@ -334,9 +331,7 @@ class AttentionConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
     @property
     def Heads(self) -> Axis:
@@ -375,7 +370,7 @@ class Attention(ModuleWithStateDictSerialization):
     sinks: NamedArray | None = None
 
     @staticmethod
-    def init(config: AttentionConfig, *, key) -> "Attention":
+    def init(config: AttentionConfig, *, key) -> Attention:
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c = config
         QOut = (c.KvHeads, c.QHeadsPerGroup, c.HeadSize)
@@ -422,9 +417,7 @@ class Attention(ModuleWithStateDictSerialization):
             k = apply_rotary(k, cos, sin, c.HeadSize)
         return q, k, v
 
-    def attend(
-        self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding=None
-    ) -> NamedArray:
+    def attend(self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding=None) -> NamedArray:
         """Attention of ``q`` (on ``position``) over ``k``/``v`` (on ``key_position``), before
         the output projection. ``sliding`` (a boolean scalar, possibly traced) says whether
         this layer uses the sliding window; None means it does when the config has one."""
@@ -467,7 +460,7 @@ class Attention(ModuleWithStateDictSerialization):
         fused = self.config.hf_fused_qkv
         return state if fused is None else fuse(state, prefix, ("q_proj", "k_proj", "v_proj"), fused)
 
-    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "Attention":
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> Attention:
         c = self.config
         if c.hf_fused_qkv is not None:
             q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -96,7 +96,7 @@ class MultiHeadLatentAttention(eqx.Module):
     q_b_proj: hnn.Linear | None = None
 
     @staticmethod
-    def init(config: MlaConfig, *, key) -> "MultiHeadLatentAttention":
+    def init(config: MlaConfig, *, key) -> MultiHeadLatentAttention:
         c = config
         k_q, k_qb, k_kva, k_kvb, k_o = jax.random.split(key, 5)
         std = c.initializer_range

@@ -3,7 +3,8 @@ the activations they use."""
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import equinox as eqx
 import haliax as hax
@@ -55,7 +56,7 @@ class GatedMlp(ModuleWithStateDictSerialization):
         down_std: float | None = None,
         use_bias: bool = False,
         fused: str | None = None,
-    ) -> "GatedMlp":
+    ) -> GatedMlp:
         """``down_std`` (default ``std``) lets a model scale down the projection into the residual stream."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
@@ -77,7 +78,7 @@ class GatedMlp(ModuleWithStateDictSerialization):
         state = super().to_state_dict(prefix)
         return state if self.fused is None else fuse(state, prefix, ("gate_proj", "up_proj"), self.fused)
 
-    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "GatedMlp":
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> GatedMlp:
         from levanter_core.hf.layouts import unfuse
 
         if self.fused is not None:
@@ -103,7 +104,7 @@ class Mlp(eqx.Module):
         std: float = 0.02,
         down_std: float | None = None,
         use_bias: bool = False,
-    ) -> "Mlp":
+    ) -> Mlp:
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; known: {sorted(ACTIVATIONS)}")
         k_up, k_down = jax.random.split(key, 2)

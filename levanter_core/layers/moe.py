@@ -155,7 +155,7 @@ class Experts(ModuleWithStateDictSerialization):
     down_bias: NamedArray | None = None  # (experts, embed)
 
     @staticmethod
-    def init(config: MoeConfig, *, key) -> "Experts":
+    def init(config: MoeConfig, *, key) -> Experts:
         c = config
         k1, k2, k3 = jax.random.split(key, 3)
         E, Embed, Mlp = c.Experts, c.Embed, c.Mlp
@@ -210,8 +210,10 @@ class Experts(ModuleWithStateDictSerialization):
     def to_state_dict(self, prefix: str | None = None) -> StateDict:
         layout = self.config.layout
         if layout.kind == "fused_interleaved":
-            gate_up = _interleave(self.gate_proj.rearrange((..., "experts", "embed", "mlp")).array,
-                                  self.up_proj.rearrange((..., "experts", "embed", "mlp")).array)
+            gate_up = _interleave(
+                self.gate_proj.rearrange((..., "experts", "embed", "mlp")).array,
+                self.up_proj.rearrange((..., "experts", "embed", "mlp")).array,
+            )
             state = {
                 with_prefix(prefix, "gate_up_proj"): gate_up,
                 with_prefix(prefix, "down_proj"): self.down_proj.rearrange((..., "experts", "mlp", "embed")).array,
@@ -234,7 +236,7 @@ class Experts(ModuleWithStateDictSerialization):
                 state[with_prefix(prefix, f"{e}.{name}.weight")] = weight["experts", e].rearrange((..., out, inp)).array
         return state
 
-    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "Experts":
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> Experts:
         layout = self.config.layout
         if layout.kind == "fused_interleaved":
             gate, up = _deinterleave(jnp.asarray(state_dict[with_prefix(prefix, "gate_up_proj")]))
@@ -313,7 +315,7 @@ class MoeBlock(eqx.Module):
     shared_experts: GatedMlp | None = None
 
     @staticmethod
-    def init(config: MoeConfig, *, key) -> "MoeBlock":
+    def init(config: MoeConfig, *, key) -> MoeBlock:
         c = config
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         router = Router(

@@ -8,13 +8,12 @@ PyTorch checkpoint has.
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax.numpy as jnp
 from haliax import AxisSpec, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization
-
-import equinox as eqx
 
 LayerNorm = hnn.LayerNorm
 """LayerNorm with a learned scale and bias (Haliax's), used by GPT-2 style models."""
@@ -34,7 +33,7 @@ class RmsNorm(ModuleWithStateDictSerialization):
     weight_offset: float = eqx.field(static=True, default=0.0)
 
     @staticmethod
-    def init(axis: AxisSpec, *, eps: float = 1e-6, weight_offset: float = 0.0, use_weight: bool = True) -> "RmsNorm":
+    def init(axis: AxisSpec, *, eps: float = 1e-6, weight_offset: float = 0.0, use_weight: bool = True) -> RmsNorm:
         # Gemma's stored weights start at 0 (a scale of exactly 1); the others start at 1.
         weight = hax.full(axis, 1.0 - weight_offset) if use_weight else None
         return RmsNorm(weight, axis, eps, weight_offset)
@@ -49,15 +48,14 @@ class RmsNorm(ModuleWithStateDictSerialization):
         scale = self.weight.astype(jnp.float32) + self.weight_offset
         return (normed * scale).astype(in_dtype)
 
-    def flatten_for_export(self) -> "RmsNorm":
+    def flatten_for_export(self) -> RmsNorm:
         if self.weight is None or self.weight.ndim == 1:
             return self
         flat = hax.flatten_axes(self.weight, self.weight.axes, "__norm__")
         return eqx.tree_at(lambda m: m.weight, self, flat)
 
-    def unflatten_from_export(self, template: "RmsNorm") -> "RmsNorm":
+    def unflatten_from_export(self, template: RmsNorm) -> RmsNorm:
         if template.weight is None or template.weight.ndim == 1:
             return self
         weight = hax.named(self.weight.array.reshape(template.weight.array.shape), template.weight.axes)
         return eqx.tree_at(lambda m: m.weight, self, weight)
-

@@ -32,7 +32,7 @@ Two things the kit's families rely on:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import haliax as hax
 import jax.numpy as jnp
@@ -65,9 +65,9 @@ class _RotaryBase(ConfigModel):
         """The ``head_size / 2`` angular frequencies (float32) of a rotation over ``head_size``
         dimensions (the rotated part of a head), for a sequence of ``seq_len`` positions
         (None: the context the model was configured for; only some scalings depend on it)."""
-        return (1.0 / (self.theta ** (np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size))).astype(
-            np.float32
-        )
+        return (
+            1.0 / (self.theta ** (np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size))
+        ).astype(np.float32)
 
     def table_scale(self, seq_len: int | None = None) -> float:
         """Multiplies the cosines and sines (YaRN's and LongRoPE's attention temperature); 1 for the others."""
@@ -342,14 +342,12 @@ class DynamicRotaryConfig(_RotaryBase):
 
 
 RotaryConfig = Annotated[
-    Union[
-        DefaultRotaryConfig,
-        LinearRotaryConfig,
-        Llama3RotaryConfig,
-        YarnRotaryConfig,
-        LongRopeConfig,
-        DynamicRotaryConfig,
-    ],
+    DefaultRotaryConfig
+    | LinearRotaryConfig
+    | Llama3RotaryConfig
+    | YarnRotaryConfig
+    | LongRopeConfig
+    | DynamicRotaryConfig,
     Field(discriminator="type"),
 ]
 """The ``rope:`` section of a model config: one of the scalings above, chosen by ``type``."""

@@ -43,7 +43,7 @@ class LayerGroups(ModuleWithStateDictSerialization):
                 state[with_prefix(prefix, f"{int(index) + start}.{rest}")] = value
         return state
 
-    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> "LayerGroups":
+    def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> LayerGroups:
         pattern = re.compile(rf"^{re.escape(prefix + '.') if prefix else ''}(\d+)\.(.*)$")
         per_layer: dict[int, dict[str, object]] = {}
         for name, value in state_dict.items():

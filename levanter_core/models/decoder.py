@@ -232,7 +232,7 @@ class DecoderConfig(LmConfig, HfMapped):
         return None
 
     # -- the core's interface -------------------------------------------------------------------
-    def build(self, Vocab: Axis, *, key) -> "DecoderLM":
+    def build(self, Vocab: Axis, *, key) -> DecoderLM:
         return DecoderLM.init(Vocab, self, key=key)
 
     def flops_per_token(self, vocab_size: int) -> float:
@@ -293,7 +293,7 @@ class DecoderLayer(eqx.Module):
     hf_names: tuple[tuple[str, str], ...] = eqx.field(static=True, default=())
 
     @staticmethod
-    def init(config: DecoderConfig, kind: LayerKind = "dense", *, key) -> "DecoderLayer":
+    def init(config: DecoderConfig, kind: LayerKind = "dense", *, key) -> DecoderLayer:
         k_attn, k_mlp = jax.random.split(key, 2)
         placement = config.norm_placement
         if kind == "moe":
@@ -372,7 +372,7 @@ class Decoder(eqx.Module):
     norm: RmsNorm
 
     @staticmethod
-    def init(Vocab: Axis, config: DecoderConfig, *, key) -> "Decoder":
+    def init(Vocab: Axis, config: DecoderConfig, *, key) -> Decoder:
         k_embed, k_layers = jax.random.split(key, 2)
         embed = hax.random.normal(k_embed, (Vocab, config.Embed)) * config.initializer_range
         groups = runs(config.layer_kinds())
@@ -413,7 +413,7 @@ class Decoder(eqx.Module):
         c = self.config
         x = self.embed(input_ids)
         stats = []
-        for stack, start, kind, group_flags in self._groups():
+        for stack, _start, kind, group_flags in self._groups():
             if kind == "moe":
                 x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
@@ -445,7 +445,9 @@ class Decoder(eqx.Module):
 
     def init_cache(self, Batch: Axis, KeyPos: Axis) -> KvCache:
         """An empty key/value cache for ``Batch`` sequences of up to ``KeyPos.size`` tokens."""
-        probe = hax.zeros((Batch.resize(1), Axis("position", 1), self.config.Embed), dtype=self.embed_tokens.weight.dtype)
+        probe = hax.zeros(
+            (Batch.resize(1), Axis("position", 1), self.config.Embed), dtype=self.embed_tokens.weight.dtype
+        )
         stack = next(self._groups())[0]
         _, (k, v) = jax.eval_shape(lambda: stack.scan_via(lambda layer, c: (c, layer.self_attn.project(probe)[1:]))(0))
         return KvCache.zeros(self.config.Layers, Batch, KeyPos, k, v)
@@ -475,7 +477,7 @@ class DecoderLM(eqx.Module):
     lm_head: hnn.Linear | None
 
     @staticmethod
-    def init(Vocab: Axis, config: DecoderConfig, *, key) -> "DecoderLM":
+    def init(Vocab: Axis, config: DecoderConfig, *, key) -> DecoderLM:
         k_model, k_head = jax.random.split(key, 2)
         head = None
         if not config.tie_word_embeddings:

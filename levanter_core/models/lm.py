@@ -29,8 +29,9 @@ from haliax import Axis, NamedArray
 from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
+
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
-from levanter_core.models.cross_entropy import (  # noqa: F401
+from levanter_core.models.cross_entropy import (
     cross_entropy_and_z_sum,
     cross_entropy_sum,
     soft_cap,
@@ -110,7 +111,7 @@ class LmConfig(TypedConfig, abc.ABC):
         """The model's hidden axis."""
 
     @abc.abstractmethod
-    def build(self, Vocab: Axis, *, key) -> "LmHeadModel":
+    def build(self, Vocab: Axis, *, key) -> LmHeadModel:
         """A freshly initialized model with this config and vocabulary."""
 
     def flops_per_token(self, vocab_size: int) -> float | None:
@@ -178,7 +179,7 @@ class LmExample(eqx.Module):
         return AttentionMask.causal_mask().with_segments(self.segment_ids)
 
 
-def as_example(batch: "LmExample | NamedArray") -> LmExample:
+def as_example(batch: LmExample | NamedArray) -> LmExample:
     return batch if isinstance(batch, LmExample) else LmExample(batch)
 
 
@@ -188,7 +189,7 @@ def _attn_kwargs(example: LmExample) -> dict:
 
 
 def lm_loss_and_metrics(
-    model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None, z_loss_weight: float = 0.0
+    model: LmHeadModel, batch: LmExample | NamedArray, *, key=None, z_loss_weight: float = 0.0
 ) -> tuple[jnp.ndarray, dict]:
     """The training objective of a batch and the model's own metrics: mean next-token
     cross-entropy over the positions ``loss_mask`` selects, plus ``z_loss_weight`` times the
@@ -215,7 +216,7 @@ def lm_loss_and_metrics(
     return loss + aux.loss, {**metrics, **aux.metrics}
 
 
-def lm_sampled_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key) -> jnp.ndarray:
+def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key) -> jnp.ndarray:
     """Mean next-token cross-entropy over the positions the loss counts, against tokens drawn
     from the model's own predictions (``key`` draws them) rather than the batch's: the loss
     whose gradient Sophia-G squares for its Gauss-Newton estimate of the Hessian's diagonal.
@@ -231,7 +232,7 @@ def lm_sampled_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key)
     return total / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def lm_eval_entropy(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
+def lm_eval_entropy(model: LmHeadModel, batch: LmExample | NamedArray, *, key=None) -> jnp.ndarray:
     """The mean entropy (nats) of the model's next-token distribution over the positions the
     loss counts (``log_entropy``)."""
     example = as_example(batch)
@@ -244,14 +245,14 @@ def lm_eval_entropy(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=
     return hax.sum(entropy * mask).scalar() / jnp.maximum(hax.sum(mask).scalar(), 1.0)
 
 
-def lm_eval_loss(model: LmHeadModel, batch: "LmExample | NamedArray", *, key=None) -> jnp.ndarray:
+def lm_eval_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key=None) -> jnp.ndarray:
     """The evaluation loss: next-token cross-entropy only (no auxiliary terms)."""
     example = as_example(batch)
     hidden = model.activations(example.tokens, key=key, **_attn_kwargs(example))
     return next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
 
 
-def lm_eval_totals(model: LmHeadModel, batch: "LmExample | NamedArray", byte_lengths: jnp.ndarray, *, key=None):
+def lm_eval_totals(model: LmHeadModel, batch: LmExample | NamedArray, byte_lengths: jnp.ndarray, *, key=None):
     """``[nats, tokens, bytes]`` of a batch, float32: the summed next-token cross-entropy over the
     positions the loss counts, how many they are, and how many bytes of text their target tokens
     stand for (``byte_lengths[token]``, see :mod:`levanter_core.data.token_bytes`). Summed over
@@ -261,9 +262,9 @@ def lm_eval_totals(model: LmHeadModel, batch: "LmExample | NamedArray", byte_len
     targets, mask = _targets_and_mask(example.tokens, example.loss_mask)
     nats = _fused_cross_entropy(model, hidden, targets, mask)
     target_bytes = hax.named(jnp.take(byte_lengths, targets.array, mode="clip"), targets.axes)
-    return jnp.stack(
-        [nats, hax.sum(mask).scalar(), hax.sum(mask * target_bytes.astype(jnp.float32)).scalar()]
-    ).astype(jnp.float32)
+    return jnp.stack([nats, hax.sum(mask).scalar(), hax.sum(mask * target_bytes.astype(jnp.float32)).scalar()]).astype(
+        jnp.float32
+    )
 
 
 def next_token_loss(

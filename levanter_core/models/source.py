@@ -90,7 +90,16 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
     if loaded_tokenizer is not None and loaded_tokenizer.eos_id is not None:
         eos.add(loaded_tokenizer.eos_id)
     return LoadedModel(
-        model, config, Vocab, loaded_tokenizer, tuple(sorted(eos)), source, name, hf_config, generation_config, run_config
+        model,
+        config,
+        Vocab,
+        loaded_tokenizer,
+        tuple(sorted(eos)),
+        source,
+        name,
+        hf_config,
+        generation_config,
+        run_config,
     )
 
 

@@ -39,7 +39,7 @@ def reinitialize_rows(model, ids: list[int], key, *, embeddings: bool = True, lm
     for n, (path, leaf) in enumerate(paths_and_leaves):
         if isinstance(leaf, NamedArray) and "vocab" in {a.name for a in leaf.axes}:
             is_head = "lm_head" in jax.tree_util.keystr(path)
-            if (lm_head if is_head else embeddings):
+            if lm_head if is_head else embeddings:
                 leaf = _redraw(leaf, index, jax.random.fold_in(key, n))
         out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -11,9 +11,11 @@ every optimizer reads the same fields the same way.
 from __future__ import annotations
 
 import abc
+import itertools
 import re
 import warnings
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import haliax as hax
 import haliax.nn as hnn
@@ -152,9 +154,10 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     def _check_cycles(cls, value):
         if isinstance(value, int) and value < 1:
             raise ValueError(f"cycles must be at least 1, got {value}")
-        if isinstance(value, list):
-            if any(step < 0 for step in value) or any(b <= a for a, b in zip(value, value[1:])):
-                raise ValueError(f"cycles as a list holds the steps where cycles end, in increasing order; got {value}")
+        if isinstance(value, list) and (
+            any(step < 0 for step in value) or any(b <= a for a, b in itertools.pairwise(value))
+        ):
+            raise ValueError(f"cycles as a list holds the steps where cycles end, in increasing order; got {value}")
         return value
 
     @field_validator("weight_decay_modules")

@@ -37,7 +37,7 @@ class ModelAveraging(eqx.Module, Generic[M]):
         """The weight of the new model in the average after optimizer step ``step`` (0 for
         the first step); the average keeps ``1 -`` this weight."""
 
-    def update(self, new_model: M, step: jax.Array) -> "ModelAveraging[M]":
+    def update(self, new_model: M, step: jax.Array) -> ModelAveraging[M]:
         """This average with ``new_model`` (the model after optimizer step ``step``) folded
         in. Only floating-point arrays are averaged; other leaves are taken from ``new_model``."""
         weight = self.new_model_weight(step)

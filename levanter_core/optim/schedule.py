@@ -28,7 +28,8 @@ from __future__ import annotations
 import abc
 import itertools
 import math
-from typing import Annotated, Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -313,7 +314,7 @@ def _as_written(section: LrScheduleSection) -> Any:
 
 
 LrSchedule = Annotated[
-    Union[ConstantSchedule, LinearSchedule, CosineSchedule, InvSqrtSchedule, InvSchedule, PowerSchedule],
+    ConstantSchedule | LinearSchedule | CosineSchedule | InvSqrtSchedule | InvSchedule | PowerSchedule,
     Field(discriminator="type"),
     BeforeValidator(lr_schedule_section),
     PlainSerializer(_as_written),
@@ -321,9 +322,7 @@ LrSchedule = Annotated[
 """The type of ``optimizer.lr_schedule``: a name or a section, always held as a section."""
 
 
-def decay_curve(
-    shape: DecayShape | LrScheduleSection, peak: float, min_lr_ratio: float, decay_steps: int
-) -> Curve:
+def decay_curve(shape: DecayShape | LrScheduleSection, peak: float, min_lr_ratio: float, decay_steps: int) -> Curve:
     """The decay phase of ``decay_steps`` steps for ``shape`` (a name or a section), as a
     function of the steps since its start (see :meth:`LrScheduleSection.curve`).
 

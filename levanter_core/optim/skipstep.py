@@ -76,7 +76,9 @@ class SkipStepState(NamedTuple):
     skipped: jax.Array
 
 
-def skip_bad_steps(inner: optax.GradientTransformation, config: SkipStepConfig) -> optax.GradientTransformationExtraArgs:
+def skip_bad_steps(
+    inner: optax.GradientTransformation, config: SkipStepConfig
+) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that ``update(grads, state, params, loss=...)`` skips bad steps.
 
     A step is skipped (zero updates, ``inner``'s state kept as it was) when the window holds
@@ -144,6 +146,6 @@ def skipped_step(before: Any, after: Any) -> jax.Array | None:
 
 
 def _find_skip_state(opt_state: Any) -> SkipStepState | None:
-    is_skip_state = lambda x: isinstance(x, SkipStepState)  # noqa: E731
+    is_skip_state = lambda x: isinstance(x, SkipStepState)
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_skip_state) if is_skip_state(s)]
     return found[0] if found else None

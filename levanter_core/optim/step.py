@@ -28,7 +28,8 @@ arguments (an ``optax.GradientTransformationExtraArgs``, whose ``update`` takes
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax

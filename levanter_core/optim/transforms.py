@@ -14,7 +14,8 @@ Everything here works under ``jit`` and keeps its state as arrays, so it is chec
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import haliax as hax
 import jax

@@ -15,9 +15,9 @@ from levanter_core.plugins.registry import KINDS, PREFER_ENV, Entry, Registry
 
 __all__ = [
     "AUTOLOAD_ENV",
-    "TRACE_ENV",
     "KINDS",
     "PREFER_ENV",
+    "TRACE_ENV",
     "Entry",
     "PluginInfo",
     "PluginManager",

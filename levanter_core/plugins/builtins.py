@@ -3,6 +3,7 @@ as everybody else's, so nothing about them is special."""
 
 from levanter_core.plugins.hookspecs import hookimpl
 
+
 @hookimpl
 def register_optimizers(register):
     register("adam", "levanter_core.optim.adam:AdamConfig")

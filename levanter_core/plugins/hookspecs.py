@@ -30,7 +30,8 @@ installed (a class object makes every command import its module, and JAX with it
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 

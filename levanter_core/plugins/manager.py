@@ -112,8 +112,7 @@ class PluginManager:
         if unknown:
             self.pm.unregister(plugin)
             info.error = (
-                f"implements unknown hook(s) {', '.join(sorted(unknown))}; "
-                f"known hooks are {', '.join(_hook_names())}"
+                f"implements unknown hook(s) {', '.join(sorted(unknown))}; known hooks are {', '.join(_hook_names())}"
             )
             return
         info.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
@@ -137,16 +136,12 @@ class PluginManager:
             for impl in hook.get_hookimpls():  # in registration order
                 info = self.plugins[impl.plugin_name]
 
-                def register(
-                    name: str, config_cls: type | str, *, _info: PluginInfo = info, _kind: str = kind
-                ) -> None:
-                    registries[_kind].add(
-                        Entry(_kind, name, config_cls, _info.name, _info.distribution, _info.version)
-                    )
+                def register(name: str, config_cls: type | str, *, _info: PluginInfo = info, _kind: str = kind) -> None:
+                    registries[_kind].add(Entry(_kind, name, config_cls, _info.name, _info.distribution, _info.version))
                     _info.types.setdefault(_kind, []).append(name)
 
                 try:
-                    impl.function(**{arg: register for arg in impl.argnames})
+                    impl.function(**dict.fromkeys(impl.argnames, register))
                 except PluginError:
                     raise
                 except Exception as e:
@@ -196,7 +191,7 @@ class PluginManager:
         answers: list[tuple[PluginInfo, Entry]] = []
         for impl in reversed(self.pm.hook.model_type_for_hf_config.get_hookimpls()):  # pluggy's call order
             info = self.plugins[impl.plugin_name]
-            name = impl.function(**{arg: hf_config for arg in impl.argnames})
+            name = impl.function(**dict.fromkeys(impl.argnames, hf_config))
             if name is None:
                 continue
             own = [e for e in models if e.name == name and e.plugin == info.name] if ":" not in str(name) else []

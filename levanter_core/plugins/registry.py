@@ -21,7 +21,7 @@ import functools
 import importlib
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from levanter_core.errors import PluginError
 
@@ -54,7 +54,9 @@ KINDS: dict[str, Kind] = {
             "levanter_core.checkpoint.config:CheckpointerConfig",
             "trainer.checkpointer.type",
         ),
-        Kind("evaluator", "register_evaluators", "levanter_core.trainer.evaluators:EvaluatorConfig", "evaluators[].type"),
+        Kind(
+            "evaluator", "register_evaluators", "levanter_core.trainer.evaluators:EvaluatorConfig", "evaluators[].type"
+        ),
         Kind("objective", "register_objectives", "levanter_core.objective:Objective", "the model type's objective"),
     )
 }

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from levanter_core.testing.metrics import logged, read_metrics
 from levanter_core.testing.tiny import TINY_HF, tiny_hf_config, tiny_model
@@ -179,7 +179,7 @@ class LocalS3Server:
         self.process = None
         self.endpoint = ""
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         self.start()
         return self
 
@@ -211,7 +211,7 @@ class LocalS3Server:
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto's S3 server did not start on {self.endpoint}")
+                    raise RuntimeError(f"moto's S3 server did not start on {self.endpoint}") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import pytest
 

@@ -16,12 +16,12 @@ import abc
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Literal, Sequence, get_args
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from levanter_core.config.base import TypedConfig
-
 
 RunStatus = Literal["success", "failed", "interrupted"]
 """How a run ended, as :meth:`Tracker.finish` is told: ``"success"`` (it trained every
@@ -60,7 +60,7 @@ class Histogram:
     sum_squares: float
 
     @classmethod
-    def from_values(cls, values, bins: int = 64) -> "Histogram":
+    def from_values(cls, values, bins: int = 64) -> Histogram:
         """Summarize ``values`` (any array; non-finite entries are left out of the bins
         but counted in ``num``) in ``bins`` equal bins between their min and max."""
         flat = np.asarray(values, dtype=np.float64).ravel()
@@ -165,7 +165,7 @@ def finish_tracker(tracker: Tracker, status: RunStatus) -> None:
     cls = type(tracker)
     warnings.warn(
         f"{cls.__module__}.{cls.__qualname__}.finish() takes no argument, so it is not told how the run "
-        f"ended; define it as `def finish(self, status=\"success\")` (status: {', '.join(RUN_STATUSES)})",
+        f'ended; define it as `def finish(self, status="success")` (status: {", ".join(RUN_STATUSES)})',
         DeprecationWarning,
         stacklevel=2,
     )

@@ -98,7 +98,7 @@ class QuantizationConfig(ConfigModel):
     """FP8: how many steps of largest absolute values each layer remembers for its scale."""
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "QuantizationConfig":
+    def _one_kind(self) -> QuantizationConfig:
         if self.fp8 and self.int8:
             raise ValueError("fp8 and int8 cannot both be on; choose one")
         return self
@@ -332,7 +332,9 @@ class TrainerConfig(ConfigModel):
     def _check_schedule(cls, v: int | list[BatchSizeStage]) -> int | list[BatchSizeStage]:
         if isinstance(v, int):
             if v < 1 and v != -1:
-                raise ValueError(f"must be a positive number of sequences (or -1: per_device_parallelism x devices), got {v}")
+                raise ValueError(
+                    f"must be a positive number of sequences (or -1: per_device_parallelism x devices), got {v}"
+                )
             return v
         starts = [stage.start for stage in v]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
@@ -359,7 +361,7 @@ class TrainerConfig(ConfigModel):
         return mapping
 
     @model_validator(mode="after")
-    def _check_axes(self) -> "TrainerConfig":
+    def _check_axes(self) -> TrainerConfig:
         tp = set(self.tensor_parallel_axes or [])
         if self.batch_axis in tp:
             raise ValueError(f"batch_axis {self.batch_axis!r} cannot also be a tensor_parallel_axes entry")
@@ -374,7 +376,7 @@ class TrainerConfig(ConfigModel):
             )
         return self
 
-    def for_devices(self, data_parallel: int) -> "TrainerConfig":
+    def for_devices(self, data_parallel: int) -> TrainerConfig:
         """This config with ``train_batch_size: -1`` worked out for ``data_parallel`` devices
         (``per_device_parallelism`` each); itself otherwise."""
         if self.train_batch_size != -1:
@@ -383,13 +385,15 @@ class TrainerConfig(ConfigModel):
 
     # -- derived -------------------------------------------------------------------------
     @property
-    def batch_schedule(self) -> "BatchSchedule":
+    def batch_schedule(self) -> BatchSchedule:
         """``train_batch_size`` as a schedule (one stage for a plain number)."""
         if self.train_batch_size == -1:
             raise ValueError("train_batch_size -1 is worked out for the devices when the run starts (for_devices)")
-        stages = [(0, self.train_batch_size)] if isinstance(self.train_batch_size, int) else [
-            (stage.start, stage.value) for stage in self.train_batch_size
-        ]
+        stages = (
+            [(0, self.train_batch_size)]
+            if isinstance(self.train_batch_size, int)
+            else [(stage.start, stage.value) for stage in self.train_batch_size]
+        )
         return BatchSchedule(tuple(stages))
 
     @property
@@ -422,7 +426,7 @@ class TrainerConfig(ConfigModel):
         """Logical -> mesh axes at rest (parameters, optimizer state): the FSDP axes over
         ``data``, the tensor-parallel axes over ``model``; then ``axis_resources`` and
         ``parameter_axis_resources``. Replicas hold whole copies of the FSDP shards."""
-        mapping: dict[str, Any] = {axis: FSDP_AXIS for axis in self.fsdp_axes}
+        mapping: dict[str, Any] = dict.fromkeys(self.fsdp_axes, FSDP_AXIS)
         for axis in self.tensor_parallel_logical_axes():
             mapping[axis] = MODEL_AXIS
         mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})

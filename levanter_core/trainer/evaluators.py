@@ -30,7 +30,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import Field
 

@@ -128,11 +128,7 @@ def agreed_run_id(config: TrainConfig, config_path: str | None) -> str:
 def plugin_versions() -> dict[str, str | None]:
     from levanter_core.plugins import get_manager
 
-    return {
-        info.distribution or info.name: info.version
-        for info in get_manager().plugins.values()
-        if not info.error
-    }
+    return {info.distribution or info.name: info.version for info in get_manager().plugins.values() if not info.error}
 
 
 def _git_state(directory: str) -> dict | None:
@@ -535,7 +531,9 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     if resumed_from:
         print(f"resumed from {resumed_from} at step {start_step}", flush=True)
 
-    run_info = RunInfo(run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None)
+    run_info = RunInfo(
+        run_id=run_id, run_dir=run_dir, config=resolved, resume_step=start_step if resumed_from else None
+    )
     tracker = _make_tracker(config, run_info)
     result = RunResult(run_id, run.directory.location, start_step, start_step)
     status = "success"  # what the trackers are told at the end
@@ -576,9 +574,7 @@ def _train(config: TrainConfig, run: _Run, data, progress: bool) -> RunResult:
     return result
 
 
-def _initial_state(
-    trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None, adapt=None
-):
+def _initial_state(trainer, cfg, checkpointer, model_init, key, *, load_hf=None, trunk: str | None = None, adapt=None):
     """Loaded from this run's newest checkpoint that loads, else from ``initialize_from``,
     else from the whole state of ``trunk`` (``initialize_from_checkpoint_path``), else around the
     weights ``load_hf()`` returns (``initialize_from_hf``), else fresh. ``adapt`` puts a LoRA
@@ -596,15 +592,15 @@ def _initial_state(
 
     if checkpointer is not None and cfg.load_checkpoint is not False:
         where = cfg.load_checkpoint_path or checkpointer.path
-        resumed = checkpointer.resume(template(), where, allow_partial=True) if partial else checkpointer.resume(
-            template(), where
+        resumed = (
+            checkpointer.resume(template(), where, allow_partial=True)
+            if partial
+            else checkpointer.resume(template(), where)
         )
         if resumed is not None:
             return resumed
         if cfg.load_checkpoint:
-            raise CheckpointError(
-                f"trainer.load_checkpoint is true but there is no complete checkpoint under {where}"
-            )
+            raise CheckpointError(f"trainer.load_checkpoint is true but there is no complete checkpoint under {where}")
     if cfg.initialize_from:
         found = discover_latest(cfg.initialize_from)
         if found is None:
@@ -951,7 +947,7 @@ class _TrainLoop:
         run_directory: RunDirectory,
         flops_per_token: float | None,
         progress: bool,
-        exporter: "HfExporter | None" = None,
+        exporter: HfExporter | None = None,
     ):
         import jax
         import numpy as np
@@ -1087,7 +1083,6 @@ class _TrainLoop:
         from tqdm.auto import tqdm
 
         from levanter_core.errors import DataExhausted
-
         from levanter_core.trainer.trainer import Prefetcher, Throughput
 
         start = int(state.step)

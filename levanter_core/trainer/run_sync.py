@@ -21,6 +21,7 @@ Only process 0 writes the run directory, so only process 0 downloads and uploads
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -60,11 +61,11 @@ class RunDirectory:
     """The local directory the run record, the trackers and every other writer use."""
     location: str
     """The run directory as the user named it: ``{trainer.log_dir}/{run_id}``."""
-    sync: "RunDirectorySync | None" = None
+    sync: RunDirectorySync | None = None
     """What uploads :attr:`path` to :attr:`location` (process 0 of a run with a URL only)."""
 
     @classmethod
-    def open(cls, log_dir: str, run_id: str, *, leader: bool) -> "RunDirectory":
+    def open(cls, log_dir: str, run_id: str, *, leader: bool) -> RunDirectory:
         """The run directory of ``run_id`` under ``log_dir``. A local ``log_dir`` is used as
         it is. Under a URL, process 0 (``leader``) fills the local mirror with what the URL
         holds already (a run being resumed) and starts uploading it in the background; the
@@ -185,10 +186,8 @@ class RunDirectorySync:
                     continue
                 self._stored[relative] = stamp
             for relative in [r for r in self._stored if r not in present]:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     self._fs.rm_file(f"{self._root}/{relative}")
-                except FileNotFoundError:
-                    pass
                 del self._stored[relative]
 
     def start(self) -> None:

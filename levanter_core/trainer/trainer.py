@@ -20,7 +20,8 @@ import queue
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -100,7 +101,7 @@ class BatchPlan:
         return {name: physical for name, physical in mapping.items() if name != Batch.name}
 
     @staticmethod
-    def from_config(config: TrainerConfig, data_size: int, batch: int | None = None) -> "BatchPlan":
+    def from_config(config: TrainerConfig, data_size: int, batch: int | None = None) -> BatchPlan:
         """The plan for ``config`` on ``data_size`` data-parallel devices, for batches of ``batch``
         sequences (default: the first of ``train_batch_size``'s schedule); a :class:`ConfigError`
         naming the field when the sizes do not fit."""
@@ -151,7 +152,11 @@ def _check_axis_names(config: TrainerConfig, parameter_axes: set[str]) -> None:
                 raise ConfigError(
                     f"{field} names the axis {name!r}, which the model does not have. "
                     f"Its parameters have the axes {', '.join(sorted(parameter_axes))}"
-                    + ("" if known is parameter_axes else f"; its activations also {', '.join(sorted(known - parameter_axes))}")
+                    + (
+                        ""
+                        if known is parameter_axes
+                        else f"; its activations also {', '.join(sorted(known - parameter_axes))}"
+                    )
                     + f".{hint}"
                 )
 
@@ -326,7 +331,9 @@ class Trainer:
             if isinstance(shape, NamedArray):  # infer_resource_partitions gives one sharding per NamedArray
                 if shape.array is None:  # a parameter the optimizer does not train (LoRA's frozen base)
                     return shape
-                return NamedArray(jax.ShapeDtypeStruct(shape.array.shape, shape.array.dtype, sharding=sharding), shape.axes)
+                return NamedArray(
+                    jax.ShapeDtypeStruct(shape.array.shape, shape.array.dtype, sharding=sharding), shape.axes
+                )
             return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
 
         return jax.tree.map(
@@ -342,7 +349,9 @@ class Trainer:
         state = eqx.filter_eval_shape(self._initializer(model_init, key))
         arrays = [
             (jax.tree_util.keystr(path).lstrip("."), leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, NamedArray))[0]
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, NamedArray))[
+                0
+            ]
             if isinstance(leaf, NamedArray)
         ]
         parameter_axes = {axis.name for _, array in arrays for axis in array.axes}

@@ -5,12 +5,12 @@ import math
 
 import numpy as np
 import pytest
+from levanter_tracker_csv import plugin
+from levanter_tracker_csv.tracker import CsvTrackerConfig
 from pydantic import ValidationError
 
 import levanter_core.plugins as plugins
 from levanter_core.tracker import Histogram, RunInfo
-from levanter_tracker_csv import plugin
-from levanter_tracker_csv.tracker import CsvTrackerConfig
 
 
 def start(tmp_path, resume_step=None, **fields):

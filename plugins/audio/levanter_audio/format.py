@@ -71,7 +71,9 @@ class AudioFormat(FormatConfig):
         for value, where in zip(values, wheres):
             try:
                 utterances.append(
-                    parse_record(value, where, base=_directory_of(where), text_key=self.text_key, audio_key=self.audio_key)
+                    parse_record(
+                        value, where, base=_directory_of(where), text_key=self.text_key, audio_key=self.audio_key
+                    )
                 )
             except DataError as e:
                 utterances.append(e)

@@ -143,8 +143,7 @@ def _decode(f: BinaryIO, label: str) -> tuple[np.ndarray, int]:
         snd = soundfile.SoundFile(f)
     except (soundfile.LibsndfileError, RuntimeError) as e:
         raise DataError(
-            f"{label}: not an audio file that can be decoded ({_reason(e)}); "
-            "expected WAV, FLAC, MP3 or OGG audio"
+            f"{label}: not an audio file that can be decoded ({_reason(e)}); expected WAV, FLAC, MP3 or OGG audio"
         ) from None
     with snd:
         announced = snd.frames

@@ -25,13 +25,14 @@ import base64
 import binascii
 import os
 import posixpath
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
+from levanter_audio.io import SAMPLE_RATE, load_audio, resample
 from levanter_core.data.source import read_records
 from levanter_core.errors import DataError
-from levanter_audio.io import SAMPLE_RATE, load_audio, resample
 
 
 class Utterance(NamedTuple):

@@ -20,13 +20,13 @@ import ctypes
 import json
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from levanter_core.errors import UserError
 from levanter_audio.io import SAMPLE_RATE, resample
+from levanter_core.errors import UserError
 
 DEFAULT_VOICE = "en-us+Storm"
 """A low male American English voice."""

@@ -7,6 +7,7 @@ dataset is loaded, so loading the plugin (which every ``levanter`` command does)
 
 from levanter_core.plugins import hookimpl
 
+
 @hookimpl
 def register_data_sources(register):
     register("hf", "levanter_data_hf.source:HfSourceConfig")

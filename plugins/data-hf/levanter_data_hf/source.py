@@ -27,7 +27,8 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, ClassVar, Iterator
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 from pydantic import Field, PositiveInt
 
@@ -213,7 +214,7 @@ class HfSourceConfig(DataSourceConfig):
         if len(files) == len(names):
             return {name: {"files": [file]} for name, file in zip(names, files)}
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
-        return dict.fromkeys(names, {"all_files_sha256": digest})
+        return {key: {"all_files_sha256": digest} for key in names}
 
     def _data_files(self, split: str) -> list[list]:
         import datasets

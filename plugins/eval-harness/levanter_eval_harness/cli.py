@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
-from levanter_core.errors import ConfigError, UserError
+from levanter_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,9 @@ def run_command(
         if fewshot_as_multiturn is not None
         else (bool(harness.fewshot_as_multiturn or main.fewshot_as_multiturn) if harness else None),
         log_samples=log_samples or bool(harness and (harness.log_samples or harness.sample_logging.should_log())),
-        bootstrap_iters=bootstrap_iters if bootstrap_iters is not None else (harness.bootstrap_iters if harness else 100000),
+        bootstrap_iters=bootstrap_iters
+        if bootstrap_iters is not None
+        else (harness.bootstrap_iters if harness else 100000),
         confirm_run_unsafe_code=confirm_run_unsafe_code or bool(harness and harness.confirm_run_unsafe_code),
         gen_kwargs=None,
         seed=seed,
@@ -184,7 +186,9 @@ def _run(
         leader=leader,
     )
     try:
-        results = evaluate(lm, run, model_name=source, output_path=output_path, prepared=prepared, max_samples=max_samples)
+        results = evaluate(
+            lm, run, model_name=source, output_path=output_path, prepared=prepared, max_samples=max_samples
+        )
     finally:
         leader.stop()
         lm.close()
@@ -196,7 +200,12 @@ def _report(results: dict, output_path: str, out) -> None:
     """Each task's (and group's) metrics, one per line, then where the files are."""
     for task, values in results.get("results", {}).items():
         for key, value in values.items():
-            if "_stderr" in key or key == "sample_len" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if (
+                "_stderr" in key
+                or key == "sample_len"
+                or not isinstance(value, (int, float))
+                or isinstance(value, bool)
+            ):
                 continue
             metric, _, filter_name = key.partition(",")
             stderr = values.get(f"{metric}_stderr,{filter_name}")

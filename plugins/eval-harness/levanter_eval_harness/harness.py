@@ -9,7 +9,8 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from levanter_core.errors import UserError
 from levanter_eval_harness.tasks import TaskSpec, load_tasks, task_manager
@@ -76,7 +77,9 @@ def evaluate(
     multiturn = run.apply_chat_template if run.fewshot_as_multiturn is None else run.fewshot_as_multiturn
     seeds = {}
     if run.seed is not None:
-        seeds = dict.fromkeys(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), run.seed)
+        seeds = dict.fromkeys(
+            ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), run.seed
+        )
     try:
         results = lm_eval.simple_evaluate(
             model=lm,

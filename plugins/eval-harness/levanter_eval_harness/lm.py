@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -159,7 +159,7 @@ class LevanterLM(TemplateLM):
     # -- log-likelihoods ---------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         queries = []
-        for (text, context, continuation) in requests:
+        for text, context, continuation in requests:
             if not continuation:
                 raise UserError(f"lm-eval asked for the log-likelihood of an empty continuation (request {text!r})")
             if len(continuation) > self.max_length:
@@ -177,7 +177,9 @@ class LevanterLM(TemplateLM):
     def score(self, queries: Sequence[Query], *, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
         """``(log-probability, is greedy)`` of each query."""
         results: list[tuple[float, bool] | None] = [None] * len(queries)
-        batches = plan_batches(queries, self.batch_size, self.max_length, share_prefixes=self.leader.scorer.shares_prefixes)
+        batches = plan_batches(
+            queries, self.batch_size, self.max_length, share_prefixes=self.leader.scorer.shares_prefixes
+        )
         with tqdm(total=len(queries), disable=disable_tqdm, desc="Scoring") as progress:
             for batch in batches:
                 logprob, greedy = self.leader.score(batch)
@@ -239,7 +241,7 @@ class LevanterLM(TemplateLM):
 
         engine = self._generation_engine()
         groups: dict = {}
-        for k, (prompt, params, _) in enumerate(prepared):
+        for k, (_, params, _) in enumerate(prepared):
             groups.setdefault(params, []).append(k)
         texts: list[str] = [""] * len(prepared)
         with tqdm(total=len(prepared), disable=disable_tqdm, desc="Generating") as progress:

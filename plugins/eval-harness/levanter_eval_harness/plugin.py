@@ -6,7 +6,7 @@ so that loading the plugin (which every ``levanter`` command does) stays cheap."
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,35 +17,35 @@ from levanter_core.plugins import hookimpl
 def eval_harness_command(
     ctx: typer.Context,
     source: Annotated[
-        Optional[str],
+        str | None,
         typer.Argument(
             help=SOURCE_HELP_WITH_CONFIG,
             metavar="SOURCE",
         ),
     ] = None,
     tasks: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="Comma-separated lm-eval task, group or tag names (or task YAML paths), e.g. hellaswag,arc_easy.",
             metavar="T[,T]",
         ),
     ] = None,
     include_path: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(help="A directory of task YAML files of your own (repeat for several).", metavar="DIR"),
     ] = None,
     num_fewshot: Annotated[
-        Optional[int], typer.Option(help="Few-shot examples per prompt (default: each task's own, else 0).", min=0)
+        int | None, typer.Option(help="Few-shot examples per prompt (default: each task's own, else 0).", min=0)
     ] = None,
     limit: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(help="At most this many examples per task (a fraction below 1: that share of each task).", min=0),
     ] = None,
     apply_chat_template: Annotated[
         bool, typer.Option("--apply-chat-template", help="Render prompts with the tokenizer's chat template.")
     ] = False,
     fewshot_as_multiturn: Annotated[
-        Optional[bool],
+        bool | None,
         typer.Option(
             "--fewshot-as-multiturn/--no-fewshot-as-multiturn",
             help="Few-shot examples as turns of the conversation (default: on with --apply-chat-template).",
@@ -55,7 +55,7 @@ def eval_harness_command(
         bool, typer.Option("--log-samples", help="Also write every sample (prompt, answers, scores) per task.")
     ] = False,
     output_path: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="Directory to write lm-eval's results JSON into (in a folder named after the model, as "
             "lm_eval does), or a file name ending in .json.",
@@ -63,22 +63,24 @@ def eval_harness_command(
         ),
     ] = None,
     batch_size: Annotated[
-        Optional[int],
-        typer.Option(help="Distinct inputs per log-likelihood batch; sequences generated together [default: 16].", min=1),
+        int | None,
+        typer.Option(
+            help="Distinct inputs per log-likelihood batch; sequences generated together [default: 16].", min=1
+        ),
     ] = None,
     max_length: Annotated[
-        Optional[int], typer.Option(help="Most tokens the model sees at once (default: its seq_len).", min=2)
+        int | None, typer.Option(help="Most tokens the model sees at once (default: its seq_len).", min=2)
     ] = None,
     max_gen_toks: Annotated[
-        Optional[int], typer.Option(help="Generation length for tasks that set none [default: 256].", min=1)
+        int | None, typer.Option(help="Generation length for tasks that set none [default: 256].", min=1)
     ] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer to use instead of the model's own.")] = None,
     seed: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(help="One seed for lm-eval's random choices (few-shot examples...); default: lm-eval's own."),
     ] = None,
     bootstrap_iters: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             help="Bootstrap iterations for standard errors (0: none) [default: 100000, as lm_eval; a --config's "
             "eval_harness.bootstrap_iters, 0 in Levanter].",
@@ -90,7 +92,7 @@ def eval_harness_command(
         typer.Option("--confirm-run-unsafe-code", help="Allow tasks that execute code the model writes."),
     ] = False,
     config: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--config",
             help="A harness config in Levanter's format (eval_harness: {task_spec, max_examples, "
@@ -99,11 +101,11 @@ def eval_harness_command(
         ),
     ] = None,
     coordinator_address: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="host:port of process 0, to run several processes together (jax.distributed)."),
     ] = None,
-    num_processes: Annotated[Optional[int], typer.Option(help="How many processes run together.", min=1)] = None,
-    process_id: Annotated[Optional[int], typer.Option(help="This process's index, 0 .. num-processes - 1.", min=0)] = None,
+    num_processes: Annotated[int | None, typer.Option(help="How many processes run together.", min=1)] = None,
+    process_id: Annotated[int | None, typer.Option(help="This process's index, 0 .. num-processes - 1.", min=0)] = None,
 ) -> None:
     """Evaluate a model on lm-eval-harness tasks; write lm-eval's results JSON.
 
@@ -146,9 +148,9 @@ def eval_harness_command(
 
 @hookimpl
 def register_commands(app):
-    app.command(
-        "eval-harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
-    )(eval_harness_command)
+    app.command("eval-harness", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        eval_harness_command
+    )
 
 
 @hookimpl

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class Query:
     targets: tuple[int, ...]
 
     @classmethod
-    def of_pair(cls, context: Sequence[int], continuation: Sequence[int], max_length: int) -> "Query":
+    def of_pair(cls, context: Sequence[int], continuation: Sequence[int], max_length: int) -> Query:
         """The query of a tokenized ``(context, continuation)`` as lm-eval's ``hf`` backend builds
         it: the two joined, cut from the left to ``max_length + 1`` tokens, the last one dropped
         (it predicts nothing)."""
@@ -98,9 +98,7 @@ def length_bucket(n: int, smallest: int, largest: int) -> int:
     return power
 
 
-def plan_batches(
-    queries: Sequence[Query], rows: int, max_length: int, *, share_prefixes: bool = False
-) -> list[Batch]:
+def plan_batches(queries: Sequence[Query], rows: int, max_length: int, *, share_prefixes: bool = False) -> list[Batch]:
     """``queries`` in batches of at most ``rows`` distinct inputs (``share_prefixes``: distinct
     prefixes, for a model with a cache), longest first. A batch of prefixes that no two queries
     share is planned as one of whole inputs."""
@@ -217,7 +215,9 @@ def prefixed_scores(model, prefixes, row, start, targets, mask, suffix, *, block
     cache = _take_rows(cache, hax.named(jnp.asarray(row), "batch"))
     Queries, Width = Axis("batch", suffix.shape[0]), Axis("position", width)
     where = hax.named(jnp.asarray(start)[:, None] + jnp.arange(width)[None, :], (Queries, Width))
-    hidden, _ = decoding.decode(model, hax.named(jnp.asarray(suffix), (Queries, Width)), where, cache, key_len=KeyPos.size)
+    hidden, _ = decoding.decode(
+        model, hax.named(jnp.asarray(suffix), (Queries, Width)), where, cache, key_len=KeyPos.size
+    )
     picked = hidden.rearrange(("batch", "position", model.config.Embed.name)).array
     return _scores(model, picked, targets, mask, block_logits)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from levanter_core.errors import UserError
 
@@ -104,7 +105,9 @@ def _override(tasks, spec: dict, inline: bool) -> None:
         if extra and task.get_config("output_type") == "generate_until":
             until = (task.get_config("generation_kwargs") or {}).get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            task.set_config(key="generation_kwargs", value={"until": until + [s for s in extra if s not in until]}, update=True)
+            task.set_config(
+                key="generation_kwargs", value={"until": until + [s for s in extra if s not in until]}, update=True
+            )
 
 
 def _is_child(group, groups) -> bool:

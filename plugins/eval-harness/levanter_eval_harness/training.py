@@ -33,7 +33,9 @@ class HarnessEvaluator(Evaluator):
         self.context = context
         self.number = next(_instances)
         trainer = context.trainer
-        self.scorer = Scorer(None, mesh=trainer.mesh, compute_mapping=trainer.compute_mapping, cast=trainer.mp.cast_to_compute)
+        self.scorer = Scorer(
+            None, mesh=trainer.mesh, compute_mapping=trainer.compute_mapping, cast=trainer.mp.cast_to_compute
+        )
         self.batch_size = config.batch_size or trainer.plan.eval_batch_size
         self.max_length = min(config.max_eval_length or context.seq_len, context.seq_len)
         self.run = config.harness_run()

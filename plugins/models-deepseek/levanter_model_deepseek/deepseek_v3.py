@@ -15,7 +15,6 @@ every layer.
 
 from __future__ import annotations
 
-
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from levanter_core.hf.mapping import DECODER_HF_KEYS, HfKey

@@ -3,7 +3,6 @@ window of ``sliding_window`` tokens in every layer."""
 
 from __future__ import annotations
 
-
 from pydantic import PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey
@@ -37,7 +36,9 @@ class MistralConfig(LlamaConfig):
     @model_validator(mode="after")
     def _no_biases(self):
         if self.use_bias:
-            raise ValueError("use_bias: Mistral's attention has no biases (Hugging Face's MistralConfig cannot hold them)")
+            raise ValueError(
+                "use_bias: Mistral's attention has no biases (Hugging Face's MistralConfig cannot hold them)"
+            )
         return self
 
     def attention_types(self):

@@ -41,7 +41,7 @@ class Phi3Config(DecoderConfig):
     }
     hf_partial_rotary = True
     # dropout only acts in training, and we train without it: refuse rather than ignore it
-    hf_refused = {key: (0, 0.0) for key in _DROPOUTS}
+    hf_refused = dict.fromkeys(_DROPOUTS, (0, 0.0))
 
     seq_len: PositiveInt = 4096
     hidden_dim: PositiveInt = 3072

@@ -19,7 +19,6 @@ every family of the kit (checkpoints written before the kit named it ``block_spa
 
 from __future__ import annotations
 
-
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey

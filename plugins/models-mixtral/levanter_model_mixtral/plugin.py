@@ -2,6 +2,7 @@
 
 from levanter_core.plugins import hookimpl
 
+
 @hookimpl
 def register_models(register):
     register("mixtral", "levanter_model_mixtral.mixtral:MixtralConfig")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -47,7 +47,7 @@ def transcribe_command(
         ),
     ] = 16,
     max_new_tokens: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             help="Most tokens generated per window; a window ends sooner at the end-of-text token "
             "[default: all the decoder's positions after the prompt, 448 in all for Whisper].",
@@ -55,7 +55,7 @@ def transcribe_command(
         ),
     ] = None,
     prompt_ids: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="The tokens the decoder starts each window with, as comma-separated ids (e.g. "
             "50258,50259,50359,50363), instead of the model's own. By default a Hugging Face Whisper "
@@ -66,7 +66,7 @@ def transcribe_command(
         ),
     ] = None,
     language: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="The language spoken, as the code of its token (en, fr, de, ...), for a multilingual "
             "Hugging Face Whisper [default: its generation config's; else the model names it, on each "
@@ -74,18 +74,18 @@ def transcribe_command(
         ),
     ] = None,
     task: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="transcribe, or translate (into English), for a multilingual Hugging Face Whisper "
             "[default: its generation config's, else transcribe].",
         ),
     ] = None,
     tokenizer: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Tokenizer to use instead of SOURCE's own: a tokenizer.json, its directory, or a hub name."),
     ] = None,
     progress: Annotated[
-        Optional[bool],
+        bool | None,
         typer.Option(
             "--progress/--no-progress",
             help="Show a progress bar on stderr [default: with several files, when stderr is a terminal].",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import equinox as eqx
 import haliax as hax
@@ -74,7 +74,7 @@ class SpeechRecognition(Objective):
         self.eval_max_tokens = eval_max_tokens
 
     @classmethod
-    def from_config(cls, config) -> "SpeechRecognition":
+    def from_config(cls, config) -> SpeechRecognition:
         from levanter_audio.format import transcript_prompt
 
         from levanter_core.data.tokenizer import load_tokenizer
@@ -93,7 +93,7 @@ class SpeechRecognition(Objective):
         return cls(tokenizer=tokenizer, prompt=transcript_prompt(tokenizer, enforce_bos))
 
     @classmethod
-    def for_evaluation(cls, model_config, tokenizer) -> "SpeechRecognition":
+    def for_evaluation(cls, model_config, tokenizer) -> SpeechRecognition:
         """Scores transcripts stored by the ``audio`` format with its defaults (``enforce_bos``)."""
         from levanter_audio.format import transcript_prompt
 
@@ -206,7 +206,9 @@ def greedy_tokens(model, features: NamedArray, prompt: Sequence[int], max_tokens
         return hax.argmax(logits, axis=model.Vocab).array.astype(jnp.int32)
 
     tokens = hax.named(jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (Batch.size, len(prompt))), (Batch, "position"))
-    positions = hax.named(jnp.broadcast_to(jnp.arange(len(prompt), dtype=jnp.int32), (Batch.size, len(prompt))), (Batch, "position"))
+    positions = hax.named(
+        jnp.broadcast_to(jnp.arange(len(prompt), dtype=jnp.int32), (Batch.size, len(prompt))), (Batch, "position")
+    )
     hidden, cache = model.decode_step(tokens, positions, cache, key_len=total)
     first = choose(hidden)
 

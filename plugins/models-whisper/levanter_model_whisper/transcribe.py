@@ -22,8 +22,8 @@ import itertools
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import equinox as eqx
 import haliax as hax
@@ -51,7 +51,9 @@ def greedy_transcribe(
     config = model.config
     total = len(prompt) + max_tokens
     if total > config.seq_len:
-        raise ValueError(f"{len(prompt)} prompt tokens and {max_tokens} new ones exceed the decoder's {config.seq_len} positions")
+        raise ValueError(
+            f"{len(prompt)} prompt tokens and {max_tokens} new ones exceed the decoder's {config.seq_len} positions"
+        )
     Batch = Axis("batch", features.shape[0])
     spectrograms = hax.named(jnp.asarray(features, jnp.float32), (Batch, config.Mels.name, config.Frames.name))
     chosen = np.asarray(_greedy_tokens(model, spectrograms, tuple(prompt), max_tokens)).tolist()
@@ -93,7 +95,7 @@ def window_features(audio: np.ndarray, *, num_mels: int, num_frames: int) -> Ite
         yield np.asarray(spectrogram(pad_or_trim(audio[start : start + window], window)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_mel(num_mels: int):
     from levanter_audio.features import log_mel_spectrogram_jax
 
@@ -104,7 +106,7 @@ def transcribe_clips(
     engine,
     clips: Iterable[np.ndarray],
     *,
-    prompt: "DecoderPrompt",
+    prompt: DecoderPrompt,
     max_new_tokens: int,
     text: Callable[[list[int]], str],
     in_flight: int | None = None,
@@ -169,7 +171,7 @@ def _submit(engine, prompt: list[int], params, features: np.ndarray):
             time.sleep(0.01)
 
 
-def _detect_language(engine, prompt: "DecoderPrompt", features: np.ndarray) -> int | None:
+def _detect_language(engine, prompt: DecoderPrompt, features: np.ndarray) -> int | None:
     """The language token the model chooses after the prompt's first tokens, on a clip's first
     window (as Whisper detects the language), when it is one of the prompt's languages."""
     from levanter_core.inference.sampling import SamplingParams
@@ -206,7 +208,7 @@ class SpecialTokens:
     special: frozenset[int]
 
     @staticmethod
-    def of(tokenizer) -> "SpecialTokens":
+    def of(tokenizer) -> SpecialTokens:
         if tokenizer is None:
             return SpecialTokens({}, frozenset())
         added = json.loads(tokenizer.to_tokenizer_json()).get("added_tokens") or []

@@ -162,7 +162,7 @@ class WhisperConfig(LmConfig, HfMapped):
     unrolled. Both read and write the same Hugging Face tensors."""
 
     @model_validator(mode="after")
-    def _heads_divide_d_model(self) -> "WhisperConfig":
+    def _heads_divide_d_model(self) -> WhisperConfig:
         if self.d_model % 2:
             raise ValueError(f"d_model ({self.d_model}) must be even: the encoder's positions are sines and cosines")
         for field in ("encoder_attention_heads", "decoder_attention_heads"):
@@ -202,7 +202,7 @@ class WhisperConfig(LmConfig, HfMapped):
         return Axis("layers", self.decoder_layers)
 
     # -- the core's interface ------------------------------------------------------------------
-    def build(self, Vocab: Axis, *, key) -> "WhisperModel":
+    def build(self, Vocab: Axis, *, key) -> WhisperModel:
         if self.vocab_size is not None and self.vocab_size != Vocab.size:
             raise ConfigError(
                 f"model.vocab_size is {self.vocab_size}, but the vocabulary has {Vocab.size} tokens "
@@ -361,7 +361,7 @@ class WhisperAttention(eqx.Module):
     query_block: int | None = eqx.field(static=True)
 
     @staticmethod
-    def init(config: WhisperConfig, num_heads: int, *, key) -> "WhisperAttention":
+    def init(config: WhisperConfig, num_heads: int, *, key) -> WhisperAttention:
         c = config
         Heads, HeadSize = Axis("heads", num_heads), Axis("head_size", c.d_model // num_heads)
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
@@ -443,7 +443,7 @@ class WhisperEncoderLayer(eqx.Module):
     activation: str = eqx.field(static=True)
 
     @staticmethod
-    def init(config: WhisperConfig, *, key) -> "WhisperEncoderLayer":
+    def init(config: WhisperConfig, *, key) -> WhisperEncoderLayer:
         k_attn, k_mlp = jax.random.split(key)
         fc1, fc2 = _mlp_pair(config, Axis("mlp", config.encoder_ffn_dim), key=k_mlp)
         attn = WhisperAttention.init(config, config.encoder_attention_heads, key=k_attn)
@@ -469,7 +469,7 @@ class WhisperDecoderLayer(eqx.Module):
     activation: str = eqx.field(static=True)
 
     @staticmethod
-    def init(config: WhisperConfig, *, key) -> "WhisperDecoderLayer":
+    def init(config: WhisperConfig, *, key) -> WhisperDecoderLayer:
         k_self, k_cross, k_mlp = jax.random.split(key, 3)
         heads = config.decoder_attention_heads
         fc1, fc2 = _mlp_pair(config, Axis("mlp", config.decoder_ffn_dim), key=k_mlp)
@@ -491,7 +491,7 @@ class WhisperDecoderLayer(eqx.Module):
         x = x + self.encoder_attn(h, encoder_states, _FULL, Pos="position", SourcePos="source_position")
         return x + _feed_forward(self, x)
 
-    def decode(self, x: NamedArray, layer, cache: "WhisperCache", positions: NamedArray, *, key_len: int):
+    def decode(self, x: NamedArray, layer, cache: WhisperCache, positions: NamedArray, *, key_len: int):
         """New tokens ``x`` at ``positions``: their keys and values go into layer ``layer`` of the
         cache, they attend over its first ``key_len`` positions, then over the encoder's states."""
         h = self.self_attn_layer_norm(x)
@@ -514,11 +514,13 @@ class WhisperCache(eqx.Module):
     self_attn: KvCache
     cross_attn: KvCache
 
-    def insert(self, rows, other: "WhisperCache") -> "WhisperCache":
+    def insert(self, rows, other: WhisperCache) -> WhisperCache:
         """The cache with ``other``'s rows (all of them: their tokens so far and their audio) put
         at ``rows`` (an integer array), for an engine that starts a new transcription in a row
         while the others go on. Both caches are for audio of the same length."""
-        return WhisperCache(self.self_attn.insert(rows, other.self_attn), self.cross_attn.insert(rows, other.cross_attn))
+        return WhisperCache(
+            self.self_attn.insert(rows, other.self_attn), self.cross_attn.insert(rows, other.cross_attn)
+        )
 
 
 class WhisperEncoder(eqx.Module):
@@ -533,7 +535,7 @@ class WhisperEncoder(eqx.Module):
     layer_norm: hnn.LayerNorm
 
     @staticmethod
-    def init(config: WhisperConfig, *, key) -> "WhisperEncoder":
+    def init(config: WhisperConfig, *, key) -> WhisperEncoder:
         c = config
         k_conv1, k_conv2, k_layers = jax.random.split(key, 3)
         conv1 = _conv(c.Mels, c.ConvChannels, stride=1, std=c.initializer_range, key=k_conv1)
@@ -586,7 +588,7 @@ class WhisperDecoder(eqx.Module):
     layer_norm: hnn.LayerNorm
 
     @staticmethod
-    def init(Vocab: Axis, config: WhisperConfig, *, key) -> "WhisperDecoder":
+    def init(Vocab: Axis, config: WhisperConfig, *, key) -> WhisperDecoder:
         c = config
         k_tok, k_pos, k_layers = jax.random.split(key, 3)
         std = c.initializer_range
@@ -658,7 +660,7 @@ class WhisperModel(eqx.Module):
     model: WhisperEncoderDecoder
 
     @staticmethod
-    def init(Vocab: Axis, config: WhisperConfig, *, key) -> "WhisperModel":
+    def init(Vocab: Axis, config: WhisperConfig, *, key) -> WhisperModel:
         k_enc, k_dec = jax.random.split(key)
         encoder = WhisperEncoder.init(config, key=k_enc)
         return WhisperModel(WhisperEncoderDecoder(encoder, WhisperDecoder.init(Vocab, config, key=k_dec)))

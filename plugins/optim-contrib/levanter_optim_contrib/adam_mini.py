@@ -136,9 +136,7 @@ def second_moment_blocks(tree) -> dict[tuple, Blocks]:
     """The :class:`Blocks` of the weights of the linear layers and embeddings in ``tree``
     (parameters or gradients), by key path (as ``jax.tree_util.tree_flatten_with_path`` gives it
     with NamedArrays as leaves). Arrays not listed have one block per parameter."""
-    nodes, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: _is_block_layer(x) or hax.is_named_array(x)
-    )
+    nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_block_layer(x) or hax.is_named_array(x))
     found = {}
     for path, node in nodes:
         if not _is_block_layer(node) or not hax.is_named_array(node.weight):

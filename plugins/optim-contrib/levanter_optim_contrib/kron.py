@@ -22,7 +22,8 @@ import contextlib
 import functools
 import itertools
 import math
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import haliax.nn as hnn
 import jax
@@ -300,10 +301,7 @@ def scale_by_kron(
                     h = g + _DAMPING * _per_layer(jnp.mean, jnp.abs(g)) * v
                     step = functools.partial(_refit, lr=preconditioner_lr)
                     new.append(
-                        tuple(
-                            batched(step)(f, hb, vb)
-                            for f, hb, vb in zip(fs, _to_blocks(h, lay), _to_blocks(v, lay))
-                        )
+                        tuple(batched(step)(f, hb, vb) for f, hb, vb in zip(fs, _to_blocks(h, lay), _to_blocks(v, lay)))
                     )
             return tuple(new), jnp.where(due, 0, balance_count)
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -133,9 +134,7 @@ def matrix_paths(tree: PyTree, exclude: tuple[str, ...] = LEVANTER_EXCLUDED) -> 
     return found
 
 
-def label_matrices(
-    tree: PyTree, matrix: str, other: str, exclude: tuple[str, ...] = LEVANTER_EXCLUDED
-) -> PyTree:
+def label_matrices(tree: PyTree, matrix: str, other: str, exclude: tuple[str, ...] = LEVANTER_EXCLUDED) -> PyTree:
     """``tree`` with the label ``matrix`` in place of each weight matrix (a whole NamedArray)
     and ``other`` in place of every other array: the ``param_labels`` of ``optax.partition``
     for an optimizer that treats matrices apart."""

@@ -233,7 +233,7 @@ def stacked_depths(tree: PyTree) -> list[int]:
     depths: list[int] = []
 
     def visit(node, depth):
-        inner = lambda x: x is not node and isinstance(x, hnn.Stacked)  # noqa: E731
+        inner = lambda x: x is not node and isinstance(x, hnn.Stacked)
         for child in jax.tree.leaves(node, is_leaf=inner):
             if inner(child):
                 visit(child, depth + 1)
@@ -433,9 +433,7 @@ def scale_by_soap(
                     new_nus.append([v for _, v in out])
                 return jax.tree.map(_orthonormal_bases, products), new_nus
 
-            new_bases, nus = jax.lax.cond(
-                state.count % precondition_frequency == 0, refresh, lambda: (bases, nus)
-            )
+            new_bases, nus = jax.lax.cond(state.count % precondition_frequency == 0, refresh, lambda: (bases, nus))
             correction = jnp.sqrt(1 - b2**t) / (1 - b1**t)
             updates = [
                 (plan.join(d) * correction).astype(g.dtype) for plan, d, g in zip(plans, directions, grad_leaves)

@@ -47,7 +47,8 @@ Levanter does not offer.
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp

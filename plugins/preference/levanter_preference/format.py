@@ -240,7 +240,6 @@ def _next_token_mask(encoded: Encoded, key: str, where: str) -> np.ndarray:
     mask[:-1] = targets[1:]
     if not mask.any():
         raise DataError(
-            f"{where}: the {key!r} answer has no token that follows another, so it cannot be scored; "
-            "give it a prompt"
+            f"{where}: the {key!r} answer has no token that follows another, so it cannot be scored; give it a prompt"
         )
     return mask

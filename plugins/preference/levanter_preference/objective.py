@@ -113,7 +113,7 @@ class DpoObjective(Objective):
     @classmethod
     def row_lengths(cls, model_config) -> dict[str, int]:
         """Each pair's masks and rejected sequence are as long as its chosen sequence: ``seq_len``."""
-        return {name: model_config.seq_len for name in FIELDS}
+        return dict.fromkeys(FIELDS, model_config.seq_len)
 
     def fields(self, batch) -> dict[str, BatchField]:
         """The chosen sequences are the batch's token ids; the rest are its document fields."""
@@ -258,7 +258,9 @@ def ranked_right(s: PairScores, beta: float) -> NamedArray:
     reference (the first step) ties on every pair, though its forward pass and the reference's
     may round differently, and a tie is not a win."""
     margin = s.rewards_chosen - s.rewards_rejected
-    reference_sum = hax.abs(s.logps_chosen - s.rewards_chosen / beta) + hax.abs(s.logps_rejected - s.rewards_rejected / beta)
+    reference_sum = hax.abs(s.logps_chosen - s.rewards_chosen / beta) + hax.abs(
+        s.logps_rejected - s.rewards_rejected / beta
+    )
     scale = hax.abs(s.logps_chosen) + hax.abs(s.logps_rejected) + reference_sum
     return (margin > beta * ROUNDING * scale).astype(jnp.float32)
 

@@ -10,7 +10,7 @@ that a request handler awaits them without ever blocking the loop (no thread wai
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from levanter_core.inference.engine import Completion, Engine, Request, Update
 from levanter_core.inference.sampling import SamplingParams
@@ -63,7 +63,7 @@ class Generation:
         while len(self._finished) < len(self._requests):
             try:
                 choice, update = await asyncio.wait_for(self._updates.get(), POLL_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if is_disconnected is not None and await is_disconnected():
                     self.cancel()
                     return

@@ -37,7 +37,7 @@ class ApiError(Exception):
         self.code = code
 
     @classmethod
-    def from_engine(cls, error: RequestError, *, param: str | None = None, code: str | None = None) -> "ApiError":
+    def from_engine(cls, error: RequestError, *, param: str | None = None, code: str | None = None) -> ApiError:
         """The engine's refusal (400, 429 a full queue, 500 a request whose generation failed,
         503 shutting down or failed) as an answer."""
         if error.status == 429:

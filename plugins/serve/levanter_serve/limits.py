@@ -27,7 +27,6 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 """The host names a server without an API key answers to by default, beside any IP address."""
 
 
-
 class HostAllowList:
     """The ``Host`` header values a server answers to: the names given (``*``: any), any IP
     address (an address cannot be rebound to another machine by DNS), and a request with no
@@ -109,7 +108,7 @@ class RequestGuard:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ApiError(
                     408,
                     f"the request body did not arrive within {self.body_timeout:g} seconds (--body-timeout)",
@@ -128,8 +127,7 @@ class RequestGuard:
     def _too_large(self, length: str | None) -> ApiError:
         given = f" ({length} bytes)" if length is not None and length.isdigit() else ""
         message = (
-            f"the request body{given} is larger than this server takes, {self.max_body_bytes:,} bytes "
-            "(--max-body-size)"
+            f"the request body{given} is larger than this server takes, {self.max_body_bytes:,} bytes (--max-body-size)"
         )
         return ApiError(413, message, code="request_too_large")
 

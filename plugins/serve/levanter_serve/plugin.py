@@ -5,7 +5,7 @@ FastAPI, uvicorn and JAX are imported when the command runs, so that loading the
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,7 +27,7 @@ def serve_command(
     ] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = DEFAULT_PORT,
     api_key: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             envvar="LEVANTER_API_KEY",
             show_envvar=True,
@@ -35,11 +35,11 @@ def serve_command(
         ),
     ] = None,
     model_name: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="The model's name in /v1/models and in answers (default: SOURCE's last path component)."),
     ] = None,
     tokenizer: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Tokenizer to use instead of SOURCE's own: a tokenizer.json, its directory, or a hub name."),
     ] = None,
     max_seqs: Annotated[
@@ -50,7 +50,7 @@ def serve_command(
         int, typer.Option(help="Requests that may wait for a free sequence; one more is answered 429.", min=0)
     ] = 256,
     max_seq_len: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             help="Tokens of prompt plus answer per sequence (default and at most the model's seq_len).", min=2
         ),
@@ -66,7 +66,7 @@ def serve_command(
         ),
     ] = False,
     allowed_host: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(
             "--allowed-host",
             help="Without --api-key, the server answers only requests whose Host header is an IP address, "

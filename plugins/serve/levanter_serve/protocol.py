@@ -103,7 +103,7 @@ def _content(value: Any) -> Any:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise PydanticCustomError(
                     "content",
-                    "should be a string or a list of text parts ({\"type\": \"text\", \"text\": ...}); "
+                    'should be a string or a list of text parts ({"type": "text", "text": ...}); '
                     "found a part of type {kind}",
                     {"kind": json.dumps(kind)},
                 )
@@ -150,6 +150,7 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _model_text(cls, value):
         return value if value is None else _unicode(value, "the model's name")
+
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     """Softmax temperature, 0 (greedy) to 100. Default 1."""
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)

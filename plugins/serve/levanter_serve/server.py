@@ -22,7 +22,6 @@ from levanter_serve.defaults import (
 logger = logging.getLogger(__name__)
 
 
-
 class EngineFailed(LevanterError):
     """The inference engine stopped (see :class:`~levanter_core.inference.engine.Engine`): the
     server stops too, and the command exits with status 1, for a supervisor to restart it."""

@@ -6,6 +6,7 @@ the plugin (which every ``levanter`` command does) stays cheap.
 
 from levanter_core.plugins import hookimpl
 
+
 @hookimpl
 def register_trackers(register):
     register("tensorboard", "levanter_tracker_tensorboard.tracker:TensorboardConfig")

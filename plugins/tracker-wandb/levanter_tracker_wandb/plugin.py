@@ -6,6 +6,7 @@ every ``levanter`` command does) stays cheap.
 
 from levanter_core.plugins import hookimpl
 
+
 @hookimpl
 def register_trackers(register):
     register("wandb", "levanter_tracker_wandb.tracker:WandbConfig")

@@ -109,7 +109,9 @@ class WandbTracker(Tracker):
         if git is not None:
             self._save_code(git, run_id)
         if config.save_xla_dumps and _xla_dump_dir() is None:
-            logger.warning("wandb save_xla_dumps is set but XLA_FLAGS has no --xla_dump_to=DIR; nothing will be uploaded")
+            logger.warning(
+                "wandb save_xla_dumps is set but XLA_FLAGS has no --xla_dump_to=DIR; nothing will be uploaded"
+            )
 
     def _git_snapshot(self):
         from levanter_tracker_wandb.code import snapshot
@@ -152,7 +154,9 @@ class WandbTracker(Tracker):
     def log_artifact(self, path: str, *, name: str | None = None, type: str | None = None) -> None:
         import wandb
 
-        artifact = wandb.Artifact(_artifact_name(name or os.path.basename(path.rstrip(os.sep))), type=type or "artifact")
+        artifact = wandb.Artifact(
+            _artifact_name(name or os.path.basename(path.rstrip(os.sep))), type=type or "artifact"
+        )
         if os.path.isdir(path):
             artifact.add_dir(path)
         else:

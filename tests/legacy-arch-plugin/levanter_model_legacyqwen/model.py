@@ -84,7 +84,7 @@ class LegacyQwenConfig(LmConfig, HfConvertible):
             backend=self.attn_backend,
         )
 
-    def build(self, Vocab: Axis, *, key) -> "LegacyQwenLMHeadModel":
+    def build(self, Vocab: Axis, *, key) -> LegacyQwenLMHeadModel:
         return LegacyQwenLMHeadModel.init(Vocab, self, key=key)
 
     def flops_per_token(self, vocab_size: int) -> float:
@@ -100,7 +100,7 @@ class LegacyQwenConfig(LmConfig, HfConvertible):
         )
 
     @classmethod
-    def from_hf_config(cls, hf: dict) -> "LegacyQwenConfig":
+    def from_hf_config(cls, hf: dict) -> LegacyQwenConfig:
         return cls(
             seq_len=hf["max_position_embeddings"],
             hidden_dim=hf["hidden_size"],
@@ -148,7 +148,7 @@ class LegacyQwenLayer(ModuleWithStateDictSerialization):
     pre_mlp: PreMlpNorm
 
     @staticmethod
-    def init(config: LegacyQwenConfig, *, key) -> "LegacyQwenLayer":
+    def init(config: LegacyQwenConfig, *, key) -> LegacyQwenLayer:
         k_attn, k_mlp = jax.random.split(key)
         return LegacyQwenLayer(
             Attention.init(config.attention_config(), key=k_attn),
@@ -172,7 +172,7 @@ class LegacyQwenModel(eqx.Module):
     norm: RmsNorm
 
     @staticmethod
-    def init(Vocab: Axis, config: LegacyQwenConfig, *, key) -> "LegacyQwenModel":
+    def init(Vocab: Axis, config: LegacyQwenConfig, *, key) -> LegacyQwenModel:
         k_embed, k_layers = jax.random.split(key)
         embed = hax.random.normal(k_embed, (Vocab, config.Embed)) * 0.02
         layers = hnn.Stacked.init(config.Layers, LegacyQwenLayer, gradient_checkpointing=config.gradient_checkpointing)(
@@ -192,7 +192,7 @@ class LegacyQwenLMHeadModel(eqx.Module):
     lm_head: hnn.Linear
 
     @staticmethod
-    def init(Vocab: Axis, config: LegacyQwenConfig, *, key) -> "LegacyQwenLMHeadModel":
+    def init(Vocab: Axis, config: LegacyQwenConfig, *, key) -> LegacyQwenLMHeadModel:
         k_model, k_head = jax.random.split(key)
         head = init_linear(config.Embed, Vocab, key=k_head, std=0.02)
         return LegacyQwenLMHeadModel(LegacyQwenModel.init(Vocab, config, key=k_model), head)

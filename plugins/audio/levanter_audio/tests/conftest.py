@@ -16,7 +16,7 @@ def speech():
 
 
 def sine(frequency: float, rate: int, seconds: float = 1.0, amplitude: float = 0.5) -> np.ndarray:
-    t = np.arange(int(round(rate * seconds))) / rate
+    t = np.arange(round(rate * seconds)) / rate
     return (amplitude * np.sin(2 * np.pi * frequency * t)).astype(np.float32)
 
 

@@ -118,7 +118,9 @@ def test_transcripts_start_as_the_decoder_needs(tmp_path):
     directory = tmp_path / "whisperish"
     directory.mkdir()
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"})
+    )
     whisperish = load_tokenizer(str(directory))
     assert transcript_prompt(whisperish) == [1, 2]
     assert transcript_ids(whisperish, ["ab"])[0].tolist() == [1, 2, 3, 4, 0]
@@ -132,14 +134,21 @@ def test_a_hugging_face_dataset_with_an_audio_column(corpus, tmp_path):
 
     directory = os.path.dirname(corpus)
     rows = {
-        "audio": [{"bytes": open(os.path.join(directory, f"{i:05d}.flac"), "rb").read(), "path": f"{i:05d}.flac"} for i in range(4)],
+        "audio": [
+            {"bytes": open(os.path.join(directory, f"{i:05d}.flac"), "rb").read(), "path": f"{i:05d}.flac"}
+            for i in range(4)
+        ],
         "sentence": SENTENCES,
     }
     dataset = datasets.Dataset.from_dict(rows).cast_column("audio", datasets.Audio())
     dataset.save_to_disk(str(tmp_path / "saved"))
     source = hf_source.HfSourceConfig(id=str(tmp_path / "saved"), format={"type": "audio", "text_key": "sentence"})
-    from_hf = open_cache(str(tmp_path / "hf"), source, "train", BYTE, enforce_eos=True, skip_bad_data=False, background=False)
+    from_hf = open_cache(
+        str(tmp_path / "hf"), source, "train", BYTE, enforce_eos=True, skip_bad_data=False, background=False
+    )
     from_manifest = build(tmp_path / "manifest", corpus)
     for a, b in zip(from_hf.document_field("audio", range(4)), from_manifest.document_field("audio", range(4))):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(from_hf.tokens(0, from_hf.num_tokens), from_manifest.tokens(0, from_manifest.num_tokens))
+    np.testing.assert_array_equal(
+        from_hf.tokens(0, from_hf.num_tokens), from_manifest.tokens(0, from_manifest.num_tokens)
+    )

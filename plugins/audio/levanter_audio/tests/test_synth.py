@@ -43,7 +43,7 @@ def test_same_samples_in_another_process():
 
 
 def test_length_grows_with_the_sentence():
-    words = "one two three four five six seven eight nine ten eleven twelve".split()
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
     lengths = [len(synthesize(" ".join(words[:n]))) for n in (1, 3, 6, 12)]
     assert lengths == sorted(lengths) and lengths[-1] > 4 * lengths[0]
     slow, fast = (synthesize("One two three.", words_per_minute=wpm) for wpm in (100, 250))

@@ -12,13 +12,13 @@ import pytest
 from datasets import Audio, Features, List, Value
 
 pytest.importorskip("levanter_audio", reason="the audio plugin decodes what the source reads")
-import soundfile  # noqa: E402  (a dependency of levanter-audio)
+import soundfile
+from levanter_audio.io import load_audio
+from levanter_audio.manifest import parse_record
+from levanter_audio.synth import synthesize
 
-from levanter_audio.io import load_audio  # noqa: E402
-from levanter_audio.manifest import parse_record  # noqa: E402
-from levanter_audio.synth import synthesize  # noqa: E402
-from levanter_core.errors import DataError  # noqa: E402
-from levanter_data_hf import HfSourceConfig  # noqa: E402
+from levanter_core.errors import DataError
+from levanter_data_hf import HfSourceConfig
 
 TRANSCRIPTS = ["the cat sat on the mat", "a low hum", "static on the line", "read from its path"]
 

@@ -20,7 +20,6 @@ from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import DataError
 from levanter_data_hf import HfSourceConfig
 
-
 TRAIN_FILES = {"train-00000-of-00002": 7, "train-00001-of-00002": 5}
 
 

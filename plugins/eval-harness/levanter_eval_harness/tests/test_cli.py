@@ -66,7 +66,11 @@ def test_results_and_samples_are_laid_out_as_lm_eval_writes_them(model_dir, task
     ours = json.loads(next(ours_dir.glob("*/results_*.json")).read_text())
     theirs = json.loads(next(theirs_dir.glob("*/results_*.json")).read_text())
     assert set(ours) == set(theirs)
-    assert ours["n-samples"] == theirs["n-samples"] == {t: {"original": n, "effective": 3} for t, n in (("tiny_mc", 9), ("tiny_ppl", 4))}
+    assert (
+        ours["n-samples"]
+        == theirs["n-samples"]
+        == {t: {"original": n, "effective": 3} for t, n in (("tiny_mc", 9), ("tiny_ppl", 4))}
+    )
     assert ours["results"]["tiny_mc"]["acc,none"] == theirs["results"]["tiny_mc"]["acc,none"]
     for task in ("tiny_mc", "tiny_ppl"):
         our_lines = next(ours_dir.glob(f"*/samples_{task}_*.jsonl")).read_text().splitlines()
@@ -87,12 +91,14 @@ def test_a_task_spec_alias_runs_one_task_twice_with_its_own_fewshot(model_dir, t
         "  max_eval_length: 128\n"
         f"checkpoint_path: {model_dir}\n"
     )
-    code, out, err = harness(capsys, "--config", str(config), "--include-path", tasks_dir,
+    code, _out, err = harness(capsys, "--config", str(config), "--include-path", tasks_dir,
                              "--output-path", str(tmp_path / "out"), "--log-samples")  # fmt: skip
     assert code == 0, err
     results = json.loads(next((tmp_path / "out").glob("*/results_*.json")).read_text())
     assert results["n-shot"] == {"tiny_mc": 0, "tiny_mc_2shot": 2}
-    (two_shot,) = [json.loads(line) for line in next((tmp_path / "out").glob("*/samples_tiny_mc_2shot_*.jsonl")).open()][:1]
+    (two_shot,) = [
+        json.loads(line) for line in next((tmp_path / "out").glob("*/samples_tiny_mc_2shot_*.jsonl")).open()
+    ][:1]
     context = two_shot["arguments"]["gen_args_0"]["arg_0"]
     assert context.count("\n\n") == 2  # two solved examples before the question
 

@@ -110,14 +110,28 @@ eval_harness_steps: 2
 """
 
 
-def test_a_two_process_training_run_logs_the_harness_metrics_of_a_one_process_run(model_dir, tasks_dir, tmp_path, capsys):
+def test_a_two_process_training_run_logs_the_harness_metrics_of_a_one_process_run(
+    model_dir, tasks_dir, tmp_path, capsys
+):
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": f"the quick brown fox jumps over the lazy dog {i}"}) + "\n" for i in range(64)))
+    data.write_text(
+        "".join(json.dumps({"text": f"the quick brown fox jumps over the lazy dog {i}"}) + "\n" for i in range(64))
+    )
     config = tmp_path / "run.yaml"
     config.write_text(TRAIN.format(data=data, model_dir=model_dir, cache=tmp_path / "cache", logs=tmp_path / "logs",
                                    ckpt=tmp_path / "ckpt", tasks_dir=tasks_dir))  # fmt: skip
     with pytest.raises(SystemExit) as done:
-        main(["train", str(config), "--no-progress", "--trainer.id", "one", "--trainer.checkpointer.base_path", str(tmp_path / "ckpt1")])
+        main(
+            [
+                "train",
+                str(config),
+                "--no-progress",
+                "--trainer.id",
+                "one",
+                "--trainer.checkpointer.base_path",
+                str(tmp_path / "ckpt1"),
+            ]
+        )
     assert done.value.code == 0
     capsys.readouterr()
     port = _free_port()

@@ -93,7 +93,6 @@ def test_rolling_perplexity_equals_the_hf_backend(hf_results, our_results):
         assert math.isclose(ours_value, theirs_value, rel_tol=1e-5), (metric, ours_value, theirs_value)
 
 
-
 def test_chat_prompts_with_fewshot_turns_equal_the_hf_backend(loaded, model_dir, manager):
     """With the chat template, few-shot examples as turns: the same prompts, the same scores."""
     import lm_eval

@@ -35,7 +35,7 @@ def test_queries_with_the_same_input_share_a_row():
         for size in (b.targets.shape[0], b.targets.shape[1]):
             assert size & (size - 1) == 0  # powers of two: few shapes to compile
         length = b.tokens.shape[1]
-        assert length & (length - 1) == 0 or (length // 3) & (length // 3 - 1) == 0 and length % 3 == 0
+        assert length & (length - 1) == 0 or ((length // 3) & (length // 3 - 1) == 0 and length % 3 == 0)
         longest = max(len(queries[i].tokens) for i in b.indices)
         assert b.tokens.shape[1] >= longest
 

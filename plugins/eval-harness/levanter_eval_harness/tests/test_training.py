@@ -52,7 +52,7 @@ def test_levanters_fields_are_accepted_and_what_cannot_be_honoured_is_refused_by
         _harness({"task_spec": ["gsm8k"], "generation_kwargs": {"beams": 4}})
     with pytest.raises(Exception, match="task"):
         _harness({"task_spec": [{"num_fewshot": 3}]})
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="max_examples"):
         _harness({"task_spec": ["hellaswag"], "max_examples": 0})
 
 
@@ -60,13 +60,15 @@ def _train_config(tmp_path, model_dir, tasks_dir) -> str:
     """Two steps at learning rate 0 from the tiny Hugging Face model: the weights evaluated
     are that model's."""
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": f"the quick brown fox jumps over the lazy dog {i}"}) + "\n" for i in range(64)))
+    data.write_text(
+        "".join(json.dumps({"text": f"the quick brown fox jumps over the lazy dog {i}"}) + "\n" for i in range(64))
+    )
     config = tmp_path / "run.yaml"
     config.write_text(f"""
 data:
   train_urls: [{data}]
   tokenizer: {model_dir}
-  cache_dir: {tmp_path / 'cache'}
+  cache_dir: {tmp_path / "cache"}
 model:
   type: llama
   seq_len: 64
@@ -77,10 +79,10 @@ trainer:
   train_batch_size: 4
   num_train_steps: 2
   steps_per_eval: 1000
-  log_dir: {tmp_path / 'logs'}
+  log_dir: {tmp_path / "logs"}
   id: harness-run
   tracker: {{type: json}}
-  checkpointer: {{base_path: {tmp_path / 'ckpt'}}}
+  checkpointer: {{base_path: {tmp_path / "ckpt"}}}
 optimizer:
   learning_rate: 0.0
   weight_decay: 0.0

@@ -45,7 +45,11 @@ MC_DOCS = [
     {"question": "how are you", "choices": [" today?", " tomorrow?", " now?"], "answer": 0},
     {"question": "", "choices": [" hello world", " goodbye world"], "answer": 0},
     # longer than the context the tests give the harness (64 tokens): cut from the left
-    {"question": "hello world! " * 20 + "the quick brown fox jumps over the", "choices": [" lazy dog", " cat"], "answer": 0},
+    {
+        "question": "hello world! " * 20 + "the quick brown fox jumps over the",
+        "choices": [" lazy dog", " cat"],
+        "answer": 0,
+    },
 ]
 
 GEN_DOCS = [
@@ -168,7 +172,7 @@ def cache_hub_dataset(cache_dir: str, repo_id: str, config_name: str, split: str
         shutil.copytree(prepared, target)
     for file in os.listdir(target):  # the arrow files are named after the dataset
         if file.startswith("json-"):
-            os.rename(os.path.join(target, file), os.path.join(target, f"{name}-{file[len('json-'):]}"))
+            os.rename(os.path.join(target, file), os.path.join(target, f"{name}-{file[len('json-') :]}"))
 
 
 def _jsonl(path: str, docs: list[dict]) -> str:

@@ -238,9 +238,7 @@ def test_an_audio_cache_build_killed_at_several_moments_resumes_to_the_same_cach
             problems += [f"killed at '{name}': {problem}" for problem in after_the_kill(process.pid, [cache])]
             if (read_ledger(cache) or {}).get("complete"):
                 break
-        last = subprocess.run(
-            [sys.executable, "-c", BUILD, shards, cache], capture_output=True, text=True, timeout=300
-        )
+        last = subprocess.run([sys.executable, "-c", BUILD, shards, cache], capture_output=True, text=True, timeout=300)
         assert last.returncode == 0, last.stderr[-4000:]
     finally:
         for pgid in groups:
@@ -521,7 +519,7 @@ def test_audio_training_killed_at_several_moments_matches_the_uninterrupted_run_
     problems = [p for a in attempts for p in a.problems]
     assert not problems, "\n".join(problems)
     for a in attempts:
-        for path, step, marked in a.resumed:
+        for path, _, marked in a.resumed:
             assert marked, f"resumed from {path}, which had no commit marker"
 
     # Every loss any attempt logged is the uninterrupted run's, to the last bit.

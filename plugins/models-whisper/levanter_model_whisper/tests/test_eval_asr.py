@@ -44,7 +44,9 @@ def hf_whisper(tmp_path_factory):
     pytest.importorskip("transformers")
     from .conftest import tiny_hf_whisper
 
-    return tiny_hf_whisper(str(tmp_path_factory.mktemp("hf-whisper")), max_source_positions=100, max_target_positions=64)
+    return tiny_hf_whisper(
+        str(tmp_path_factory.mktemp("hf-whisper")), max_source_positions=100, max_target_positions=64
+    )
 
 
 def test_eval_of_an_audio_manifest_reports_loss_and_wer_over_tokens_and_words(hf_whisper, validation):
@@ -132,7 +134,9 @@ def test_eval_of_a_whisper_checkpoint_gives_the_loss_and_wer_its_run_logged(trai
     assert report["eval_sets"]["main"]["tokens"] == sum(len(s.encode()) + 1 for s in sentences)
 
     # the manifest given with --data reads the same, in batches of two as in one of four
-    code, out, err = levanter_eval(capsys, trained["checkpoint"], "--data", validation[1], "--json", "--batch-size", "2")
+    code, out, err = levanter_eval(
+        capsys, trained["checkpoint"], "--data", validation[1], "--json", "--batch-size", "2"
+    )
     assert code == 0, err
     by_file = json.loads(out)
     assert by_file["loss"] == pytest.approx(final["eval/loss"], rel=1e-5)

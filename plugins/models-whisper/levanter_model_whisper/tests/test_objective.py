@@ -57,12 +57,16 @@ def _config(tmp_path, data=None, **trainer):
 def test_whisper_learns_synthesized_speech_through_the_trainer(tmp_path):
     from levanter_model_whisper.objective import SpeechRecognition
 
-    config = _config(tmp_path, per_device_parallelism=2, per_device_eval_parallelism=4)  # two microbatches of two utterances
+    config = _config(
+        tmp_path, per_device_parallelism=2, per_device_eval_parallelism=4
+    )  # two microbatches of two utterances
     assert config.data.configs["main"].format.type == "audio"  # what a Whisper model's sources default to
     Vocab = Axis("vocab", 260)
     objective = SpeechRecognition.from_config(config)
     assert objective.prompt == [END] and objective.row_lengths(config.model) == {"audio": FRAMES * 160}
-    trainer = Trainer(config.trainer, config.optimizer.build_for_trainer(STEPS), objective, mesh=make_mesh(config.trainer))
+    trainer = Trainer(
+        config.trainer, config.optimizer.build_for_trainer(STEPS), objective, mesh=make_mesh(config.trainer)
+    )
     assert trainer.plan.num_microbatches == 2
     state = trainer.init_state(lambda key: config.model.build(Vocab, key=key), jax.random.PRNGKey(0))
     batch = _speech_batch(SENTENCES)

@@ -136,7 +136,12 @@ def test_the_prompt_of_a_hugging_face_whisper():
     forced = {**config, "forced_decoder_ids": [[1, EN], [2, TRANSCRIBE], [3, NO_TIMESTAMPS]]}
     prompt = decoder_prompt(forced, {}, special)
     assert (prompt.tokens, prompt.language, prompt.detect_at) == ((START, EN, TRANSCRIBE, NO_TIMESTAMPS), EN, None)
-    assert decoder_prompt(forced, {}, special, language="fr", task="translate").tokens == (START, FR, TRANSLATE, NO_TIMESTAMPS)
+    assert decoder_prompt(forced, {}, special, language="fr", task="translate").tokens == (
+        START,
+        FR,
+        TRANSLATE,
+        NO_TIMESTAMPS,
+    )
     # an English-only model forces no timestamps alone
     english = {**config, "forced_decoder_ids": [[1, NO_TIMESTAMPS]]}
     assert decoder_prompt(english, {}, special).tokens == (START, NO_TIMESTAMPS)
@@ -151,14 +156,23 @@ def test_the_prompt_of_a_hugging_face_whisper():
     assert (detect.tokens, detect.detect_at, detect.languages) == ((START, TRANSCRIBE, NO_TIMESTAMPS), 1, {EN, FR})
     assert detect.with_language(FR) == [START, FR, TRANSCRIBE, NO_TIMESTAMPS] and detect.longest == 4
     assert decoder_prompt(forced, generation, special, language="en").tokens == (START, EN, TRANSCRIBE, NO_TIMESTAMPS)
-    assert decoder_prompt(forced, {**generation, "language": "<|fr|>"}, special).tokens == (START, FR, TRANSCRIBE, NO_TIMESTAMPS)
+    assert decoder_prompt(forced, {**generation, "language": "<|fr|>"}, special).tokens == (
+        START,
+        FR,
+        TRANSCRIBE,
+        NO_TIMESTAMPS,
+    )
     # without forced ids, a multilingual model is told to transcribe
     free = {k: v for k, v in generation.items() if k != "forced_decoder_ids"}
     assert decoder_prompt({}, free, special, language="en").tokens == (START, EN, TRANSCRIBE, NO_TIMESTAMPS)
 
-    with pytest.raises(UserError, match=r"language 'de': the model's tokenizer has no <\|de\|> token \(languages: en, fr\)"):
+    with pytest.raises(
+        UserError, match=r"language 'de': the model's tokenizer has no <\|de\|> token \(languages: en, fr\)"
+    ):
         decoder_prompt(forced, {}, special, language="de")
-    with pytest.raises(UserError, match=r"task 'summarize': the model has no such task \(tasks: transcribe, translate\)"):
+    with pytest.raises(
+        UserError, match=r"task 'summarize': the model has no such task \(tasks: transcribe, translate\)"
+    ):
         decoder_prompt(forced, {}, special, task="summarize")
     with pytest.raises(UserError, match="sets no decoder_start_token_id: give the prompt with --prompt-ids"):
         decoder_prompt({}, {}, special)
@@ -222,7 +236,7 @@ def test_the_command_prints_a_transcript_per_file(whisper_dir, audio_files, spee
 def test_a_file_that_is_not_audio_exits_2_naming_it(whisper_dir, audio_files, tmp_path, capsys):
     notes = tmp_path / "notes.wav"
     notes.write_text("these are not the sounds you are looking for\n")
-    code, out, err = _run([whisper_dir, audio_files[0], str(notes), "--max-new-tokens", "2"], capsys)
+    code, _out, err = _run([whisper_dir, audio_files[0], str(notes), "--max-new-tokens", "2"], capsys)
     assert code == 2
     assert f"error: {notes}" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
@@ -277,7 +291,11 @@ def test_a_multilingual_whisper_is_told_or_names_the_language(tmp_path, audio_fi
     model = load_model_source(directory)
     ids = model.tokenizer.encode_batch(["<|startoftranscript|><|en|><|fr|>"])[0].tolist()
     (chosen,) = greedy_transcribe(
-        model.model, next(window_features(speech[0], num_mels=8, num_frames=3000))[None], prompt=ids[:1], end_id=-1, max_tokens=1
+        model.model,
+        next(window_features(speech[0], num_mels=8, num_frames=3000))[None],
+        prompt=ids[:1],
+        end_id=-1,
+        max_tokens=1,
     )
     named = {ids[1]: "en", ids[2]: "fr"}.get(chosen[0])
     assert json.loads(out).get("language") == named
@@ -301,7 +319,9 @@ def test_a_model_trained_here_starts_with_its_data_formats_prompt(tmp_path, spee
     )  # fmt: skip
     model = config.build(Axis("vocab", 257), key=jax.random.PRNGKey(3))
     run = {"model": config.model_dump(mode="json"), "data": {"tokenizer": "byte", "format": {"type": "audio"}}}
-    write_checkpoint({"model": model}, str(tmp_path / "run" / "step-5"), step=5, metadata={"config": run, "vocab_size": 257})
+    write_checkpoint(
+        {"model": model}, str(tmp_path / "run" / "step-5"), step=5, metadata={"config": run, "vocab_size": 257}
+    )
     clip = tmp_path / "clip.wav"
     soundfile.write(clip, speech[2], 16_000)
 

@@ -110,7 +110,9 @@ def check_parity(hf_config, workdir: Path, *, scan_layers: bool = True, max_shar
     import_diff = float(np.max(np.abs(our_logits(ours, features, ids) - expected)))
 
     export_hf(imported, exported, max_shard_bytes=max_shard_bytes)
-    reloaded = transformers.WhisperForConditionalGeneration.from_pretrained(exported, attn_implementation="eager").eval()
+    reloaded = transformers.WhisperForConditionalGeneration.from_pretrained(
+        exported, attn_implementation="eager"
+    ).eval()
     export_diff = float(np.max(np.abs(hf_logits(reloaded, features, ids) - expected)))
 
     before = transformers.WhisperConfig.from_pretrained(source).to_dict()
@@ -151,7 +153,9 @@ def test_whisper_tiny_shapes_match_transformers_both_ways(scan_layers, tmp_path)
     """openai/whisper-tiny's shapes (random weights: nothing is downloaded), 30 s of frames."""
     hf_config = transformers.WhisperConfig(**WHISPER_TINY)
     report = check_parity(hf_config, tmp_path, scan_layers=scan_layers, max_shard_bytes=2**26)
-    print(f"whisper-tiny shapes scan_layers={scan_layers}: import {report['import']:.2e}, export {report['export']:.2e}")
+    print(
+        f"whisper-tiny shapes scan_layers={scan_layers}: import {report['import']:.2e}, export {report['export']:.2e}"
+    )
     assert report["import"] <= 1e-4 and report["export"] <= 1e-4
     assert report["translated"] == {} and report["exported"] == {}
     # our defaults are whisper-tiny's
@@ -189,7 +193,9 @@ def test_a_base_model_checkpoint_loads(tmp_path):
     theirs.model.save_pretrained(tmp_path / "base")
     loaded = load_hf_model(str(tmp_path / "base"))
     features, ids = inputs(hf_config, seed=7)
-    np.testing.assert_allclose(our_logits(loaded.model, features, ids), hf_logits(theirs, features, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        our_logits(loaded.model, features, ids), hf_logits(theirs, features, ids), atol=1e-4, rtol=0
+    )
 
 
 def _tiny_model(**overrides):
@@ -372,7 +378,9 @@ def test_the_text_only_language_model_interface_refuses_by_name():
         model.activations(ids)
     with pytest.raises(UserError, match=r"cannot be trained, evaluated or sampled as a next-token language model"):
         model.init_cache(Axis("batch", 1), Axis("key_position", 8))
-    with pytest.raises(UserError, match=r"model type 'whisper' is an encoder-decoder: each request needs an encoder input"):
+    with pytest.raises(
+        UserError, match=r"model type 'whisper' is an encoder-decoder: each request needs an encoder input"
+    ):
         Engine(model, max_seqs=2).submit([1, 2], SamplingParams(max_new_tokens=2))
     with pytest.raises(ConfigError, match=r"model.vocab_size is 32, but the vocabulary has 40 tokens"):
         _tiny_model(vocab_size=32)

@@ -4,7 +4,8 @@ run's config is validated."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import haliax as hax

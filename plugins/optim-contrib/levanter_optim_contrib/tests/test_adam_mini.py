@@ -53,7 +53,9 @@ def make_model(seed=0) -> Model:
     def attention(lead=()):
         q_out, kv_out = (KvHeads, PerGroup, HeadSize), (KvHeads, HeadSize)
         return Attention(
-            linear(Embed, q_out, lead), linear(Embed, kv_out, lead), linear(Embed, kv_out, lead),
+            linear(Embed, q_out, lead),
+            linear(Embed, kv_out, lead),
+            linear(Embed, kv_out, lead),
             linear(q_out, Embed, lead),
         )
 
@@ -145,9 +147,16 @@ def test_matches_the_papers_equations_with_the_blocks_spelled_out(fields):
 
     got, _ = run(config.build(10), params, grads)
     want = adam_mini_numpy(
-        leaves_by_name(params), [leaves_by_name(g) for g in grads],
-        lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, max_norm=config.max_grad_norm, wd=config.weight_decay,
-        decayed=leaves_by_name(config.build_weight_decay_mask()(params)), nesterov=config.nesterov,
+        leaves_by_name(params),
+        [leaves_by_name(g) for g in grads],
+        lr=0.01,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        max_norm=config.max_grad_norm,
+        wd=config.weight_decay,
+        decayed=leaves_by_name(config.build_weight_decay_mask()(params)),
+        nesterov=config.nesterov,
     )
     assert set(got[0]) == set(want[0]) and set(BLOCK_AXES) < set(want[0])
     for got_step, want_step in zip(got, want):
@@ -224,8 +233,18 @@ def test_loads_levanters_fields_and_defaults():
 
     with pytest.warns(UserWarning, match="optimizer.lr has no effect"):
         config = cls.model_validate(
-            {"type": "mini", "lr": 0.01, "learning_rate": 3e-3, "weight_decay": 0.1, "beta1": 0.8,
-             "beta2": 0.99, "epsilon": 1e-6, "max_grad_norm": 0.5, "nesterov": True, "warmup": 0}
+            {
+                "type": "mini",
+                "lr": 0.01,
+                "learning_rate": 3e-3,
+                "weight_decay": 0.1,
+                "beta1": 0.8,
+                "beta2": 0.99,
+                "epsilon": 1e-6,
+                "max_grad_norm": 0.5,
+                "nesterov": True,
+                "warmup": 0,
+            }
         )
     assert (config.learning_rate, config.beta1, config.beta2, config.max_grad_norm) == (3e-3, 0.8, 0.99, 0.5)
     assert float(config.lr_scheduler(10)(0)) == pytest.approx(3e-3)  # the peak is learning_rate, not lr

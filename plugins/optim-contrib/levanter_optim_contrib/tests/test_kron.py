@@ -1,6 +1,7 @@
 """PSGD Kron (``type: kron``) against the equations written plainly in numpy (float64), with
 explicit Kronecker products instead of per-dimension products."""
 
+import itertools
 import math
 
 import equinox as eqx
@@ -313,7 +314,7 @@ def test_training_lowers_the_loss():
     for i in range(20):
         model, state, loss = step(model, state, jax.random.PRNGKey(i))
         losses.append(float(loss))
-    assert losses[-1] < losses[0] - 0.25 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 0.25 and all(b < a for a, b in itertools.pairwise(losses)), losses
 
 
 # -- the config --------------------------------------------------------------------------------

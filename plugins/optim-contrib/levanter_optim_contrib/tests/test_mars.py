@@ -70,8 +70,16 @@ def test_matches_the_papers_equations_on_a_named_model(gpt2, wd):
 
     got = run(config.build(10), gpt2, grads)
     want, clipped = mars_numpy(
-        jax.tree.leaves(gpt2), [jax.tree.leaves(g) for g in grads],
-        lr=0.01, beta1=0.9, beta2=0.99, gamma=0.3, eps=1e-8, max_norm=1.0, wd=wd, decayed=decayed,
+        jax.tree.leaves(gpt2),
+        [jax.tree.leaves(g) for g in grads],
+        lr=0.01,
+        beta1=0.9,
+        beta2=0.99,
+        gamma=0.3,
+        eps=1e-8,
+        max_norm=1.0,
+        wd=wd,
+        decayed=decayed,
     )
     assert clipped[0] is False and clipped[1] is True
     for got_step, want_step in zip(got, want):
@@ -87,8 +95,16 @@ def test_matches_the_papers_equations_on_plain_arrays_without_clipping():
 
     got = run(config.build(10), params, grads)
     want, _ = mars_numpy(
-        jax.tree.leaves(params), [jax.tree.leaves(g) for g in grads],
-        lr=0.01, beta1=0.95, beta2=0.99, gamma=0.025, eps=1e-8, max_norm=None, wd=0.0, decayed=[False, False],
+        jax.tree.leaves(params),
+        [jax.tree.leaves(g) for g in grads],
+        lr=0.01,
+        beta1=0.95,
+        beta2=0.99,
+        gamma=0.025,
+        eps=1e-8,
+        max_norm=None,
+        wd=0.0,
+        decayed=[False, False],
     )
     for got_step, want_step in zip(got, want):
         for x, y in zip(got_step, want_step):
@@ -124,8 +140,18 @@ def test_loads_levanters_fields_and_defaults():
     assert (default.max_grad_norm, default.weight_decay) == (1.0, 0.1)
 
     config = cls.model_validate(
-        {"type": "mars", "learning_rate": 3e-3, "weight_decay": 0.05, "beta1": 0.9, "beta2": 0.999,
-         "gamma": 0.05, "epsilon": 1e-6, "max_grad_norm": None, "warmup": 0.1, "lr_schedule": "linear"}
+        {
+            "type": "mars",
+            "learning_rate": 3e-3,
+            "weight_decay": 0.05,
+            "beta1": 0.9,
+            "beta2": 0.999,
+            "gamma": 0.05,
+            "epsilon": 1e-6,
+            "max_grad_norm": None,
+            "warmup": 0.1,
+            "lr_schedule": "linear",
+        }
     )
     assert (config.beta1, config.beta2, config.gamma, config.epsilon) == (0.9, 0.999, 0.05, 1e-6)
     assert config.max_grad_norm is None and config.weight_decay == 0.05

@@ -151,7 +151,9 @@ def test_mixture_of_experts_matrices_are_per_expert():
     got = mapped.experts.down_proj.rearrange(("experts", "mlp", "embed")).array
     for e in range(3):
         assert_close(got[e], newton_schulz_reference(down[e].T, 5).T, rtol=1e-4, atol=2e-5)
-    assert_close(mapped.router.weight.array, newton_schulz_reference(block.router.weight.array, 5), rtol=1e-4, atol=2e-5)
+    assert_close(
+        mapped.router.weight.array, newton_schulz_reference(block.router.weight.array, 5), rtol=1e-4, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize("kimi", [False, True])

@@ -113,7 +113,7 @@ def _run(config: SoapConfig, params, grads_per_step):
 
 
 def _soap_state(opt_state) -> ScaleBySoapState:
-    is_soap = lambda x: isinstance(x, ScaleBySoapState)  # noqa: E731
+    is_soap = lambda x: isinstance(x, ScaleBySoapState)
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_soap) if is_soap(s)]
     assert len(found) == 1
     return found[0]
@@ -245,7 +245,7 @@ def test_a_stacked_model_steps_as_the_same_model_unrolled():
     def unrolled(tree):
         """``tree``, of the stacked model's structure, in the unrolled model's (arrays only)."""
         layers = list(tree.transformer.blocks.unstacked())
-        parts = lambda m: (m.transformer.blocks.blocks, m.transformer.ln_f, m.embeddings)  # noqa: E731
+        parts = lambda m: (m.transformer.blocks.blocks, m.transformer.ln_f, m.embeddings)
         tree = eqx.tree_at(parts, template, (layers, tree.transformer.ln_f, tree.embeddings))
         return eqx.filter(tree, eqx.is_inexact_array)
 
@@ -263,7 +263,7 @@ def test_a_stacked_model_steps_as_the_same_model_unrolled():
         max_precond_dim=3,
         block_size=2,
     )
-    arrays = lambda tree: eqx.filter(tree, eqx.is_inexact_array)  # noqa: E731
+    arrays = lambda tree: eqx.filter(tree, eqx.is_inexact_array)
     ours, _ = _run(config, arrays(stacked), [arrays(g) for g in grads])
     theirs, _ = _run(config, unrolled(stacked), [unrolled(g) for g in grads])
     for step, (a, b) in enumerate(zip(ours, theirs)):

@@ -18,9 +18,9 @@ from levanter_optim_contrib.sophia import (
     SophiaGConfig,
     SophiaHConfig,
     SophiaState,
+    _random_like,
     gauss_newton_bartlett_estimate,
     hutchinson_estimate,
-    _random_like,
 )
 
 Row, Col = hax.Axis("row", 3), hax.Axis("col", 4)
@@ -38,7 +38,16 @@ def quadratic_objective(diagonal: dict, centre: float = 0.0) -> tuple[BatchObjec
     return BatchObjective(lambda p, key: f(p), unused, lambda: jnp.float32(1)), f
 
 
-CONFIG = dict(learning_rate=0.05, warmup=0, lr_schedule="constant", weight_decay=0.01, default_weight_decay_mask=False, beta1=0.9, gamma=0.02, epsilon=1e-8)
+CONFIG = dict(
+    learning_rate=0.05,
+    warmup=0,
+    lr_schedule="constant",
+    weight_decay=0.01,
+    default_weight_decay_mask=False,
+    beta1=0.9,
+    gamma=0.02,
+    epsilon=1e-8,
+)
 OPTAX = dict(b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01, gamma=0.02, clip_threshold=1.0)
 
 
@@ -69,14 +78,14 @@ def test_one_update_matches_optax_contrib_sophia(count):
     theirs = optax.contrib.sophia(0.05, update_interval=10, **OPTAX)
     mu = {k: rng.normal(size=d.shape).astype(np.float32) for k, d in diagonal.items()}
     h = {k: rng.uniform(5, 200, d.shape).astype(np.float32) for k, d in diagonal.items()}
-    named = lambda tree: {k: hax.named(v, params[k].axes) for k, v in tree.items()}  # noqa: E731
+    named = lambda tree: {k: hax.named(v, params[k].axes) for k, v in tree.items()}
     ours_state = ours.init(params)
     ours_state = (ours_state[0]._replace(count=jnp.int32(count), mu=named(mu), h=named(h)), *ours_state[1:])
     theirs_state = theirs.init(_raw(params))
-    at = lambda c: (theirs_state[0]._replace(count=jnp.int32(c), mu=mu, nu=h), *theirs_state[1:])  # noqa: E731
+    at = lambda c: (theirs_state[0]._replace(count=jnp.int32(c), mu=mu, nu=h), *theirs_state[1:])
 
     grads = eqx.filter_grad(f)(params)
-    plain_f = lambda r: f({k: hax.named(v, params[k].axes) for k, v in r.items()})  # noqa: E731
+    plain_f = lambda r: f({k: hax.named(v, params[k].axes) for k, v in r.items()})
     u, ours_after = ours.update(grads, ours_state, params, objective=objective)
     v, theirs_after = theirs.update(_raw(grads), at(count), _raw(params), obj_fn=plain_f)
     if count % 10 == 9:  # optax's estimate, one step later
@@ -173,14 +182,25 @@ def test_lm_targets_are_drawn_from_the_models_own_distribution():
     hidden = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
     head = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
     p = np.asarray(jax.nn.softmax(hidden[0, 0] @ head))
-    draws = jax.vmap(lambda k: sample_tokens(hidden, head, k, block=1)[0, 0])(jax.random.split(jax.random.PRNGKey(0), 20000))
+    draws = jax.vmap(lambda k: sample_tokens(hidden, head, k, block=1)[0, 0])(
+        jax.random.split(jax.random.PRNGKey(0), 20000)
+    )
     freq = np.bincount(np.asarray(draws), minlength=5) / 20000
     assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / 20000) + 1e-3), (freq, p)
 
 
 def test_levanter_field_names_and_defaults():
-    h = SophiaHConfig.model_validate({"learning_rate": 6e-4, "weight_decay": 0.2, "min_lr_ratio": 0.1, "gamma": 0.01, "warmup": 2000})
-    assert (h.beta1, h.beta2, h.epsilon, h.clip_threshold, h.update_interval, h.rng_seed) == (0.96, 0.99, 1e-12, 1.0, 10, 0)
+    h = SophiaHConfig.model_validate(
+        {"learning_rate": 6e-4, "weight_decay": 0.2, "min_lr_ratio": 0.1, "gamma": 0.01, "warmup": 2000}
+    )
+    assert (h.beta1, h.beta2, h.epsilon, h.clip_threshold, h.update_interval, h.rng_seed) == (
+        0.96,
+        0.99,
+        1e-12,
+        1.0,
+        10,
+        0,
+    )
     assert SophiaHConfig().gamma == 0.01 and SophiaGConfig().gamma == 0.05
     with pytest.raises(ValidationError, match="update_interval"):
         SophiaHConfig(update_interval=0)
@@ -192,7 +212,11 @@ def test_levanter_field_names_and_defaults():
 
 
 def _sophia_state(opt_state) -> SophiaState:
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SophiaState)) if isinstance(s, SophiaState)]
+    found = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SophiaState))
+        if isinstance(s, SophiaState)
+    ]
     assert len(found) == 1
     return found[0]
 

@@ -46,7 +46,11 @@ def test_the_plugin_is_found_with_its_format_and_objective():
 def test_the_format_is_registered_with_a_row_per_pair():
     source = UrlSourceConfig(train_urls=["pairs.jsonl"], format={"type": "preference", "chosen_key": "good"})
     assert isinstance(source.format, PreferenceFormat) and source.format.layout == "document"
-    assert source.format.document_fields() == {"chosen_mask": "uint8", "rejected_ids": "int32", "rejected_mask": "uint8"}
+    assert source.format.document_fields() == {
+        "chosen_mask": "uint8",
+        "rejected_ids": "int32",
+        "rejected_mask": "uint8",
+    }
     assert PreferenceFormat().fingerprint() != PreferenceFormat(prompt_key="question").fingerprint()
 
 

@@ -72,7 +72,9 @@ def torch_dpo(policy_dir: str, reference_dir: str, batch, beta: float, label_smo
     chosen_rewards = beta * (pi["chosen"] - ref["chosen"])
     rejected_rewards = beta * (pi["rejected"] - ref["rejected"])
     m = chosen_rewards - rejected_rewards
-    losses = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(m) - label_smoothing * torch.nn.functional.logsigmoid(-m)
+    losses = -(1 - label_smoothing) * torch.nn.functional.logsigmoid(
+        m
+    ) - label_smoothing * torch.nn.functional.logsigmoid(-m)
     return {
         "loss": losses.mean().item(),
         "dpo/rewards_chosen": chosen_rewards.mean().item(),
@@ -193,8 +195,13 @@ def test_blockwise_log_probs_equal_the_plain_ones_with_their_gradients():
 
     expected = jax.jit(jax.grad(lambda h, w: jnp.sum(plain(h, w) * weights), argnums=(0, 1)))(hidden, head)
     for block in (None, 1, 4):  # one block, one position each, blocks that leave a partial one
-        values = jax.jit(lambda h, w: blocked_log_probs(h, w, targets, block=block))(hidden, head)
+        values = jax.jit(lambda h, w, block=block: blocked_log_probs(h, w, targets, block=block))(hidden, head)
         np.testing.assert_allclose(values, plain(hidden, head), atol=1e-5)
-        found = jax.jit(jax.grad(lambda h, w: jnp.sum(blocked_log_probs(h, w, targets, block=block) * weights), argnums=(0, 1)))
+        found = jax.jit(
+            jax.grad(
+                lambda h, w, block=block: jnp.sum(blocked_log_probs(h, w, targets, block=block) * weights),
+                argnums=(0, 1),
+            )
+        )
         for a, b in zip(found(hidden, head), expected):
             np.testing.assert_allclose(a, b, atol=1e-5)

@@ -108,7 +108,10 @@ def test_a_dpo_run_ranks_held_out_pairs_better(tmp_path, data, llama_dir, weight
     assert end["eval/dpo_margin"] > 0.5 and end["eval/loss"] < 0.4
     trained = [m for m in map(json.loads, (tmp_path / "logs" / "run" / "metrics.jsonl").read_text().splitlines())
                if "dpo/accuracy" in m]  # fmt: skip
-    assert trained and {"dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin", "dpo/logps_chosen"} <= trained[-1].keys()
+    assert (
+        trained
+        and {"dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin", "dpo/logps_chosen"} <= trained[-1].keys()
+    )
     # throughput counts both sequences of a pair, and model FLOP/s the reference's forward pass too
     from levanter_core.config.train import load_train_config
 

@@ -80,7 +80,9 @@ def test_a_top_k_past_int32_does_not_stop_the_engine(server):
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
     # a top_k past the vocabulary (but within bounds) keeps every token, as 0 does
     answers = [
-        post(server, "completions", {"prompt": "hi", "max_tokens": 6, "seed": 4, "top_k": k}).json()["choices"][0]["text"]
+        post(server, "completions", {"prompt": "hi", "max_tokens": 6, "seed": 4, "top_k": k}).json()["choices"][0][
+            "text"
+        ]
         for k in (0, 2147483647)
     ]
     assert answers[0] == answers[1]
@@ -92,9 +94,18 @@ SURROGATES = [
     ("completions", '{"prompt": "hi", "stop": ["\\ud83d"]}', "stop", "stop string 0"),
     ("completions", '{"prompt": "hi", "model": "\\ud800"}', "model", "model"),
     ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content", "content"),
-    ("chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
-     "messages[0].content", "content"),  # fmt: skip
-    ("chat/completions", '{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}', "messages[0].name", "name"),
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+        "messages[0].content",
+        "content",
+    ),
+    (
+        "chat/completions",
+        '{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+        "messages[0].name",
+        "name",
+    ),
 ]
 
 
@@ -161,7 +172,7 @@ def _raw(port: int, data: bytes, wait: float) -> bytes:
         while True:
             try:
                 chunk = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
+            except (TimeoutError, ConnectionResetError):
                 break
             if not chunk:
                 break
@@ -197,7 +208,9 @@ def test_host_names_are_checked_without_an_api_key(limited_server, keyed_server)
     for host in ("localhost", "localhost:8000", "127.0.0.1:1234", "[::1]:80", "10.1.2.3", "MY-BOX.internal:80"):
         assert post(url, "completions", body, headers={"Host": host}).status_code == 200, host
     # with an API key, the key is the guard
-    keyed = httpx.get(f"{keyed_server}/v1/models", headers={"Host": "anything.example", "Authorization": "Bearer sesame"})
+    keyed = httpx.get(
+        f"{keyed_server}/v1/models", headers={"Host": "anything.example", "Authorization": "Bearer sesame"}
+    )
     assert keyed.status_code == 200
 
 
@@ -209,7 +222,10 @@ def test_docs_follow_the_api_key(server, keyed_server, engine, loaded):
         refused = httpx.get(f"{keyed_server}{path}")
         assert refused.status_code == 401 and error_of(refused)["code"] == "invalid_api_key"
         assert httpx.get(f"{keyed_server}{path}", headers={"Authorization": "Bearer sesame"}).status_code == 200
-    assert "/v1/completions" in httpx.get(f"{keyed_server}/openapi.json", headers={"Authorization": "Bearer sesame"}).json()["paths"]
+    assert (
+        "/v1/completions"
+        in httpx.get(f"{keyed_server}/openapi.json", headers={"Authorization": "Bearer sesame"}).json()["paths"]
+    )
     with ServerThread(create_app(engine, loaded, api_key="sesame", public_docs=True)) as public:
         assert httpx.get(f"{public.url}/docs").status_code == 200
         assert httpx.get(f"{public.url}/openapi.json").status_code == 200

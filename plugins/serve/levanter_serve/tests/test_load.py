@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 
 import httpx
@@ -41,8 +40,15 @@ def _valid() -> list[tuple[str, dict]]:
         ("completions", {"prompt": [5, 9, 200, 17], "max_tokens": 5, "stop": ["e", "\n\n"]}),
         ("completions", {"prompt": ["hello", "fox"], "max_tokens": 3, "n": 2}),
         ("completions", {"prompt": "😀 \u202e\x00 ok", "max_tokens": 4, "top_k": 2**31 - 1, "seed": -(2**63)}),
-        ("chat/completions", {"messages": [{"role": "user", "content": "\\ud800 is six characters"}], "max_tokens": 3,
-                              "logprobs": True, "top_logprobs": 2}),  # fmt: skip
+        (
+            "chat/completions",
+            {
+                "messages": [{"role": "user", "content": "\\ud800 is six characters"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ),
     ]
     return [(endpoint, {**body, "temperature": 0}) for endpoint, body in out]
 
@@ -133,8 +139,9 @@ def test_two_thousand_requests_mixing_valid_and_bad_input(engine, loaded):
 
                 slow = [
                     _slow_client(running.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"),
-                    _slow_client(running.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                               b"Content-Length: 50\r\n\r\n{"),  # fmt: skip
+                    _slow_client(
+                        running.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 50\r\n\r\n{"
+                    ),
                 ]
                 started = time.monotonic()
                 results = await asyncio.gather(*(one(k, i) for k, i in plan), *slow)
@@ -151,10 +158,15 @@ def test_two_thousand_requests_mixing_valid_and_bad_input(engine, loaded):
             assert response.json()["choices"] == alone[i], valid[i]
         else:
             endpoint, body, headers, allowed = bad[i]
-            assert response.status_code in allowed, (endpoint, str(body)[:200], headers, response.status_code, response.text)
+            assert response.status_code in allowed, (
+                endpoint,
+                str(body)[:200],
+                headers,
+                response.status_code,
+                response.text,
+            )
             assert set(response.json()) == {"error"}
     assert all(answer.startswith(b"HTTP/1.1 408") for answer in slow_answers), slow_answers
     assert 500 not in statuses and 503 not in statuses
     assert health["status"] == "ok" and engine.failed is None and engine.accepting
     print(f"\n{REQUESTS} requests in {seconds:.1f} s: " + ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items())))
-

@@ -162,7 +162,7 @@ def test_stream_usage_and_done(server, client):
                 stream=True, stream_options={"include_usage": True})  # fmt: skip
     with httpx.stream("POST", f"{server}/v1/completions", json=body) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
@@ -367,8 +367,17 @@ def test_ctrl_c_finishes_answers_in_flight(model_dir):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
-        [sys.executable, "-c", "from levanter_core.cli import main; main()", "serve", model_dir, "--port", str(port),
-         "--max-rounds", "1"],  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "from levanter_core.cli import main; main()",
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--max-rounds",
+            "1",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

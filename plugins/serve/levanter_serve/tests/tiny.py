@@ -42,7 +42,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **settings))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from levanter_tracker_tensorboard import TensorboardConfig
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
@@ -18,6 +17,7 @@ from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
 from levanter_core.tracker import Histogram, RunInfo
 from levanter_core.trainer.run import run_training
+from levanter_tracker_tensorboard import TensorboardConfig
 
 CONFIG = {
     "model": {"type": "gpt2", "hidden_dim": 32, "num_layers": 1},

@@ -5,16 +5,16 @@ import json
 import os
 import subprocess
 
-import levanter_tracker_wandb.plugin as wandb_plugin
 import numpy as np
 import pytest
-from levanter_tracker_wandb.offline import offline_run_files, read_offline_run
 from pydantic import ValidationError
 
+import levanter_tracker_wandb.plugin as wandb_plugin
 from levanter_core import plugins
 from levanter_core.config.base import validate_section
 from levanter_core.testing import code_docs, run_config, write_jsonl
 from levanter_core.tracker import Histogram, RunInfo
+from levanter_tracker_wandb.offline import offline_run_files, read_offline_run
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +140,9 @@ def test_save_code_saves_the_working_directorys_git_files_commit_and_diff(tmp_pa
     open_tracker(tmp_path, save_code=True).finish()
 
     run = only_run(tmp_path / "logs" / "run-1", "run-1")
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert run.git_commit == sha
     code = [a for a in run.artifacts if a["type"] == "code"]
     assert len(code) == 1 and sorted(code[0]["files"]) == [".gitignore", "notes.py", "pkg/model.py"]

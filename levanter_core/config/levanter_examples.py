@@ -46,6 +46,7 @@ from typing import Any
 from levanter_core.config.loader import Sources
 from levanter_core.config.sft import SFT_FIELDS, ProgramTranslation, TranslatedSources
 from levanter_core.errors import LevanterError
+from levanter_core.models.lm import LmConfig
 
 ALPACA_PROMPTS = {
     "prompt_input": (
@@ -204,12 +205,10 @@ class _Translation(ProgramTranslation):
     def model(self, hf_config: dict | None) -> dict:
         """The model section: the architecture is the checkpoint's ``config.json`` (at run time,
         ``use_hf_model_config``); this keeps the type, the training length and how to run it."""
-        from levanter_core.trainer.run import RUN_SETTINGS
-
         ours = _our_model(hf_config)
         if self.program == "gsm8k_lora":
             given = self.gsm8k_model_section()
-            model = {k: v for k, v in given.items() if (k == "type" or k in RUN_SETTINGS) and k != "seq_len"}
+            model = {k: v for k, v in given.items() if (k == "type" or k in LmConfig.run_settings) and k != "seq_len"}
         else:
             model = {
                 "type": ours.type if ours is not None else "llama"

@@ -37,6 +37,7 @@ from pydantic import field_validator
 from levanter_core.config.base import ConfigModel
 from levanter_core.config.loader import Sources
 from levanter_core.errors import ConfigError
+from levanter_core.models.lm import LmConfig
 
 LLAMA3_CHAT_TOKENS = (
     "<|finetune_right_pad_id|>",
@@ -220,9 +221,7 @@ class _Translation(ProgramTranslation):
         if init:
             # Levanter takes the architecture from the checkpoint's config.json, with max_seq_len:
             # of the model section only the type and how to run it (its run settings) are kept
-            from levanter_core.trainer.run import RUN_SETTINGS
-
-            model = {k: v for k, v in model.items() if k == "type" or k in RUN_SETTINGS}
+            model = {k: v for k, v in model.items() if k == "type" or k in LmConfig.run_settings}
             out["initialize_from_hf"] = source if init is True else init
             out["use_hf_model_config"] = True
             where = ("initialize_from_hf",) if "initialize_from_hf" in raw else ("model_name_or_path",)

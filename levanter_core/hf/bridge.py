@@ -24,10 +24,11 @@ import jax.numpy as jnp
 from haliax import Axis
 
 from levanter_core import lora
-from levanter_core.errors import CheckpointError, ConfigError
+from levanter_core.errors import CheckpointError, ConfigError, PluginError
 from levanter_core.fileio import is_local, join, list_names, normalize, read_bytes, write_bytes, write_text_atomically
 from levanter_core.hf.checkpoint import HfCheckpoint, upload_hf_directory, write_hf_checkpoint
 from levanter_core.hf.convert import HfConvertible, load_hf_weights, to_hf_state_dict
+from levanter_core.plugins import get_manager, registry
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,6 @@ def read_hf_config(directory: str) -> dict:
 
 def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
     """Our model config for a Hugging Face config, through the plugin that claims it."""
-    from levanter_core.plugins import get_manager, registry
-
     entry = get_manager().model_type_for_hf_config(hf_config)
     models = registry("model")
     if entry is None:
@@ -232,7 +231,6 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
     checkpoint at step 0, with its config, the original ``config.json`` and the tokenizer
     files). Returns ``output``."""
     from levanter_core.checkpoint import COMMIT_MARKER, write_checkpoint
-    from levanter_core.trainer.run import plugin_versions
 
     output = normalize(output)
     present = list_names(output)
@@ -247,7 +245,7 @@ def import_hf(source: str, output: str, *, seq_len: int | None = None) -> str:
         "vocab_size": loaded.Vocab.size,
         "hf_config": loaded.hf_config,
         "imported_from": source,
-        "plugins": plugin_versions(),
+        "plugins": get_manager().versions(),
     }
     write_checkpoint({"model": loaded.model}, output, step=0, metadata=metadata)
     _copy_tokenizer_files(loaded.directory, join(output, HF_TOKENIZER_DIR))
@@ -645,9 +643,6 @@ def _trained_chat_template(run_config: dict, tokenizer) -> str | None:
 def _chat_format(run_config: dict) -> dict | None:
     """The ``format`` section of the first of a run's sources whose format renders
     conversations with a chat template, or None."""
-    from levanter_core.errors import PluginError
-    from levanter_core.plugins import registry
-
     data = run_config.get("data") or {}
     sources = list((data.get("configs") or {}).values()) or [data]
     for source in sources:

@@ -61,6 +61,21 @@ class LmConfig(TypedConfig, abc.ABC):
     """The training objective this model trains with (a name of the ``register_objectives``
     hook, see :mod:`levanter_core.objective`): next-token prediction for language models."""
 
+    run_settings: ClassVar[tuple[str, ...]] = (
+        "seq_len",
+        "scan_layers",
+        "unroll_layers",
+        "gradient_checkpointing",
+        "attn_backend",
+        "flash_attention_block_size",
+        "cross_entropy_block_size",
+        "upcast_attn",
+        "reference_checkpoint",
+    )
+    """Fields that say how to run an architecture, not what it is: under ``use_hf_model_config``
+    they are still taken from the ``model`` section (``seq_len`` always, the others where written).
+    A family with run settings of its own extends the tuple."""
+
     seq_len: int = 1024
     """Length of the training sequences (the ``position`` axis)."""
 

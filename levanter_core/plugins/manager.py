@@ -220,6 +220,11 @@ class PluginManager:
             )
         return chosen[0] if chosen else None
 
+    def versions(self) -> dict[str, str | None]:
+        """The version of each loaded plugin's distribution (by distribution name; a plugin
+        registered without one by its own name): what a run or an export records."""
+        return {info.distribution or info.name: info.version for info in self.plugins.values() if not info.error}
+
     def failures(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.error]
 

@@ -26,6 +26,8 @@ from levanter_core import __version__, lora
 from levanter_core.config.train import TrainConfig, objective_class
 from levanter_core.errors import CheckpointError, ConfigError, DataError
 from levanter_core.fileio import is_local, join, require_filesystem, write_text_atomically
+from levanter_core.models.lm import LmConfig
+from levanter_core.plugins import get_manager
 from levanter_core.tracker.base import RunInfo, finish_tracker
 from levanter_core.trainer.run_sync import SYNC_INTERVAL_SECONDS, RunDirectory
 
@@ -126,9 +128,8 @@ def agreed_run_id(config: TrainConfig, config_path: str | None) -> str:
 
 
 def plugin_versions() -> dict[str, str | None]:
-    from levanter_core.plugins import get_manager
-
-    return {info.distribution or info.name: info.version for info in get_manager().plugins.values() if not info.error}
+    """Kept for code that imported it from here: ``get_manager().versions()``."""
+    return get_manager().versions()
 
 
 def _git_state(directory: str) -> dict | None:
@@ -677,25 +678,14 @@ def _say_adapters(model, base: dict | None) -> None:
     )
 
 
-RUN_SETTINGS = (
-    "seq_len",
-    "scan_layers",
-    "unroll_layers",
-    "gradient_checkpointing",
-    "attn_backend",
-    "flash_attention_block_size",
-    "cross_entropy_block_size",
-    "upcast_attn",
-    "reference_checkpoint",
-)
-"""Model fields that say how to run an architecture, not what it is: under ``use_hf_model_config``
-they are still taken from the ``model`` section (``seq_len`` always, the others where written)."""
+RUN_SETTINGS = LmConfig.run_settings
+"""Kept for code that imported it from here: ``LmConfig.run_settings``."""
 
 
 def _with_run_settings(hf_model, model):
     """``hf_model`` (the architecture read from ``config.json``) with ``model``'s run settings."""
     given = model.model_fields_set | {"seq_len"}
-    settings = [name for name in RUN_SETTINGS if name in given and name in type(hf_model).model_fields]
+    settings = [name for name in type(model).run_settings if name in given and name in type(hf_model).model_fields]
     update = {name: getattr(model, name) for name in settings}
     return hf_model.model_copy(update=update)
 

@@ -50,7 +50,7 @@ def reset(*, autoload: bool | None = None) -> PluginManager:
 
 def register_plugin(plugin: Any, name: str | None = None) -> None:
     """Register an in-process plugin (a module or an object with ``@hookimpl`` methods)."""
-    get_manager().register(plugin, name=name or getattr(plugin, "__name__", repr(plugin)))
+    get_manager().register(plugin, name=name or str(getattr(plugin, "__name__", repr(plugin))))
 
 
 def registry(kind: str) -> Registry:

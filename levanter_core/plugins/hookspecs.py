@@ -40,7 +40,9 @@ PROJECT_NAME = "levanter"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-Register = Callable[[str, type], None]
+Register = Callable[[str, type | str], None]
+"""The ``register`` callback of the registration hooks: a type name and its config class (or the
+class's ``"package.module:Class"`` import path)."""
 
 
 @hookspec
@@ -104,7 +106,7 @@ def register_commands(app: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def model_type_for_hf_config(hf_config: dict) -> str | None:
+def model_type_for_hf_config(hf_config: dict[str, Any]) -> str | None:
     """Map a Hugging Face ``config.json`` (as a dict, with ``model_type`` and
     ``architectures``) to one of our registered model type names, or return
     ``None`` if this plugin does not handle it. A name this plugin registers means its own

@@ -18,7 +18,7 @@ import importlib.metadata
 import os
 import sys
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -149,7 +149,7 @@ class PluginManager:
                     info.error = f"{info.error}; {problem}" if info.error else problem
         return registries
 
-    def hook(self):
+    def hook(self) -> pluggy.HookRelay:
         return self.pm.hook
 
     def clashes(self) -> list[dict[str, Any]]:
@@ -178,7 +178,7 @@ class PluginManager:
                 )
         return found
 
-    def model_type_for_hf_config(self, hf_config: dict) -> Entry | None:
+    def model_type_for_hf_config(self, hf_config: dict[str, Any]) -> Entry | None:
         """The model type that reads the Hugging Face config ``hf_config``: the entry every plugin
         that claims it (``model_type_for_hf_config``) agrees on, or None when no plugin does.
 
@@ -191,7 +191,8 @@ class PluginManager:
         answers: list[tuple[PluginInfo, Entry]] = []
         for impl in reversed(self.pm.hook.model_type_for_hf_config.get_hookimpls()):  # pluggy's call order
             info = self.plugins[impl.plugin_name]
-            name = impl.function(**dict.fromkeys(impl.argnames, hf_config))
+            # The hook's contract: a type name or None (Registry.get refuses anything else).
+            name = cast("str | None", impl.function(**dict.fromkeys(impl.argnames, hf_config)))
             if name is None:
                 continue
             own = [e for e in models if e.name == name and e.plugin == info.name] if ":" not in str(name) else []

@@ -37,7 +37,8 @@ class Kind:
 
     def base_class(self) -> type:
         module, _, attr = self.base.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        base: type = getattr(importlib.import_module(module), attr)
+        return base
 
 
 KINDS: dict[str, Kind] = {
@@ -97,7 +98,7 @@ class Entry:
             return self.target
         module, _, attr = self.target.partition(":")
         try:
-            found = importlib.import_module(module)
+            found: object = importlib.import_module(module)
             for part in attr.split("."):
                 found = getattr(found, part)
         except Exception as e:
@@ -105,8 +106,7 @@ class Entry:
                 f"{self.kind} type {self.name!r} of plugin {self.plugin!r} ({self.provider}) cannot be loaded: "
                 f"importing {self.target!r} failed: {type(e).__name__}: {e}"
             ) from e
-        _check_subclass(self, found)
-        return found
+        return _check_subclass(self, found)
 
     @property
     def provider(self) -> str:
@@ -261,13 +261,15 @@ def _normalized(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
-def _check_subclass(entry: Entry, cls) -> None:
+def _check_subclass(entry: Entry, cls: object) -> type:
+    """``cls``, checked to be a subclass of the base class of ``entry``'s kind."""
     base = KINDS[entry.kind].base_class()
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise PluginError(
             f"plugin {entry.plugin!r} registered {entry.kind} type {entry.name!r} with "
             f"{cls!r}, which is not a subclass of {base.__module__}.{base.__qualname__}"
         )
+    return cls
 
 
 def _who(entry: Entry) -> str:

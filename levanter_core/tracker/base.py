@@ -40,7 +40,7 @@ class RunInfo:
     """The run id (``trainer.id`` or derived from the config)."""
     run_dir: str
     """``{trainer.log_dir}/{run_id}``: the run's own directory, already created."""
-    config: dict
+    config: dict[str, Any]
     """The resolved configuration, as plain JSON-able data."""
     resume_step: int | None = None
     """The step this run resumes after (the checkpoint's step), or None for a fresh start."""
@@ -60,7 +60,7 @@ class Histogram:
     sum_squares: float
 
     @classmethod
-    def from_values(cls, values, bins: int = 64) -> Histogram:
+    def from_values(cls, values: Any, bins: int = 64) -> Histogram:
         """Summarize ``values`` (any array; non-finite entries are left out of the bins
         but counted in ``num``) in ``bins`` equal bins between their min and max."""
         flat = np.asarray(values, dtype=np.float64).ravel()
@@ -119,24 +119,24 @@ class CompositeTracker(Tracker):
     def __init__(self, trackers: Sequence[Tracker]):
         self.trackers = list(trackers)
 
-    def log(self, metrics, *, step):
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
         for t in self.trackers:
             t.log(metrics, step=step)
 
-    def log_summary(self, metrics):
+    def log_summary(self, metrics: dict[str, Any]) -> None:
         for t in self.trackers:
             t.log_summary(metrics)
 
-    def log_hyperparameters(self, hparams):
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         for t in self.trackers:
             t.log_hyperparameters(hparams)
 
-    def log_artifact(self, path, *, name=None, type=None):
+    def log_artifact(self, path: str, *, name: str | None = None, type: str | None = None) -> None:
         for t in self.trackers:
             t.log_artifact(path, name=name, type=type)
 
-    def finish(self, status: RunStatus = "success"):
-        errors = []
+    def finish(self, status: RunStatus = "success") -> None:
+        errors: list[Exception] = []
         for t in self.trackers:
             try:
                 finish_tracker(t, status)
@@ -175,7 +175,7 @@ def finish_tracker(tracker: Tracker, status: RunStatus) -> None:
 class NoopTracker(Tracker):
     """Discards everything."""
 
-    def log(self, metrics, *, step):
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
         pass
 
 

@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from levanter_core.fileio import write_text_atomically
-from levanter_core.tracker.base import Histogram, RunInfo, Tracker, TrackerConfig
+from levanter_core.tracker.base import Histogram, RunInfo, RunStatus, Tracker, TrackerConfig
 
 
 class JsonTrackerConfig(TrackerConfig):
@@ -58,20 +58,20 @@ class JsonTracker(Tracker):
                     kept.append(line if line.endswith("\n") else line + "\n")
         write_text_atomically(self.path, "".join(kept))
 
-    def log(self, metrics, *, step):
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
         # Numbers and text; histograms are for trackers that can draw them.
         kept = {k: v for k, v in metrics.items() if not isinstance(v, Histogram)}
         record = {"step": int(step), **{k: _jsonable(v) for k, v in kept.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def log_summary(self, metrics):
+    def log_summary(self, metrics: dict[str, Any]) -> None:
         self._write_json("summary.json", {k: _jsonable(v) for k, v in metrics.items()})
 
-    def log_hyperparameters(self, hparams):
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         self._write_json("hparams.json", hparams)
 
-    def log_artifact(self, path, *, name=None, type=None):
+    def log_artifact(self, path: str, *, name: str | None = None, type: str | None = None) -> None:
         run_dir = os.path.abspath(self.run_dir)
         if os.path.abspath(path).startswith(run_dir + os.sep):
             return  # already in the run directory
@@ -82,7 +82,7 @@ class JsonTracker(Tracker):
         else:
             shutil.copy2(path, target)
 
-    def finish(self, status="success"):
+    def finish(self, status: RunStatus = "success") -> None:
         if not self._file.closed:
             self._file.close()
 

@@ -75,7 +75,7 @@ class Objective(abc.ABC):
     run's ``objective:`` section (``{type: NAME, ...settings}``) is validated into, given to
     :meth:`from_config` as ``config.objective_options``. None: the objective takes none."""
 
-    default_format: ClassVar[dict | None] = None
+    default_format: ClassVar[dict[str, Any] | None] = None
     """The data format (a ``format`` section, ``{"type": "audio"}`` say) that every data source
     written without a ``format`` gets in a run of this objective; None: the sources' own
     default (``text``)."""
@@ -121,10 +121,10 @@ class Objective(abc.ABC):
         arrays whose first axis is the batch axis), a pytree of named arrays."""
 
     @abc.abstractmethod
-    def loss(self, model: Any, example: Any, *, key) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(self, model: Any, example: Any, *, key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The mean loss of a batch that the step minimizes, and scalars to log with it."""
 
-    def sampled_loss(self, model: Any, example: Any, *, key) -> jax.Array:
+    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array | None) -> jax.Array:
         """The loss of a batch against targets drawn (with ``key``) from the model's own
         predictions for it, the draw held fixed under differentiation: the gradient of this is
         what Gauss-Newton estimates of the Hessian square (Sophia-G), and optimizers reach it
@@ -163,7 +163,7 @@ class Objective(abc.ABC):
         :meth:`eval_totals`' and added up over batches the same way."""
         raise NotImplementedError(f"{type(self).__name__}.eval_outputs returns outputs, so it must sum them here")
 
-    def eval_constants(self, model: Any, tokenizer: Any) -> tuple:
+    def eval_constants(self, model: Any, tokenizer: Any) -> tuple[Any, ...]:
         """Device arrays that :meth:`eval_totals` needs besides the batch, computed once per
         run (none by default)."""
         return ()
@@ -211,16 +211,16 @@ class LmObjective(Objective):
     eval_counts = {1: "tokens", 2: "bytes"}
 
     @classmethod
-    def from_config(cls, config) -> LmObjective:
+    def from_config(cls, config: Any) -> LmObjective:
         return cls(z_loss_weight=config.z_loss_weight)
 
     def __init__(
         self,
         *,
         z_loss_weight: float = 0.0,
-        loss_fn: Callable[..., tuple[jax.Array, dict]] | None = None,
+        loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None,
         eval_loss_fn: Callable[..., jax.Array] | None = None,
-    ):
+    ) -> None:
         from levanter_core.models import lm
 
         self._loss = loss_fn or (
@@ -233,39 +233,40 @@ class LmObjective(Objective):
         else:
             self._eval_loss = lm.lm_eval_loss
 
-    def fields(self, batch) -> dict[str, BatchField]:
+    def fields(self, batch: Any) -> dict[str, BatchField]:
         return {
             "tokens": BatchField(getattr(batch, "tokens", batch), ("position",), np.int32),
             "loss_mask": BatchField(getattr(batch, "loss_mask", None), ("position",), np.float32),
             "segment_ids": BatchField(getattr(batch, "segment_ids", None), ("position",), np.int32),
         }
 
-    def example(self, arrays):
+    def example(self, arrays: Mapping[str, NamedArray | None]) -> Any:
         from levanter_core.models.lm import LmExample
 
         return LmExample(arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"])
 
-    def loss(self, model, example, *, key):
+    def loss(self, model: Any, example: Any, *, key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         return self._loss(model, example, key=key)
 
-    def eval_loss(self, model, example):
+    def eval_loss(self, model: Any, example: Any) -> jax.Array:
         return self._eval_loss(model, example, key=None)
 
-    def sampled_loss(self, model, example, *, key):
+    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array | None) -> jax.Array:
         """Next-token cross-entropy against tokens sampled from the model's predictions
         (:func:`~levanter_core.models.lm.lm_sampled_loss`)."""
         from levanter_core.models.lm import lm_sampled_loss
 
         return lm_sampled_loss(model, example, key=key)
 
-    def data_points(self, example):
+    def data_points(self, example: Any) -> jax.Array:
         """The positions whose next token the loss counts."""
         from levanter_core.models.lm import _targets_and_mask, as_example
 
         example = as_example(example)
-        return _targets_and_mask(example.tokens, example.loss_mask)[1].sum().scalar()
+        points: jax.Array = _targets_and_mask(example.tokens, example.loss_mask)[1].sum().scalar()
+        return points
 
-    def eval_totals(self, model, example, *constants):
+    def eval_totals(self, model: Any, example: Any, *constants: Any) -> jax.Array:
         """``[nats, tokens, bytes]`` (:func:`~levanter_core.models.lm.lm_eval_totals`); the
         constant is the bytes of text each token id stands for."""
         from levanter_core.models.lm import lm_eval_totals
@@ -273,7 +274,7 @@ class LmObjective(Objective):
         (byte_lengths,) = constants
         return lm_eval_totals(model, example, byte_lengths)
 
-    def eval_constants(self, model, tokenizer) -> tuple:
+    def eval_constants(self, model: Any, tokenizer: Any) -> tuple[Any, ...]:
         """The bytes of text each token id stands for (as long as the model's vocabulary: ids
         past the tokenizer's stand for none), for bits per byte."""
         import jax.numpy as jnp

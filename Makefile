@@ -48,6 +48,22 @@ train-whisper: setup speech-data
 bench: setup
 	$(BIN)/python bench/suite.py --out bench/last-suite.json
 
+# The documentation site (mkdocs.yml): the guides of docs/ and the API reference generated from
+# the plugin API's docstrings. `make docs` builds it into site/ (open site/index.html);
+# `make docs-check` builds it strictly into a temporary folder, where a broken link, a missing
+# anchor or an unresolved reference fails (tests/test_docs_site.py does the same in `make test`).
+.PHONY: docs docs-check
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[docs]"
+	@touch $@
+
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
+docs-check: $(VENV)/.installed-docs
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir "$$tmp"
+
 # Lint and format: every Python file of the repository (pyproject.toml's [tool.ruff]).
 .PHONY: lint
 lint: setup-test

@@ -23,9 +23,10 @@ says how often each is sampled::
 from __future__ import annotations
 
 import posixpath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
+    BaseModel,
     Field,
     NonNegativeInt,
     PlainSerializer,
@@ -36,7 +37,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one, accepted_only_as
 from levanter_core.config.types import LargeCount, parse_size
@@ -57,7 +58,7 @@ class CacheOptions(ConfigModel):
     num_shard_groups: PositiveInt | None = 128
     """At most this many groups of shards are tokenized as separate tasks (on a Ray cluster, one
     task per group); None: one task per shard. The cache's order is the shards' order either way."""
-    target_size_per_flush: LargeCount | str = "512MB"  # type: ignore[valid-type]
+    target_size_per_flush: LargeCount | str = "512MB"
     """How much a worker accumulates before writing to the cache: bytes as a number or a size such
     as ``512MB``. Smaller values use less memory and write more often. A worker also writes after
     every thousand records or so, so that training can read a large shard as it is tokenized."""
@@ -137,12 +138,12 @@ class DataConfig(ConfigModel):
     ``all_exhausted``: restart sources that run out until every source has run out once, then
     end training. A run that ends early says so and saves its last checkpoint."""
 
-    target_budget: LargeCount | None = None  # type: ignore[valid-type]
+    target_budget: LargeCount | None = None
     """Simulated epoching: the number of tokens (or sequences, any unit, with ``experiment_budget``
     in the same unit) of the full-scale run being simulated. With ``experiment_budget``, each
     training source is cut to the fraction ``experiment_budget / target_budget`` of its sequences,
     so a short run sees its data repeat as often as the full run would."""
-    experiment_budget: LargeCount | None = None  # type: ignore[valid-type]
+    experiment_budget: LargeCount | None = None
     """Simulated epoching: the budget of this run, in the unit of ``target_budget``."""
 
     max_train_batches: dict[str, PositiveInt] | None = None
@@ -287,10 +288,9 @@ class DataConfig(ConfigModel):
         source = self.configs[name]
         if source.cache_dir:
             root = source.cache_dir
-        elif self.is_mixture:
-            root = posixpath.join(self.cache_dir, name)
         else:
-            root = self.cache_dir
+            assert self.cache_dir is not None, "refused by _check_cache_dirs: a source without a cache_dir of its own"
+            root = posixpath.join(self.cache_dir, name) if self.is_mixture else self.cache_dir
         return posixpath.join(root.rstrip("/") or "/", split)
 
 
@@ -311,7 +311,7 @@ def validate_data_section(value: Any) -> DataConfig:
     rest = {k: v for k, v in value.items() if k not in _own_fields()}
     if "configs" in own:
         if rest:
-            errors = [
+            errors: list[InitErrorDetails] = [
                 {
                     "type": PydanticCustomError(
                         "misplaced_field",
@@ -356,7 +356,10 @@ def data_known_fields(loc: tuple, section: Any) -> list[str]:
     def source_fields(node: Any) -> list[str]:
         node = node if isinstance(node, dict) else {}
         name = node.get("type") or _inferred_type(node)
-        return sorted(reg.get(name).config_cls.model_fields) if name in reg else []
+        if name not in reg:
+            return []
+        # A data_source entry's class is a DataSourceConfig (the registry checks), a pydantic model.
+        return sorted(cast("type[BaseModel]", reg.get(name).config_cls).model_fields)
 
     if not loc:
         if "configs" in section:

@@ -38,10 +38,18 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from levanter_core.distributed.ray_cluster import check_reachable
 from levanter_core.errors import DataError, UserError
+
+if TYPE_CHECKING:
+    import multiprocessing.process
+    import multiprocessing.queues
+    import multiprocessing.synchronize
+
+    _Worker = multiprocessing.process.BaseProcess | threading.Thread  # a local worker: a process or a thread
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +189,11 @@ def _run_local(
     work: Work, groups: list[list[ShardTask]], report, num_workers: int, stop: threading.Event, processes: bool
 ) -> None:
     count = min(num_workers, len(groups))
+    # Processes and their queues, or threads and theirs: the same methods either way.
+    todo: queue.Queue[Any] | multiprocessing.queues.Queue[Any]
+    results: queue.Queue[Any] | multiprocessing.queues.Queue[Any]
+    halt: threading.Event | multiprocessing.synchronize.Event
+    workers: list[_Worker]
     if processes:
         context = multiprocessing.get_context("spawn")
         todo, results, halt = context.Queue(), context.Queue(), context.Event()
@@ -221,14 +234,14 @@ def _run_local(
         _end(workers, wait=remaining == 0)
 
 
-def _check_alive(workers) -> None:
+def _check_alive(workers: Sequence[_Worker]) -> None:
     for worker in workers:
         code = getattr(worker, "exitcode", None)
         if code:  # a process that exited with an error before it could report one (killed, out of memory)
             raise RuntimeError(f"a tokenizer worker process died (exit code {code}) before finishing its shard")
 
 
-def _end(workers, wait: bool) -> None:
+def _end(workers: Sequence[_Worker], wait: bool) -> None:
     """Let finished workers exit; terminate processes that are still busy."""
     for worker in workers:
         worker.join(timeout=10 if wait else 0.5)
@@ -309,7 +322,9 @@ def _run_ray(work: Work, groups: list[list[ShardTask]], report, address: str, st
             if stop.is_set():
                 raise BuildStopped()
             ready, _ = ray.wait(list(running), num_returns=1, timeout=_POLL)
-            for generator in ready:
+            for done in ready:
+                # ray.wait is annotated for object refs; what it returns here are the tasks' streams.
+                generator = cast("ray.ObjectRefGenerator", done)
                 try:
                     value = ray.get(next(generator))
                 except StopIteration:

@@ -27,7 +27,7 @@ import functools
 import json
 import re
 import string
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -35,6 +35,9 @@ from pydantic import Field, field_validator
 from levanter_core.config.base import Typed, TypedConfig
 from levanter_core.data.tokenizer import Tokenizer
 from levanter_core.errors import DataError
+
+if TYPE_CHECKING:
+    import jinja2
 
 LAYOUTS = ("stream", "packed", "document")
 
@@ -90,12 +93,12 @@ class FormatConfig(TypedConfig):
         array of that dtype under each name. None by default."""
         return {}
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         """What the cache must match: every field of the format."""
         return self.model_dump(mode="json")
 
     def encode_batch(
-        self, values: list, wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
+        self, values: list[Any], wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
     ) -> list[Encoded | DataError]:
         """Encode records ``values`` (each a ``str`` or a ``dict``), read from
         ``wheres`` (``file:line``). A record that cannot be used gives a
@@ -114,7 +117,9 @@ class TextFormat(FormatConfig):
     """The field of a JSON record that holds the document's text. Records that are already
     text (lines of a ``.txt`` file, files of ``python_stdlib``) are used as they are."""
 
-    def encode_batch(self, values, wheres, tokenizer, eos_id):
+    def encode_batch(
+        self, values: list[Any], wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
+    ) -> list[Encoded | DataError]:
         texts: list[str] = []
         problems: dict[int, DataError] = {}
         for i, (value, where) in enumerate(zip(values, wheres)):
@@ -132,7 +137,7 @@ class TextFormat(FormatConfig):
                 out.append(Encoded(append_eos(x, eos_id)))
         return out
 
-    def text_of(self, value, where: str) -> str:
+    def text_of(self, value: Any, where: str) -> str:
         if isinstance(value, str):
             return value
         if not isinstance(value, dict):
@@ -184,7 +189,9 @@ class ChatFormat(FormatConfig):
     def packed(self) -> bool:
         return True
 
-    def encode_batch(self, values, wheres, tokenizer, eos_id):
+    def encode_batch(
+        self, values: list[Any], wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
+    ) -> list[Encoded | DataError]:
         template = _compile(self.chat_template or tokenizer.chat_template or BUILTIN_CHAT_TEMPLATE)
         specials = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
         examples: list[tuple[str, list[tuple[int, int]]] | DataError] = []
@@ -195,13 +202,15 @@ class ChatFormat(FormatConfig):
                 examples.append(e)
         return _encode_targets(examples, tokenizer, add_special_tokens=False, eos_id=None)
 
-    def render(self, value, where: str, template, specials: dict) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, value: Any, where: str, template: jinja2.Template, specials: dict[str, str]
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, and the character spans ``[start, end)`` to train on."""
         messages = self.messages_of(value, where)
         full = _render(template, messages, False, specials, where)
         if not self.mask_user_turns:
             return full, [(0, len(full))]
-        spans = []
+        spans: list[tuple[int, int]] = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -218,7 +227,7 @@ class ChatFormat(FormatConfig):
             raise DataError(f"{where}: no assistant message, so nothing to train on (roles: {_roles(messages)})")
         return full, spans
 
-    def messages_of(self, value, where: str) -> list[dict]:
+    def messages_of(self, value: Any, where: str) -> list[dict[str, Any]]:
         """The record's messages, checked: a non-empty list of objects with string
         ``role`` and ``content``."""
         if not isinstance(value, dict) or self.messages_field not in value:
@@ -244,7 +253,9 @@ class ChatFormat(FormatConfig):
         return messages
 
 
-def render_chat_prompt(messages, tokenizer, *, template: str | None = None, where: str = "the conversation") -> str:
+def render_chat_prompt(
+    messages: Any, tokenizer: Tokenizer, *, template: str | None = None, where: str = "the conversation"
+) -> str:
     """The text that asks a model for the next assistant message of ``messages`` (a list of
     ``{"role", "content"}``): rendered by ``template``, else the tokenizer's chat template, else the
     built-in one, with ``add_generation_prompt``, as :class:`ChatFormat` renders training data.
@@ -264,7 +275,7 @@ BUILTIN_CHAT_TEMPLATE = (
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(source: str):
+def _compile(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox, with the settings and the ``raise_exception``
     helper that Hugging Face's templates expect."""
     import jinja2
@@ -282,11 +293,17 @@ class _TemplateRaised(Exception):
     pass
 
 
-def _raise_from_template(message: str):
+def _raise_from_template(message: str) -> NoReturn:
     raise _TemplateRaised(message)
 
 
-def _render(template, messages: list[dict], add_generation_prompt: bool, specials: dict, where: str) -> str:
+def _render(
+    template: jinja2.Template,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    specials: dict[str, str],
+    where: str,
+) -> str:
     import jinja2
 
     try:
@@ -297,7 +314,7 @@ def _render(template, messages: list[dict], add_generation_prompt: bool, special
         raise DataError(f"{where}: the chat template failed on this conversation ({type(e).__name__}: {e})") from None
 
 
-def _roles(messages: list[dict]) -> str:
+def _roles(messages: list[dict[str, Any]]) -> str:
     return ", ".join(dict.fromkeys(m["role"] for m in messages))
 
 
@@ -365,19 +382,21 @@ class SupervisedFormat(FormatConfig):
 
     @field_validator("output_replacements")
     @classmethod
-    def _replaces_something(cls, value: tuple) -> tuple:
+    def _replaces_something(cls, value: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
         if any(not old for old, _ in value):
             raise ValueError("an output replacement needs a non-empty text to replace")
         return value
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self) -> dict[str, Any]:
         """Every field, but the prompt and output options where unset, so that caches built
         before they existed keep their key."""
         optional = ("prompt_input", "prompt_no_input", "output_replacements", "output_suffix")
         unset = {name for name in optional if getattr(self, name) == type(self).model_fields[name].default}
         return self.model_dump(mode="json", exclude=unset)
 
-    def encode_batch(self, values, wheres, tokenizer, eos_id):
+    def encode_batch(
+        self, values: list[Any], wheres: list[str], tokenizer: Tokenizer, eos_id: int | None
+    ) -> list[Encoded | DataError]:
         examples: list[tuple[str, list[tuple[int, int]]] | DataError] = []
         for value, where in zip(values, wheres):
             try:
@@ -389,13 +408,13 @@ class SupervisedFormat(FormatConfig):
             examples.append((text, [(len(text) - len(output) if self.mask_inputs else 0, len(text))]))
         return _encode_targets(examples, tokenizer, add_special_tokens=True, eos_id=eos_id)
 
-    def _prompt(self, value, where: str) -> str:
+    def _prompt(self, value: Any, where: str) -> str:
         if self.prompt_input is None:
             return self._field(value, self.input_field, where)
         self._check_record(value, where)
-        no_input = self.prompt_no_input is not None and value.get(self.input_field) in (None, "")
-        name = "prompt_no_input" if no_input else "prompt_input"
-        template = self.prompt_no_input if no_input else self.prompt_input
+        name, template = "prompt_input", self.prompt_input
+        if self.prompt_no_input is not None and value.get(self.input_field) in (None, ""):
+            name, template = "prompt_no_input", self.prompt_no_input
         try:
             return template.format_map(value)
         except KeyError as e:
@@ -407,7 +426,7 @@ class SupervisedFormat(FormatConfig):
         except (ValueError, TypeError, IndexError, AttributeError) as e:
             raise DataError(f"{where}: format.{name} cannot be filled from this record: {e}") from None
 
-    def _output(self, value: dict, where: str) -> str:
+    def _output(self, value: Any, where: str) -> str:
         output = self._field(value, self.output_field, where)
         if not output:
             raise DataError(f"{where}: field {self.output_field!r} is empty, so there is nothing to train on")
@@ -415,12 +434,12 @@ class SupervisedFormat(FormatConfig):
             output = output.replace(old, new)
         return output + self.output_suffix
 
-    def _check_record(self, value, where: str) -> None:
+    def _check_record(self, value: Any, where: str) -> None:
         if not isinstance(value, dict):
             wanted = f"{self.input_field!r} and {self.output_field!r}" if self.prompt_input is None else "fields"
             raise DataError(f"{where}: expected a JSON object with {wanted}, found {_clip(value)}")
 
-    def _field(self, value, field: str, where: str) -> str:
+    def _field(self, value: Any, field: str, where: str) -> str:
         self._check_record(value, where)
         if field not in value:
             keys = ", ".join(map(repr, value)) or "none"
@@ -499,7 +518,7 @@ def append_eos(ids: np.ndarray, eos_id: int | None) -> np.ndarray:
     return np.concatenate([ids, np.array([eos_id], np.int32)])
 
 
-def _clip(value, limit: int = 80) -> str:
+def _clip(value: Any, limit: int = 80) -> str:
     text = value.strip() if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

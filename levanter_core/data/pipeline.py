@@ -167,10 +167,10 @@ def build_lm_data(
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
     for name, count in (config.num_validation_sequences or {}).items():
         validation[name] = held_out(train[name], name, count)[1]
-    for name, cache in caches.items():
+    for key, cache in caches.items():
         if not cache.complete:
             builder = "in the background" if build else "by process 0"
-            logger.info("%s/%s: the cache is being built %s (%s)", *name, builder, cache.path)
+            logger.info("%s/%s: the cache is being built %s (%s)", *key, builder, cache.path)
     stream = TrainStream.from_config(
         train, config, seed, initial_batch_size=initial_batch_size, max_epochs=max_epochs, offsets=offsets
     )

@@ -251,7 +251,8 @@ def expand_braces(pattern: str) -> list[str]:
 def _brace_group(pattern: str, start: int) -> tuple[int | None, list[str]]:
     """The index of the ``}`` closing the ``{`` at ``start``, and the group's top-level
     comma-separated parts."""
-    depth, parts, begin = 0, [], start + 1
+    depth, begin = 0, start + 1
+    parts: list[str] = []
     for i in range(start, len(pattern)):
         c = pattern[i]
         if c == "{":

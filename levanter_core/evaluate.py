@@ -17,6 +17,7 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -25,11 +26,15 @@ from levanter_core.data.dataset import TOO_SHORT_HINT
 from levanter_core.data.formats import MESSAGES_FIELD_HINT, TEXT_KEY_HINT
 from levanter_core.errors import DataError, UserError
 
+if TYPE_CHECKING:
+    from levanter_core.data.dataset import SequenceDataset
+    from levanter_core.objective import Objective
+
 
 @dataclasses.dataclass
 class EvalSet:
     name: str
-    dataset: object  # a SequenceDataset
+    dataset: SequenceDataset
     tags: tuple[str, ...] = ()
     origin: str = ""
     """Where the set comes from, for messages (a file, a config's source)."""
@@ -298,10 +303,10 @@ def run_eval(
     loaded = load_model_source(source, tokenizer=tokenizer)
     model = loaded.model
     seq_len = model.config.seq_len
-    kind = objective_class(model.config)
+    kind = cast("type[Objective]", objective_class(model.config))  # (a registered objective's class)
     field_lengths = kind.row_lengths(model.config)
     sets, totals = [], {}
-    objective = None
+    objective: Objective | None = None
 
     def evaluate(found, with_tokenizer):
         nonlocal objective
@@ -339,6 +344,7 @@ def run_eval(
     empty = [name for name, t in totals.items() if t[1] == 0]
     if empty:
         raise UserError(f"evaluation set(s) {', '.join(empty)} hold no sequence of {seq_len} tokens")
+    assert objective is not None  # set by evaluate(), called for the config or the data (one is given)
     metrics = objective.eval_metrics(totals, tags, per_set=len(totals) > 1)
     set_metrics = {}
     for name, t in totals.items():

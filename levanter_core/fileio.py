@@ -8,6 +8,7 @@ import functools
 import os
 import posixpath
 import shutil
+from typing import Any
 
 
 def write_text_atomically(path: str, text: str) -> None:
@@ -178,7 +179,7 @@ def open_file(url: str, mode: str = "rb", **options):
     return fsspec.open(url, mode, **options)
 
 
-def kvstore_spec(path: str) -> dict | None:
+def kvstore_spec(path: str) -> dict[str, Any] | None:
     """TensorStore's kvstore spec for the directory ``path`` (ending in ``/``): the ``file``
     driver for a local path, ``s3`` and ``gcs`` for buckets (with the environment's endpoint,
     region and credentials); None for a URL that TensorStore has no driver for."""
@@ -189,7 +190,7 @@ def kvstore_spec(path: str) -> dict | None:
     if store is None:
         return None
     bucket, _, key = str(path).split("://", 1)[1].partition("/")
-    spec = {"driver": store, "bucket": bucket, "path": key.strip("/") + "/" if key.strip("/") else ""}
+    spec: dict[str, Any] = {"driver": store, "bucket": bucket, "path": key.strip("/") + "/" if key.strip("/") else ""}
     if store == "s3":
         if endpoint := _s3_endpoint():
             spec["endpoint"] = endpoint

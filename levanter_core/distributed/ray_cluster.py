@@ -102,6 +102,7 @@ class RayNode:
         return self.process.pid
 
     def _read(self) -> None:
+        assert self.process.stdout is not None  # stdout=PIPE
         for line in self.process.stdout:
             self._lines.append(line.rstrip())
             if _STARTED in line:
@@ -245,6 +246,7 @@ def _start_run_cluster(config, nodes: list[RayNode]) -> tuple[str, dict[str, str
     if distributed.is_leader():
         token = secrets.token_hex(32)
         host, port = distributed.coordinator_host(), _free_port()
+        assert host is not None, "a run of several processes has a coordinator"  # (only they start a cluster)
         address = f"{host}:{port}"
         try:
             head = [

@@ -34,10 +34,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from levanter_core.hf.convert import HfConvertible
-from levanter_core.layers.rotary import rotary_from_hf
+from levanter_core.layers.rotary import RotaryConfig, rotary_from_hf
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
 
 REQUIRED = object()
 """An :class:`HfKey` default meaning the key must be present."""
@@ -110,6 +113,10 @@ class HfMapped(HfConvertible):
     """Whether the Hugging Face architecture rotates part of each head when
     ``partial_rotary_factor`` < 1 (Phi-3 does; Llama's and most others' code would rotate the
     whole head or fail). When not, such a file is refused on import and such a config on export."""
+
+    if TYPE_CHECKING:  # what the pydantic config class that mixes it in has
+        model_fields: ClassVar[dict[str, FieldInfo]]
+        rope: RotaryConfig
 
     @classmethod
     def refuse_unsupported(cls, hf: dict) -> None:

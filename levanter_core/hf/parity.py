@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from levanter_core.models.lm import LmConfig
 
 # config.json keys that describe the file or the runtime rather than the model
 IGNORED_CONFIG_KEYS = frozenset(
@@ -148,7 +151,7 @@ def import_as_checkpoint(source: str, imported: str, *, scan_layers: bool = True
     if scan_layers:
         import_hf(source, imported)
         stored = read_metadata(imported)["metadata"]
-        config = validate_section("model", stored["config"]["model"])
+        config = cast("LmConfig", validate_section("model", stored["config"]["model"]))
         Vocab = Axis("vocab", stored["vocab_size"])
         template = jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0)))
         return config, Vocab, load_checkpoint(template, imported, subtree="model")

@@ -74,6 +74,10 @@ def parameter_path(key_path: tuple) -> str:
     return ".".join(parts)
 
 
+_SkipBadSteps = Annotated[SkipStepConfig | None, BeforeValidator(skip_step_section)]
+"""``skip_bad_steps`` as written (false, true, a window length or a section), held as a section or None."""
+
+
 class OptimizerConfig(TypedConfig, abc.ABC):
     """Base class of optimizer configs (the ``optimizer:`` section): learning rate and its
     schedule, weight decay and which parameters it applies to."""
@@ -109,7 +113,7 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     haps: list[int] | None = None
     """Deprecated in Levanter, where it no longer has any effect; only null is accepted. Write
     ``cycles`` (a list of the steps where cycles end) instead."""
-    lr_schedule: LrSchedule = "cosine"
+    lr_schedule: LrSchedule = "cosine"  # type: ignore[assignment]  # a name, made a section by validate_default
     """Shape of the decay phase (warmup, the stable phase and cycles are the same for every
     shape): a name, ``constant`` (no decay), ``linear``, ``cosine``, ``inv_sqrt`` (``1/sqrt``) or
     ``inv`` (``1/x``), or, as in Levanter, a section with ``type`` and that shape's fields:
@@ -129,7 +133,7 @@ class OptimizerConfig(TypedConfig, abc.ABC):
     """Decay the weights of linear layers (not biases, norms or embeddings). None: only when
     ``weight_decay_modules`` is unset. True: also when it is set, in addition to its matches.
     False: never; with ``weight_decay_modules`` unset, every parameter is decayed."""
-    skip_bad_steps: Annotated[SkipStepConfig | None, BeforeValidator(skip_step_section)] = False
+    skip_bad_steps: _SkipBadSteps = False  # type: ignore[assignment]  # validated into None
     """Skip a step (leave the parameters and optimizer state unchanged) whose loss or gradient
     norm is far above those of recent steps. false: never skip. true: a window of the last 128
     steps and a threshold of 6 standard deviations. A number: that window length. Or a section

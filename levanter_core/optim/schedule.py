@@ -284,7 +284,7 @@ def _named_section(name: str) -> LrScheduleSection | None:
     cls = _SECTIONS.get(name)
     if cls is None or any(field.is_required() for field in cls.model_fields.values()):
         return None
-    return cls()
+    return cls.model_validate({})  # every field has a default (the base class's `type` included)
 
 
 def lr_schedule_section(value: Any) -> LrScheduleSection:

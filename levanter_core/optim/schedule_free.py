@@ -57,7 +57,7 @@ class ScheduleFreeAdamWConfig(OptimizerConfig):
     weight_lr_power: float = Field(2.0, ge=0)
     """Each step's iterate enters the average with weight ``(largest learning rate so far) **
     weight_lr_power``, so that warmup steps count for less. 0 weighs all steps equally."""
-    lr_schedule: LrSchedule = "constant"
+    lr_schedule: LrSchedule = "constant"  # type: ignore[assignment]  # a name, made a section by validate_default
     """Must be ``constant``: schedule-free training warms up and then keeps the peak learning
     rate; the running average takes the place of the decay. ``warmup`` is the only schedule
     field it uses: ``decay``, ``cycles``, ``cycle_length``, ``rewarmup`` and ``cooldown`` are

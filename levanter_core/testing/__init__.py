@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from levanter_core.testing.metrics import logged, read_metrics
@@ -66,7 +66,7 @@ def run_config(
     return str(path)
 
 
-def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: list[str] = ()):
+def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: Sequence[str] = ()):
     """Train the config at ``config_path`` for ``steps`` steps in-process, with its data,
     logs, checkpoints and cache under ``workdir`` and a small slice of the Python
     standard library as the corpus (so it runs offline in seconds). Returns the

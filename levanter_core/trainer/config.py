@@ -138,6 +138,10 @@ def _tracker_sections(value: Any) -> Any:
     return typed(value)
 
 
+def _default_jax_config() -> dict[str, JsonAtom]:
+    return {"jax_threefry_partitionable": True}
+
+
 class TrainerConfig(ConfigModel):
     """How to train: steps and batches, precision, device mesh, evaluation, tracking, checkpoints."""
 
@@ -299,7 +303,7 @@ class TrainerConfig(ConfigModel):
     ``ema_decay_sqrt``), checkpointed with the training state; evaluation uses the average.
     None: no averaging."""
 
-    jax_config: dict[str, JsonAtom] = Field(default_factory=lambda: {"jax_threefry_partitionable": True})
+    jax_config: dict[str, JsonAtom] = Field(default_factory=_default_jax_config)
     """Options passed to ``jax.config.update`` before anything runs."""
     jax_compilation_cache_dir: str | None = "~/.cache/levanter/jax"
     """JAX's persistent compilation cache (``~`` is expanded): compiled programs are stored here,

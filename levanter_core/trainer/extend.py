@@ -74,6 +74,8 @@ def earlier_runs_made_longer(config, resolved: dict, run_id: str) -> list[Earlie
         if checkpoint is None:
             continue
         steps = (theirs.get("trainer") or {}).get("num_train_steps")
+        if not isinstance(steps, int):
+            continue  # a config.yaml that does not say how long its run is (edited by hand): not one of ours
         found.append(EarlierRun(name, int(steps), checkpoint, int(read_metadata(checkpoint)["step"])))
     return found
 

@@ -39,4 +39,9 @@ def sample_texts(model, tokenizer, config: TrainingSamplesConfig, *, seq_len: in
     params = SamplingParams(max_new_tokens=budget, temperature=config.temperature, seed=config.seed)
     with Engine(model, tokenizer=tokenizer, eos_ids=eos, max_seqs=len(ids), max_seq_len=seq_len) as engine:
         completions = engine.generate(ids, params)
-    return {f"samples/{i}": prompt + row[0].text for i, (prompt, row) in enumerate(zip(config.prompts, completions))}
+    samples = {}
+    for i, (prompt, row) in enumerate(zip(config.prompts, completions)):
+        text = row[0].text
+        assert text is not None, "an engine with a tokenizer decodes what it generates"
+        samples[f"samples/{i}"] = prompt + text
+    return samples

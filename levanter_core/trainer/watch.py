@@ -16,7 +16,7 @@ followed by ``/layer_{i}`` for a layer of a stack.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,7 @@ def watch_stats(config: WatchConfig, step, trees: dict) -> dict:
     otherwise (the host does not log them then)."""
 
     def compute(_):
-        out = {}
+        out: dict[str, Any] = {}
         for target in config.watch_targets:
             entries = list(_entries(trees[target], config.split_scan_layers))
             norms = {name: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32)))) for name, a in entries}

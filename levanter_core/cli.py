@@ -17,16 +17,7 @@ import typer
 import typer.core
 
 from levanter_core.errors import LevanterError, UserError
-
-SOURCE_HELP = (
-    "One of our checkpoints (a step-N directory or a run's checkpoint directory), an import "
-    "(`levanter import-hf`), or a Hugging Face model directory or hub name."
-)
-"""The help of a command's SOURCE argument: a model to load, as
-:func:`levanter_core.models.source.load_model_source` reads it (plugins' commands use it too)."""
-
-SOURCE_HELP_WITH_CONFIG = SOURCE_HELP + " May be left out with --config."
-""":data:`SOURCE_HELP`, for a command whose ``--config`` may name the model instead."""
+from levanter_core.plugins.commands import SOURCE_HELP, SOURCE_HELP_WITH_CONFIG
 
 app = typer.Typer(
     name="levanter",

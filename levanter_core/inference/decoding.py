@@ -4,7 +4,7 @@ A model with a key/value cache offers two methods (the decoder kit's families an
 have them; a plugin's own model can add them):
 
 * ``init_cache(Batch, KeyPos)``: an empty cache for ``Batch`` sequences of up to
-  ``KeyPos.size`` tokens (e.g. a :class:`~levanter_core.inference.cache.KvCache`);
+  ``KeyPos.size`` tokens (e.g. a :class:`~levanter_core.layers.kv_cache.KvCache`);
 * ``decode(input_ids, positions, cache, *, key_len)``: the final hidden states of new tokens
   ``input_ids`` ``(batch, position)`` sitting at ``positions`` (same axes), attending over the
   cache's first ``key_len`` positions, and the cache with the new tokens in it.

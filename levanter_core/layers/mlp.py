@@ -13,6 +13,8 @@ import jax
 from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
 
+from levanter_core.hf.layouts import fuse, unfuse
+
 ActivationName = Literal["silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "quick_gelu"]
 """Activation names as Hugging Face configs spell them (``hidden_act``)."""
 
@@ -73,14 +75,10 @@ class GatedMlp(ModuleWithStateDictSerialization):
         return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
     def to_state_dict(self, prefix: str | None = None) -> StateDict:
-        from levanter_core.hf.layouts import fuse
-
         state = super().to_state_dict(prefix)
         return state if self.fused is None else fuse(state, prefix, ("gate_proj", "up_proj"), self.fused)
 
     def from_state_dict(self, state_dict: StateDict, prefix: str | None = None) -> GatedMlp:
-        from levanter_core.hf.layouts import unfuse
-
         if self.fused is not None:
             rows = self.gate_proj.Out.size
             state_dict = unfuse(state_dict, prefix, (("gate_proj", rows), ("up_proj", rows)), self.fused)

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, with_prefix
 
+from levanter_core.layers.auxiliary import AuxiliaryLoss
 from levanter_core.layers.mlp import ACTIVATIONS, GatedMlp
 
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
@@ -400,8 +401,7 @@ def router_losses(stats: RouterStats, num_experts: int, *, balance_weight: float
     along ``layers``),
     weighted into one training term; the unweighted values are the metrics
     (``moe/load_balancing_loss``, ``moe/router_z_loss``). Returns an
-    :class:`~levanter_core.models.lm.AuxiliaryLoss`."""
-    from levanter_core.models.lm import AuxiliaryLoss
+    :class:`~levanter_core.layers.auxiliary.AuxiliaryLoss`."""
 
     Layers = stats.z_loss.resolve_axis("layers")
     # pooled over layers before the product, as Hugging Face's load_balancing_loss_func does

@@ -45,8 +45,8 @@ from haliax import Axis, NamedArray
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import DECODER_HF_KEYS, HfKey, HfMapped
-from levanter_core.inference.cache import KvCache
 from levanter_core.layers.attention import Attention, AttentionBackend, AttentionConfig, AttentionMask
+from levanter_core.layers.kv_cache import KvCache
 from levanter_core.layers.mlp import ActivationName, GatedMlp, init_linear
 from levanter_core.layers.moe import MoeBlock, MoeConfig, RouterStats, router_losses
 from levanter_core.layers.norm import RmsNorm

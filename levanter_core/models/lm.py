@@ -29,6 +29,7 @@ from haliax import Axis, NamedArray
 from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
+from levanter_core.layers.auxiliary import AuxiliaryLoss as AuxiliaryLoss  # re-exported: the model interface returns it
 
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
 from levanter_core.models.cross_entropy import (
@@ -160,19 +161,6 @@ class LmHeadModel(Protocol):
     def __call__(self, input_ids: NamedArray, *, key=None) -> NamedArray:
         """Logits, axes ``(..., position, vocab)``."""
         ...
-
-
-class AuxiliaryLoss(eqx.Module):
-    """Extra training terms a model computes in its forward pass (a mixture of experts'
-    load-balancing loss, say).
-
-    ``loss`` is added to the cross-entropy; every entry of ``metrics`` (scalars, e.g.
-    ``moe/load_balancing_loss``) is logged with the step's other metrics. A model
-    provides them by implementing ``activations_with_aux(input_ids, *, key)``, which
-    returns ``(hidden, AuxiliaryLoss)``, alongside ``activations``."""
-
-    loss: jnp.ndarray
-    metrics: dict[str, jnp.ndarray]
 
 
 class LmExample(eqx.Module):

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from levanter_core.cli import SOURCE_HELP_WITH_CONFIG
 from levanter_core.plugins import hookimpl
+from levanter_core.plugins.commands import SOURCE_HELP_WITH_CONFIG
 
 
 def eval_harness_command(

@@ -33,9 +33,9 @@ from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey, HfMapped
-from levanter_core.inference.cache import KvCache
 from levanter_core.layers import ACTIVATIONS, init_linear, stack_layers
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
+from levanter_core.layers.kv_cache import KvCache
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 Probability = Annotated[float, Field(ge=0.0, lt=1.0)]

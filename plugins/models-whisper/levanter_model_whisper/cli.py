@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from levanter_core.cli import SOURCE_HELP
+from levanter_core.plugins.commands import SOURCE_HELP
 
 
 def transcribe_command(

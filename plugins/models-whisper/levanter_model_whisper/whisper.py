@@ -34,9 +34,9 @@ from pydantic import AliasChoices, Field, PositiveInt, model_validator
 
 from levanter_core.errors import ConfigError, UserError
 from levanter_core.hf.mapping import HfKey, HfMapped
-from levanter_core.inference.cache import KvCache
 from levanter_core.layers import ACTIVATIONS, ActivationName, init_linear, stack_layers
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
+from levanter_core.layers.kv_cache import KvCache
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
 
 _NO_DROPOUT = (0, 0.0)

@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from levanter_core.cli import SOURCE_HELP
 from levanter_core.plugins import hookimpl
+from levanter_core.plugins.commands import SOURCE_HELP
 from levanter_serve.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST, DEFAULT_PORT
 
 

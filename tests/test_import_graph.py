@@ -72,6 +72,7 @@ def test_a_planted_circle_is_found():
     [("levanter_core.inference.cache", "KvCache", "levanter_core.layers.kv_cache")],
 )
 def test_a_moved_name_imports_from_its_old_path_with_a_warning(old, name, new):
+    """The same object from the old path as from the new one, and a warning naming the new."""
     module = importlib.import_module(old)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -80,3 +81,17 @@ def test_a_moved_name_imports_from_its_old_path_with_a_warning(old, name, new):
     assert any(issubclass(w.category, DeprecationWarning) and f"{new}.{name}" in str(w.message) for w in caught)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         module.NoSuchName  # noqa: B018
+
+
+def test_the_run_settings_and_plugin_versions_still_import_from_trainer_run():
+    from levanter_core.models.lm import LmConfig
+    from levanter_core.plugins import get_manager
+
+    run = importlib.import_module("levanter_core.trainer.run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert LmConfig.run_settings == run.RUN_SETTINGS
+        assert run.plugin_versions() == get_manager().versions()
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any("LmConfig.run_settings" in m for m in messages)
+    assert any("get_manager().versions" in m for m in messages)

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 import yaml
@@ -127,9 +128,21 @@ def agreed_run_id(config: TrainConfig, config_path: str | None) -> str:
     return leader["run_id"]
 
 
-def plugin_versions() -> dict[str, str | None]:
-    """Kept for code that imported it from here: ``get_manager().versions()``."""
-    return get_manager().versions()
+def __getattr__(name: str):
+    """Names that moved out of this module: they still import from here, with a warning."""
+    moved = {
+        "RUN_SETTINGS": ("levanter_core.models.lm.LmConfig.run_settings", lambda: LmConfig.run_settings),
+        "plugin_versions": ("levanter_core.plugins.get_manager().versions", lambda: get_manager().versions),
+    }
+    if name not in moved:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new, value = moved[name]
+    warnings.warn(
+        f"{__name__}.{name} moved to {new}; use that (the old path is removed in levanter-core 0.3)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return value()
 
 
 def _git_state(directory: str) -> dict | None:
@@ -291,7 +304,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         raise
     try:
         run_dir = directory.path
-        resolved, plugins = resolved_config(config), plugin_versions()
+        resolved, plugins = resolved_config(config), get_manager().versions()
         record_files = write_run_record(run_dir, resolved, config_path, plugins) if leader else []
         directory.flush(required=True)
         logger.info("run %s: run directory %s", run_id, directory.location)
@@ -676,10 +689,6 @@ def _say_adapters(model, base: dict | None) -> None:
         f"LoRA: training {trained:,} adapter parameters of {total:,} ({trained / total:.2%}); checkpoints {where}",
         flush=True,
     )
-
-
-RUN_SETTINGS = LmConfig.run_settings
-"""Kept for code that imported it from here: ``LmConfig.run_settings``."""
 
 
 def _with_run_settings(hf_model, model):

@@ -85,7 +85,7 @@ class Workspace:
     def run(self, optimizer: dict, steps: int, eval_every: int | None = None) -> dict:
         from levanter_core.config.loader import Sources
         from levanter_core.config.train import validate_train_config
-        from levanter_core.trainer.run import run_training
+        from levanter_core.run import run_training
 
         run_id = f"{optimizer['type']}-{optimizer['learning_rate']:g}-{steps}-" + datetime.datetime.now().strftime(
             "%H%M%S"

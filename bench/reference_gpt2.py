@@ -366,8 +366,8 @@ def benchmark(
     from levanter_core.data.pipeline import build_caches
     from levanter_core.data.source import PythonStdlibSourceConfig
     from levanter_core.data.tokenizer import load_tokenizer
+    from levanter_core.run import run_training
     from levanter_core.trainer.host_memory import keep_freed_memory
-    from levanter_core.trainer.run import run_training
 
     # What `levanter train` does first for trainer.keep_host_memory (on by default): before the
     # tokenizer's and JAX's threads start.

@@ -47,7 +47,7 @@ def measure(workdir: str, tokenizer_path: str, steps: int, devices: int) -> dict
 
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     assert jax.device_count() == devices, (jax.device_count(), devices)
     run_id = f"scaling-{devices}-{os.getpid()}"

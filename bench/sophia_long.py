@@ -93,7 +93,7 @@ def metrics_of(workdir: str, run_id: str) -> list[dict]:
 def run(workdir: str, tokenizer: str, name: str, steps: int) -> dict:
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     raw = config(workdir, tokenizer, name, steps)
     cfg = validate_train_config(raw, Sources("bench"))

@@ -181,8 +181,8 @@ class Ours:
         from haliax import Axis
         from levanter_model_whisper.objective import SpeechBatch, SpeechRecognition
 
+        from levanter_core.run import configure_jax
         from levanter_core.trainer.mesh import make_mesh
-        from levanter_core.trainer.run import configure_jax
         from levanter_core.trainer.trainer import Trainer
 
         self.config = config = our_config(preset, layers, mp, workdir, steps, checkpointing=checkpointing)

@@ -86,7 +86,7 @@ def train(
 
     from levanter_core.config.train import load_train_config
     from levanter_core.plugins.configs import resolve_config_path
-    from levanter_core.trainer.run import preflight, resolved_config, run_training
+    from levanter_core.run import preflight, resolved_config, run_training
 
     config = resolve_config_path(config)
     train_config, _ = load_train_config(config, list(ctx.args))

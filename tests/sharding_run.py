@@ -24,8 +24,8 @@ import numpy as np
 def train(config_path: str, name: str, overrides: list[str]) -> dict:
     """Train through the real path (``run_training``); the losses it logged."""
     from levanter_core.config.train import load_train_config
+    from levanter_core.run import run_training
     from levanter_core.testing import logged
-    from levanter_core.trainer.run import run_training
 
     config, _ = load_train_config(config_path, [*overrides, "--trainer.id", name])
     result = run_training(config, config_path=config_path, progress=False)

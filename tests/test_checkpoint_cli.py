@@ -149,7 +149,7 @@ def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_ch
 
 def test_the_run_record_is_saved_and_sent_to_the_trackers(tmp_path, recorded_calls, monkeypatch):
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     monkeypatch.chdir(REPO)
     config_path = make_run(tmp_path)

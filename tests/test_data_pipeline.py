@@ -13,7 +13,7 @@ import levanter_core.plugins as plugins
 from conftest import code_docs, metrics, run_cli, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.data.pipeline import build_caches, build_lm_data
-from levanter_core.trainer.run import run_training
+from levanter_core.run import run_training
 
 
 def prose_docs(n):
@@ -297,7 +297,7 @@ def test_a_hugging_face_dataset_on_disk_trains_through_the_plugin(tmp_path):
 
 def test_packed_data_with_a_model_that_takes_no_attention_mask_is_refused(tmp_path):
     from levanter_core.errors import ConfigError
-    from levanter_core.trainer.run import _check_model_takes_packed_data
+    from levanter_core.run.initial import check_model_takes_packed_data
 
     class CausalOnly:
         def activations(self, input_ids, *, key=None):
@@ -306,9 +306,9 @@ def test_packed_data_with_a_model_that_takes_no_attention_mask_is_refused(tmp_pa
     data = {"train_urls": ["chat.jsonl"], "format": {"type": "chat"}, "cache_dir": str(tmp_path)}
     config, _ = load_train_config(run_config(tmp_path, data))
     with pytest.raises(ConfigError, match=r"cannot train on packed data \(data.format is 'chat'\).*takes no attn_mask"):
-        _check_model_takes_packed_data(CausalOnly(), config)
+        check_model_takes_packed_data(CausalOnly(), config)
     text, _ = load_train_config(run_config(tmp_path, {**data, "format": {"type": "text"}}, run_id="text"))
-    _check_model_takes_packed_data(CausalOnly(), text)  # plain text needs no mask
+    check_model_takes_packed_data(CausalOnly(), text)  # plain text needs no mask
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def _bad(tmp_path, case: str) -> str:
 def test_the_checks_of_a_real_run_are_made_before_it_starts(tmp_path, case, field):
     from levanter_core.config.train import load_train_config
     from levanter_core.errors import UserError
-    from levanter_core.trainer.run import preflight
+    from levanter_core.run import preflight
 
     config, _ = load_train_config(_bad(tmp_path, case))
     with pytest.raises(UserError) as e:

@@ -15,9 +15,9 @@ from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.cli import main
 from levanter_core.config.train import load_train_config
 from levanter_core.plugins import hookimpl
+from levanter_core.run import run_training
 from levanter_core.testing import tiny_hf_llama
 from levanter_core.trainer.evaluators import Evaluator, EvaluatorConfig, eval_metrics
-from levanter_core.trainer.run import run_training
 
 LN2 = math.log(2)
 

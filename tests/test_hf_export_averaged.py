@@ -63,7 +63,7 @@ def test_the_average_is_exported_unless_raw_weights_are_asked_for(tmp_path):
 def test_a_trained_run_exports_what_evaluation_used(tmp_path):
     from levanter_core.config.loader import Sources
     from levanter_core.config.train import validate_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     raw = {
         "data": {"type": "python_stdlib", "tokenizer": "byte", "max_files": 5, "cache_dir": str(tmp_path / "cache")},

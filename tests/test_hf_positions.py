@@ -56,8 +56,8 @@ def test_a_longer_seq_len_names_the_setting_and_the_positions(gpt2_base):
 def test_fine_tuning_a_gpt2_base_with_a_shorter_max_train_length(gpt2_base, tmp_path):
     """The journey that failed on ``wpe.weight expected [16,32] found [64,32]``."""
     from levanter_core.config.train import load_train_config
+    from levanter_core.run import run_training
     from levanter_core.testing import code_docs, write_jsonl
-    from levanter_core.trainer.run import run_training
 
     directory, _ = gpt2_base
     config = {

@@ -27,7 +27,7 @@ if sys.argv[1] != "default":
     keep_freed_memory()
 if sys.argv[1] not in ("default", "keep"):
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import configure_jax
+    from levanter_core.run import configure_jax
     configure_jax(load_train_config(sys.argv[1], sys.argv[2:])[0])
 import jax, jax.numpy as jnp
 x, w1, w2 = jnp.ones((8192, 64)), jnp.ones((64, 2048)) / 64, jnp.ones((2048, 64))

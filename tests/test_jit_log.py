@@ -55,7 +55,7 @@ def test_a_logged_value_reaches_the_trackers_of_a_run(tmp_path, monkeypatch):
     import levanter_model_gpt2.gpt2 as gpt2
 
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     original = gpt2.Gpt2LMHeadModel.activations
 

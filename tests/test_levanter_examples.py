@@ -393,7 +393,7 @@ def test_alpaca_lora_trains_adapters_on_the_outputs(base_model, tmp_path, monkey
     output and its end-of-text token, only the adapters train, and the adapters are written as a
     PEFT adapter where ``hf_save_path`` says."""
     from levanter_core.checkpoint import read_metadata
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     monkeypatch.chdir(tmp_path)  # hf_save_path (alpaca_hf_ckpts) is relative
     (tmp_path / "alpaca.json").write_text(json.dumps(RECORDS))  # the original Alpaca's form: one JSON array
@@ -427,7 +427,7 @@ def test_alpaca_lora_trains_adapters_on_the_outputs(base_model, tmp_path, monkey
 @pytest.mark.slow
 @needs_reference
 def test_gsm8k_lora_trains_on_local_data(base_model, tmp_path, monkeypatch):
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     monkeypatch.chdir(tmp_path)
     data = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
@@ -444,7 +444,7 @@ def test_gsm8k_lora_trains_on_local_data(base_model, tmp_path, monkeypatch):
 @needs_reference
 def test_alpaca_fine_tunes_the_whole_model_grown_by_a_pad_token(base_model, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     monkeypatch.chdir(tmp_path)
     data = write_jsonl(tmp_path / "alpaca.jsonl", RECORDS)

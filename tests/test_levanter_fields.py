@@ -18,7 +18,7 @@ from levanter_core.config.base import validate_section
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import CheckpointError, ConfigError
 from levanter_core.models.lm import LmExample, lm_loss_and_metrics
-from levanter_core.trainer.run import run_training
+from levanter_core.run import run_training
 
 LLAMA = {
     "type": "llama", "seq_len": 32, "hidden_dim": 32, "intermediate_dim": 64, "num_layers": 4,
@@ -281,7 +281,7 @@ def test_hf_save_exports_during_training_what_export_hf_writes(tmp_path):
 def test_a_checkpoint_location_out_of_the_checkpointers_reach_stops_before_anything_runs(tmp_path):
     """TensorStore reaches local directories and s3:// and gs:// buckets; fsspec's in-memory
     filesystem is none of them."""
-    from levanter_core.trainer.run import preflight
+    from levanter_core.run import preflight
 
     config, _ = load_train_config(_write_run(tmp_path), ["--trainer.checkpointer.base_path", "memory://ckpt"])
     with pytest.raises(ConfigError, match="trainer.checkpointer.base_path: 'memory://ckpt': TensorStore cannot write"):
@@ -292,7 +292,7 @@ def test_a_checkpoint_location_out_of_the_checkpointers_reach_stops_before_anyth
 
 
 def test_the_run_id_counts_only_what_differs_from_the_defaults(tmp_path):
-    from levanter_core.trainer.run import derive_run_id
+    from levanter_core.run import derive_run_id
 
     path = _write_run(tmp_path)
 

@@ -19,8 +19,8 @@ from levanter_core.config.train import validate_train_config
 from levanter_core.errors import ConfigError
 from levanter_core.models.lm import lm_loss_and_metrics
 from levanter_core.optim import AdamConfig, EmaDecaySqrtConfig, EmaModelAveragingConfig
+from levanter_core.run import run_training
 from levanter_core.trainer.mesh import make_mesh
-from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
 from levanter_core.objective import BatchField, LmObjective
 from levanter_core.plugins import hookimpl
-from levanter_core.trainer.run import run_training
+from levanter_core.run import run_training
 
 WEIGHT = 3.0
 

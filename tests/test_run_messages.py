@@ -7,8 +7,8 @@ import pytest
 
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import DataError
+from levanter_core.run import levanter_differences, run_training
 from levanter_core.testing import code_docs, run_config, write_jsonl
-from levanter_core.trainer.run import levanter_differences, run_training
 
 
 def test_a_finished_run_run_again_saves_nothing_and_says_so_once(tmp_path, capsys, caplog):

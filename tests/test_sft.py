@@ -297,7 +297,7 @@ def test_sft_from_an_import_with_two_added_tokens_exports_and_chats(base_model, 
     import transformers
 
     from levanter_core.cli import main
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     path = write_config(tmp_path, sft_config(tmp_path, base_model), "sft.yaml")
     config, _ = load_train_config(path)
@@ -350,7 +350,7 @@ def test_reinit_tokens_redraws_their_rows_when_the_run_starts(base_model, tmp_pa
     import torch
     import transformers
 
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     config = sft_config(tmp_path, base_model, reinit_tokens=["<unk>"], reinit_lm_head=False)
     config["trainer"]["num_train_steps"] = 2
@@ -368,7 +368,7 @@ def test_reinit_tokens_redraws_their_rows_when_the_run_starts(base_model, tmp_pa
 
 
 def test_an_unknown_reinit_token_is_refused_before_training(base_model, tmp_path):
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     path = write_config(tmp_path, sft_config(tmp_path, base_model, reinit_tokens=["<|eot_id|>"]), "sft.yaml")
     with pytest.raises(ConfigError, match=r"special_tokens.reinit_tokens: '<\|eot_id\|>' is not a token"):

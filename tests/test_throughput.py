@@ -5,7 +5,8 @@ import time
 from test_trainer import read_metrics, tiny_config
 
 from levanter_core.checkpoint import TensorStoreCheckpointer
-from levanter_core.trainer.run import _TrainLoop, run_training
+from levanter_core.run import run_training
+from levanter_core.run.loop import TrainLoop
 
 SLOW = 1.0  # seconds each evaluation and each save's blocking part take on top of their own time
 
@@ -13,7 +14,7 @@ SLOW = 1.0  # seconds each evaluation and each save's blocking part take on top 
 def test_a_run_with_frequent_saves_and_slow_evaluations_logs_only_training_throughput(tmp_path, monkeypatch):
     """An evaluation before a save used to be subtracted twice from the next step's time, which
     came out negative when the evaluation took longer than the step (-2,313 tokens/s)."""
-    evaluate, save = _TrainLoop.evaluate, TensorStoreCheckpointer.save
+    evaluate, save = TrainLoop.evaluate, TensorStoreCheckpointer.save
 
     def slow_evaluate(self, model):
         time.sleep(SLOW)
@@ -23,7 +24,7 @@ def test_a_run_with_frequent_saves_and_slow_evaluations_logs_only_training_throu
         time.sleep(SLOW)  # as a large state's copy to host memory would
         return save(self, *args, **kwargs)
 
-    monkeypatch.setattr(_TrainLoop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(TrainLoop, "evaluate", slow_evaluate)
     monkeypatch.setattr(TensorStoreCheckpointer, "save", slow_save)
     config = tiny_config(
         tmp_path,

@@ -9,8 +9,8 @@ import levanter_core.plugins as plugins
 from conftest import code_docs, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.plugins import hookimpl
+from levanter_core.run import run_training
 from levanter_core.tracker import CompositeTracker, RunStatus, Tracker, TrackerConfig, finish_tracker
-from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import NonFiniteLossError
 
 ENDINGS: list[tuple[str, object]] = []

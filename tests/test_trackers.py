@@ -4,8 +4,8 @@ import pytest
 
 from conftest import code_docs, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
+from levanter_core.run import run_training
 from levanter_core.tracker import CompositeTracker, Histogram, Tracker
-from levanter_core.trainer.run import run_training
 
 
 def test_a_list_of_trackers_gets_every_call_of_a_run(tmp_path, recorded_calls):

@@ -5,8 +5,8 @@ continue it, and ``--trainer.id`` of the finished run does continue it (docs/che
 import logging
 
 from levanter_core.config.train import load_train_config
+from levanter_core.run import run_training
 from levanter_core.testing import code_docs, run_config, write_jsonl
-from levanter_core.trainer.run import run_training
 
 
 def test_a_finished_run_made_longer_is_a_new_run_and_says_how_to_continue(tmp_path, caplog):

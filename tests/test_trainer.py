@@ -11,9 +11,9 @@ import pytest
 from levanter_core.config.loader import Sources
 from levanter_core.config.train import TrainConfig, validate_train_config
 from levanter_core.models.lm import lm_loss_and_metrics
+from levanter_core.run import run_training
 from levanter_core.testing import read_metrics, tiny_model
 from levanter_core.trainer.mesh import make_mesh
-from levanter_core.trainer.run import run_training
 from levanter_core.trainer.trainer import Trainer, trainable
 
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
-from levanter_core.trainer.run import run_training
+from levanter_core.run import run_training
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import numpy as np
 
 from conftest import run_config, write_jsonl
 from levanter_core.config.train import load_train_config
-from levanter_core.trainer.run import run_training
+from levanter_core.run import run_training
 from levanter_core.trainer.viz import heatmap_html
 
 

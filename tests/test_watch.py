@@ -5,8 +5,8 @@ import pytest
 
 from conftest import MODEL, code_docs, metrics, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
+from levanter_core.run import run_training
 from levanter_core.tracker import Histogram
-from levanter_core.trainer.run import run_training
 
 
 def test_watch_logs_norms_every_interval_and_histograms_to_trackers(tmp_path, recorded_calls):

@@ -113,3 +113,14 @@ def model_type_for_hf_config(hf_config: dict[str, Any]) -> str | None:
     type; a qualified name (``DISTRIBUTION:NAME``) is accepted too. Every plugin is asked
     (:meth:`levanter_core.plugins.PluginManager.model_type_for_hf_config`): when two answer with
     different types, the import stops naming both, unless ``LEVANTER_PLUGINS_PREFER`` chooses."""
+
+
+@hookspec
+def step_callbacks(config: Any, context: Any) -> list[Any] | None:
+    """Side work for every training run: return a list of
+    :class:`levanter_core.trainer.callbacks.StepCallback` (each says when it is due and what it
+    does between steps), or None. ``config`` is the run's validated config (a
+    :class:`~levanter_core.config.train.TrainConfig`); ``context`` is an
+    :class:`~levanter_core.trainer.evaluators.EvaluatorContext` (tokenizer, trainer, run
+    directory, sequence length). Called once per run, before the first step; the callbacks run
+    after the run's own evaluations and before its exports and checkpoints."""

@@ -70,9 +70,9 @@ def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: 
     """Train the config at ``config_path`` for ``steps`` steps in-process, with its data,
     logs, checkpoints and cache under ``workdir`` and a small slice of the Python
     standard library as the corpus (so it runs offline in seconds). Returns the
-    :class:`~levanter_core.trainer.run.RunResult`."""
+    :class:`~levanter_core.run.result.RunResult`."""
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     args = [
         "--trainer.num_train_steps", str(steps),

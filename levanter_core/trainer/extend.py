@@ -1,6 +1,6 @@
 """Noticing a run that is an earlier run made longer.
 
-A run id left unset is derived from a hash of the config (:func:`~levanter_core.trainer.run.
+A run id left unset is derived from a hash of the config (:func:`~levanter_core.run.record.
 derive_run_id`), so re-running a run with a larger ``trainer.num_train_steps`` names a *new* run,
 which starts at step 0. That is right for a changed experiment, but surprising for someone who
 meant "train longer": :func:`earlier_runs_made_longer` finds the earlier run, and

@@ -130,7 +130,7 @@ def test_the_whole_librispeech_config_loads_without_the_network(offline_hub, no_
 @needs_reference
 def test_its_tokenizer_comes_from_the_hugging_face_cache_and_fits_the_model(offline_hub, no_network):
     from levanter_core.data.tokenizer import check_tokenizer_available, load_tokenizer
-    from levanter_core.trainer.run import preflight
+    from levanter_core.run import preflight
 
     config = load_librispeech()
     check_tokenizer_available(config.data.tokenizer)
@@ -148,7 +148,7 @@ def test_without_the_tokenizer_in_the_cache_the_run_stops_saying_what_to_fetch(t
     import huggingface_hub.constants
 
     from levanter_core.errors import DataError
-    from levanter_core.trainer.run import preflight
+    from levanter_core.run import preflight
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

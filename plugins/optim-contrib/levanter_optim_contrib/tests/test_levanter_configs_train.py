@@ -28,7 +28,7 @@ def test_levanter_optimizer_config_trains(name, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     overrides = [
         "--data", f"{{type: python_stdlib, tokenizer: byte, max_files: 12, cache_dir: {tmp_path / 'cache'}}}",

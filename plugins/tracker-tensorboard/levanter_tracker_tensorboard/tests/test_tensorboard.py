@@ -15,8 +15,8 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
+from levanter_core.run import run_training
 from levanter_core.tracker import Histogram, RunInfo
-from levanter_core.trainer.run import run_training
 from levanter_tracker_tensorboard import TensorboardConfig
 
 CONFIG = {

@@ -168,7 +168,7 @@ def test_save_xla_dumps_uploads_the_dump_directory_named_in_xla_flags(tmp_path, 
 @pytest.mark.slow
 def test_training_with_json_and_wandb_logs_the_same_losses_and_resumes_the_same_run(tmp_path):
     from levanter_core.config.train import load_train_config
-    from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     plugins.reset()  # entry points: gpt2 and this plugin, as installed
     data_dir = tmp_path / "data"

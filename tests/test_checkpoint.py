@@ -460,7 +460,7 @@ def test_every_chunk_is_checksummed_and_checked_also_where_a_shard_holds_several
     puts them together again, and a flipped bit in any one of them is found."""
     big = {"w": jnp.arange(4096 * 8, dtype=jnp.float32).reshape(4096, 8) * 1.5, "s": jnp.float32(2.0)}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("levanter_core.checkpoint.tensorstore._MAX_CHUNK_BYTES", 32 << 10)  # 4 chunks of w
+        patch.setattr("levanter_core.checkpoint.chunks._MAX_CHUNK_BYTES", 32 << 10)  # 4 chunks of w
         saved = save_now(tmp_path, big, 1)
     leaves = {leaf["name"]: leaf for leaf in read_metadata(saved)["leaves"]}
     assert sorted(leaves["w"]["xxh3_64"]) == ["0.0", "1.0", "2.0", "3.0"] and list(leaves["s"]["xxh3_64"]) == ["0"]

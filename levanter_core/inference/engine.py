@@ -19,119 +19,50 @@ methods it offers) is served the same way: each request also carries an *encoder
 spectrogram), which the prefill runs through the encoder into the request's row of the
 cache, beside its prompt (the decoder's first tokens); decoding then goes on in the same
 slots and rounds as text.
+
+This module is the :class:`Engine`: its public side and the thread that schedules the slots.
+The requests it takes and gives are in :mod:`~levanter_core.inference.requests`, its compiled
+steps in :mod:`~levanter_core.inference.steps`, and how new tokens become results in
+:mod:`~levanter_core.inference.delivery`.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import haliax as hax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from haliax import Axis
 
-from levanter_core.errors import UserError
 from levanter_core.inference import decoding
-from levanter_core.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, choose_tokens, token_keys, top_tokens
+from levanter_core.inference.delivery import _Delivery
+from levanter_core.inference.requests import Completion, Request, RequestError, Update
+from levanter_core.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from levanter_core.inference.steps import _bucket, _decode, _host, _prefill, _sampling
 
 logger = logging.getLogger(__name__)
 
-
-class RequestError(UserError):
-    """A request that cannot be served as asked; ``status`` is its HTTP status (400: bad input,
-    429: the queue is full, 500: generating it failed (the engine goes on with the others), 503:
-    the engine is shutting down or broken); ``field``, when one is
-    to blame, the request's field in :class:`SamplingParams`'s words (``prompt``,
-    ``max_new_tokens``, ``temperature``, ...)."""
-
-    def __init__(self, message: str, status: int = 400, *, field: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.field = field
-
-
-@dataclass
-class Completion:
-    """One finished generation."""
-
-    prompt_tokens: list[int]
-    tokens: list[int]
-    """The generated tokens (without the end-of-sequence token that ended them)."""
-    logprobs: list[float]
-    """The log-probability of each generated token under the model (before temperature and truncation)."""
-    text: str | None
-    """The generated text, cut before the stop string that ended it (None without a tokenizer)."""
-    finish_reason: str
-    """``stop`` (an end-of-sequence token or a stop string) or ``length`` (the token budget or the
-    model's context ran out)."""
-    index: int = 0
-    """Which of a prompt's samples this is (``-n``)."""
-    time_to_first_token: float | None = None
-    """Seconds from submission to the first generated token."""
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    """With ``SamplingParams.top_logprobs``: at each generated position, the most likely tokens
-    and their log-probabilities, most likely first (None when not asked for)."""
-
-
-@dataclass
-class Update:
-    """What a request got since the last update: new text and tokens, and whether it ended."""
-
-    text: str
-    tokens: list[int]
-    logprobs: list[float]
-    finished: Completion | None = None
-    """The completion, on a request's last update."""
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    """The alternatives at each new token's position, when the request asked for them."""
-    error: BaseException | None = None
-    """Why the request failed (the engine broke), on its last update; ``finished`` is then None."""
-
-
-class Request:
-    """A submitted request: wait on it with :meth:`result`, or stream it through ``on_update``."""
-
-    def __init__(self, prompt: list[int], params: SamplingParams, index: int, on_update, encoder_input=None):
-        self.prompt = prompt
-        self.encoder_input = encoder_input
-        """An encoder-decoder's input (a numpy array), until the prefill has used it."""
-        self.params = params
-        self.index = index
-        self.on_update: Callable[[Update], None] | None = on_update
-        self.submitted = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.emitted = 0  # characters of text already given to on_update
-        self.cancelled = False
-        self.row: tuple | None = None
-        """The request's settings as the compiled steps take them (set by :meth:`Engine.submit`)."""
-        self._done = threading.Event()
-        self._completion: Completion | None = None
-        self._error: BaseException | None = None
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """The completion, once the request has ended (raises the engine's error if it failed)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError("the request has not finished")
-        if self._error is not None:
-            raise self._error
-        return self._completion
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self) -> None:
-        """Stop generating (a client that went away); the slot is freed at the next step."""
-        self.cancelled = True
+# The names this module held before it was split (some are imported from here still; the
+# engine calls ``_prefill`` and ``_decode`` through this module, so patching them here works).
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineStats",
+    "Request",
+    "RequestError",
+    "Update",
+    "_Slot",
+    "_bucket",
+    "_decode",
+    "_host",
+    "_prefill",
+    "_sampling",
+]
 
 
 @dataclass
@@ -153,11 +84,7 @@ class EngineStats:
     compiles: set = field(default_factory=set)
 
 
-def _bucket(n: int, smallest: int, largest: int) -> int:
-    return min(largest, max(smallest, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
-
-
-class Engine:
+class Engine(_Delivery):
     """Continuous batching over one model (see the module docstring).
 
     ``tokenizer`` (a :class:`~levanter_core.data.tokenizer.Tokenizer`) turns tokens into text and
@@ -588,167 +515,3 @@ class Engine:
                 request.row = self._row(request.params, request.index)
             temperature[i], top_k[i], top_p[i], seeds[i], samples[i] = request.row
         return temperature, top_k, top_p, seeds, samples
-
-    # -- turning tokens into results -----------------------------------------------------------
-    def _accept(self, slot: int, tokens: list[int], logprobs: list[float], top_ids, top_lps) -> None:
-        """Give slot ``slot``'s request its new ``tokens`` (``top_ids``/``top_lps``: the
-        alternatives at each, ``[len(tokens), top_n]``); free the slot if it has ended."""
-        request = self._slots[slot].request
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        params = request.params
-        reason = None
-        added = 0
-        for j, (token, logprob) in enumerate(zip(tokens, logprobs)):
-            if token in self.eos_ids and not params.ignore_eos:
-                reason = "stop"
-                break
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            if params.top_logprobs:
-                n = params.top_logprobs
-                request.top_logprobs.append(list(zip(top_ids[j, :n].tolist(), top_lps[j, :n].tolist())))
-            added += 1
-            if (
-                len(request.tokens) >= params.max_new_tokens
-                or len(request.prompt) + len(request.tokens) >= self.max_seq_len
-            ):
-                reason = "length"
-                break
-        text, cut = self._text(request)
-        if cut is not None:  # a stop string: the text ends before it, and so do the tokens
-            reason = "stop"
-        if request.cancelled:
-            reason = reason or "cancelled"
-        completion = None
-        if reason is not None:
-            self._slots[slot] = None
-            kept = slice(None, cut)
-            completion = Completion(
-                request.prompt,
-                request.tokens[kept],
-                request.logprobs[kept],
-                text,
-                reason,
-                request.index,
-                request.first_token_at - request.submitted,
-                request.top_logprobs[kept] if params.top_logprobs else None,
-            )
-        self._deliver(request, text, added, completion)
-
-    def _text(self, request: Request) -> tuple[str | None, int | None]:
-        """The request's text so far, cut at the first stop string; and, when a stop string
-        appeared, how many tokens the text keeps."""
-        if self.tokenizer is None:
-            return None, None
-        text = self.tokenizer.decode(request.tokens)
-        found = [text.find(s) for s in request.params.stop if s in text]
-        if not found:
-            return text, None
-        end = min(found)
-        # the fewest tokens whose text covers what is kept
-        kept = next(n for n in range(len(request.tokens) + 1) if len(self.tokenizer.decode(request.tokens[:n])) >= end)
-        return text[:end], kept
-
-    def _deliver(self, request: Request, text: str | None, added: int, completion: Completion | None) -> None:
-        if request.on_update is not None:
-            if text is None:
-                delta = ""
-            elif completion is not None:
-                delta = text[request.emitted :]
-            else:
-                # hold back what could still become a stop string, and half a character
-                hold = max((len(s) - 1 for s in request.params.stop), default=0)
-                safe = len(text) - hold
-                while safe > request.emitted and text[safe - 1] == "\ufffd":
-                    safe -= 1
-                delta = text[request.emitted : max(safe, request.emitted)]
-            request.emitted += len(delta)
-            new = slice(len(request.tokens) - added, None) if added else slice(0, 0)
-            top = request.top_logprobs[len(request.top_logprobs) - added :] if added and request.top_logprobs else []
-            self._notify(request, Update(delta, request.tokens[new], request.logprobs[new], completion, top))
-        if completion is not None:
-            request._completion = completion
-            request._done.set()
-
-    @staticmethod
-    def _notify(request: Request, update: Update) -> None:
-        if request.on_update is None:
-            return
-        try:
-            request.on_update(update)
-        except Exception:  # a listener's failure (a closed connection) is the listener's
-            logger.exception("a request's update listener failed; cancelling the request")
-            request.cancel()
-
-    def _finish_cancelled(self, request: Request) -> None:
-        """End a request cancelled before it left the queue (its listener hears of it too)."""
-        completion = Completion(request.prompt, [], [], "" if self.tokenizer else None, "cancelled", request.index)
-        self._deliver(request, completion.text, 0, completion)
-
-
-def _sampling(requests) -> bool:
-    """Whether a step draws random numbers: a greedy batch runs a program that draws none."""
-    return any(r.params.temperature > 0 for r in requests)
-
-
-def _host(values, *shape):
-    """A compiled step's alternatives on the host; an empty ``[*shape, 0]`` array when it computed none."""
-    return np.zeros((*shape, 0)) if values is None else np.asarray(values)
-
-
-# -- the compiled steps ------------------------------------------------------------------------------
-@hax.named_jit(donate_args=(True,) + (False,) * 10)
-def _prefill(
-    cache, model, tokens, lengths, slots, temperature, top_k, top_p, seeds, samples, encoder_inputs,
-    *, key_positions, top_n, sample,
-):  # fmt: skip
-    """Prompts ``tokens`` ``[rows, length]`` (``lengths`` long) through the model into a fresh
-    cache whose rows go to ``slots`` of ``cache``; the first generated token of each, its
-    log-probability, and the ``top_n`` most likely tokens and their log-probabilities. An
-    encoder-decoder's fresh rows start from ``encoder_inputs`` ``[rows, *encoder_input_axes]``
-    (None for a language model)."""
-    Batch, Pos = Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1])
-    ids = hax.named(jnp.asarray(tokens), (Batch, Pos))
-    positions = hax.broadcast_to(hax.arange(Pos), (Batch, Pos))
-    if encoder_inputs is not None:
-        encoder_inputs = hax.named(jnp.asarray(encoder_inputs), (Batch, *model.encoder_input_axes))
-    fresh = decoding.init_cache(model, Batch, key_positions, encoder_inputs)
-    hidden, fresh = decoding.decode(model, ids, positions, fresh, key_len=Pos.size)
-    hidden = hidden.rearrange((Batch.name, Pos.name, ...))
-    last = hax.named(hidden.array[jnp.arange(Batch.size), lengths - 1], (Batch, *hidden.axes[2:]))
-    logits = decoding.next_token_logits(model, last).rearrange((Batch.name, ...)).array
-    keys = token_keys(seeds, samples, lengths)
-    new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys, sample=sample)
-    top_ids, top_lps = top_tokens(logits, top_n) if top_n else (None, None)  # no zero-sized buffers
-    return cache.insert(slots, fresh), new, logprobs, top_ids, top_lps
-
-
-@hax.named_jit(donate_args=(True,) + (False,) * 8)
-def _decode(
-    cache, model, tokens, positions, temperature, top_k, top_p, seeds, samples, *, key_len, rounds, top_n, sample
-):
-    """``rounds`` decoding steps of every row: each feeds its last token at its position and
-    chooses the next. Returns the cache, the chosen tokens and log-probabilities ``[rows, rounds]``,
-    and the ``top_n`` most likely tokens and their log-probabilities ``[rows, rounds, top_n]``."""
-    Batch, One = Axis("batch", tokens.shape[0]), Axis("position", 1)
-
-    def step(i, carry):
-        cache, tokens, positions, out = carry
-        ids = hax.named(tokens[:, None], (Batch, One))
-        where = hax.named(positions[:, None], (Batch, One))
-        hidden, cache = decoding.decode(model, ids, where, cache, key_len=key_len)
-        logits = decoding.next_token_logits(model, hidden["position", 0]).rearrange((Batch.name, ...)).array
-        keys = token_keys(seeds, samples, positions + 1)
-        new, logprobs = choose_tokens(logits, temperature, top_k, top_p, keys, sample=sample)
-        chosen = (new, logprobs, *top_tokens(logits, top_n)) if top_n else (new, logprobs)
-        out = tuple(o.at[:, i].set(c) for o, c in zip(out, chosen))
-        return cache, new, positions + 1, out
-
-    rows = Batch.size
-    out = (jnp.zeros((rows, rounds), jnp.int32), jnp.zeros((rows, rounds), jnp.float32))
-    if top_n:  # (no zero-sized buffers when nobody asked for alternatives)
-        out += (jnp.zeros((rows, rounds, top_n), jnp.int32), jnp.zeros((rows, rounds, top_n), jnp.float32))
-    tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
-    cache, _, _, out = jax.lax.fori_loop(0, rounds, step, (cache, tokens, positions, out))
-    return (cache, *out) if top_n else (cache, *out, None, None)

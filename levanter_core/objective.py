@@ -124,7 +124,7 @@ class Objective(abc.ABC):
     def loss(self, model: Any, example: Any, *, key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The mean loss of a batch that the step minimizes, and scalars to log with it."""
 
-    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array | None) -> jax.Array:
+    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array) -> jax.Array:
         """The loss of a batch against targets drawn (with ``key``) from the model's own
         predictions for it, the draw held fixed under differentiation: the gradient of this is
         what Gauss-Newton estimates of the Hessian square (Sophia-G), and optimizers reach it
@@ -251,7 +251,7 @@ class LmObjective(Objective):
     def eval_loss(self, model: Any, example: Any) -> jax.Array:
         return self._eval_loss(model, example, key=None)
 
-    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array | None) -> jax.Array:
+    def sampled_loss(self, model: Any, example: Any, *, key: jax.Array) -> jax.Array:
         """Next-token cross-entropy against tokens sampled from the model's predictions
         (:func:`~levanter_core.models.lm.lm_sampled_loss`)."""
         from levanter_core.models.lm import lm_sampled_loss

@@ -30,6 +30,7 @@ import haliax as hax
 import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
 from pydantic import BeforeValidator
@@ -37,7 +38,7 @@ from pydantic import BeforeValidator
 from levanter_core.hf.layouts import fuse, unfuse
 from levanter_core.layers.mlp import init_linear
 from levanter_core.layers.norm import RmsNorm
-from levanter_core.layers.rotary import apply_rotary, rotary_tables
+from levanter_core.layers.rotary import RotaryConfig, apply_rotary, rotary_tables
 
 _LEVANTER_BACKENDS = {
     None: "auto",
@@ -54,7 +55,7 @@ GPU, causal query blocks elsewhere); ``nvte`` (Transformer Engine's fused kernel
 fused attention, ``jax``; ``vanilla`` is the plain computation, ``reference``."""
 
 
-def _backend_from_levanter(value):
+def _backend_from_levanter(value: object) -> object:
     if value is None or (isinstance(value, str) and value.lower() in _LEVANTER_BACKENDS):
         return _LEVANTER_BACKENDS[value.lower() if isinstance(value, str) else None]
     return value
@@ -98,7 +99,9 @@ class AttentionMask(eqx.Module):
         """This mask for queries at ``positions`` (``(..., position)``) over keys indexed by position."""
         return dataclasses.replace(self, query_positions=positions)
 
-    def materialize(self, Pos: Axis, KeyPos: Axis, *, window: int | None = None, sliding=None) -> NamedArray:
+    def materialize(
+        self, Pos: Axis, KeyPos: Axis, *, window: int | None = None, sliding: jax.Array | NamedArray | None = None
+    ) -> NamedArray:
         """A boolean array ``(..., position, key_position)``, True where attention is allowed.
 
         ``window``: a query at ``q`` sees keys ``q - window < k <= q`` (``window`` keys,
@@ -126,7 +129,7 @@ class AttentionMask(eqx.Module):
         return allowed
 
 
-def _scalar(x) -> jax.Array:
+def _scalar(x: jax.Array | NamedArray | bool) -> jax.Array:
     return x.array if isinstance(x, NamedArray) else jnp.asarray(x)
 
 
@@ -161,10 +164,10 @@ def dot_product_attention(
     scale: float,
     soft_cap: float | None = None,
     window: int | None = None,
-    sliding=None,
+    sliding: jax.Array | NamedArray | None = None,
     backend: AttentionBackend = "auto",
     dropout: float = 0.0,
-    key=None,
+    key: jax.Array | None = None,
     query_block: int | None = None,
     upcast: bool = False,
     sinks: NamedArray | None = None,
@@ -199,17 +202,17 @@ def dot_product_attention(
     # Heads before positions: the einsums below then need no transposes between them.
     q = q.rearrange((..., Pos, HeadSize))
     k, v = k.rearrange((..., KeyPos, HeadSize)), v.rearrange((..., KeyPos, VHead))
-    scale = jnp.asarray(scale, q.dtype)
+    q_scale = jnp.asarray(scale, q.dtype)
     causal_self = mask.causal and Pos.size == KeyPos.size and mask.query_positions is None
     starts = range(0, Pos.size, block_size) if causal_self else [0]
-    keys_per_block = jax.random.split(key, len(starts)) if dropout > 0 else [None] * len(starts)
+    keys_per_block = jax.random.split(key, len(starts)) if dropout > 0 and key is not None else [None] * len(starts)
     blocks = []
     for start, block_key in zip(starts, keys_per_block):
         end = min(start + block_size, Pos.size) if causal_self else Pos.size
         keys = end if causal_self else KeyPos.size  # a causal block sees no key after its last query
         blocks.append(
             _attend(
-                q[Pos.name, start:end] * scale,
+                q[Pos.name, start:end] * q_scale,
                 k[KeyPos.name, :keys],
                 v[KeyPos.name, :keys],
                 allowed[Pos.name, start:end, KeyPos.name, :keys],
@@ -225,14 +228,26 @@ def dot_product_attention(
     return out.rearrange(axes).astype(v.dtype)
 
 
-def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float | None, dropout: float, key, sinks=None):
+def _attend(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    allowed: NamedArray,
+    *,
+    KeyPos: Axis,
+    HeadSize: Axis,
+    soft_cap: float | None,
+    dropout: float,
+    key: jax.Array | None,
+    sinks: NamedArray | None = None,
+) -> NamedArray:
     """Softmax attention of the (already scaled) queries ``q`` over ``k``/``v``, where ``allowed``,
     dropping each weight with probability ``dropout`` (with ``key``; None: none dropped), with
     ``sinks`` (per query head) as one more logit in each softmax."""
     scores = hax.dot(q, k, axis=HeadSize)
     if soft_cap is not None:
         scores = hax.tanh(scores / soft_cap) * soft_cap
-    scores = hax.where(allowed, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    scores = hax.where(allowed, scores.astype(jnp.float32), np.finfo(np.float32).min)
     if sinks is None:
         weights = hnn.softmax(scores, axis=KeyPos).astype(v.dtype)
     else:
@@ -245,7 +260,18 @@ def _attend(q, k, v, allowed, *, KeyPos: Axis, HeadSize: Axis, soft_cap: float |
     return hax.dot(weights, v, axis=KeyPos)
 
 
-def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, window, sliding) -> NamedArray:
+def _jax_attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    mask: AttentionMask,
+    Pos: Axis,
+    KeyPos: Axis,
+    HeadSize: Axis,
+    scale: float,
+    window: int | None,
+    sliding: jax.Array | NamedArray | None,
+) -> NamedArray:
     """The same computation through :func:`jax.nn.dot_product_attention` ([B, T, N, H] layout).
     Queries grouped as ``(kv_heads, q_heads_per_group)``, or one query head per key head on a
     ``heads`` axis (GPT-2's multi-head attention)."""
@@ -268,9 +294,10 @@ def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, w
     k_arr = k.rearrange((*batch_axes, KeyPos, KvHeads, HeadSize)).array.reshape(batch, KeyPos.size, KvHeads.size, -1)
     v_arr = v.rearrange((*batch_axes, KeyPos, KvHeads, HeadSize)).array.reshape(batch, KeyPos.size, KvHeads.size, -1)
 
-    static_window = window is not None and sliding is None
+    # a window fixed for the layer (not switched by a traced `sliding`), as cuDNN takes it
+    static_window = (window - 1, 0) if window is not None and sliding is None else None
     plain = mask.segment_ids is None and mask.query_positions is None and Pos.size == KeyPos.size
-    if plain and mask.causal and (window is None or static_window):
+    if plain and mask.causal and (window is None or static_window is not None):
         # the pattern cuDNN's fused kernel knows: causal, optionally a fixed window
         out = jax.nn.dot_product_attention(
             q_arr,
@@ -278,7 +305,7 @@ def _jax_attention(q, k, v, mask: AttentionMask, Pos, KeyPos, HeadSize, scale, w
             v_arr,
             scale=scale,
             is_causal=True,
-            local_window_size=(window - 1, 0) if static_window else None,
+            local_window_size=static_window,
         )
     else:
         allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
@@ -297,10 +324,10 @@ class AttentionConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope: object | None = None
+    rope: RotaryConfig | None = None
     """A rotary config from :mod:`levanter_core.layers.rotary`, or None for no rotary embedding.
     Its ``partial_rotary_factor`` rotates only the first part of each head."""
-    local_rope: object | None = None
+    local_rope: RotaryConfig | None = None
     """Rotary config for sliding-window layers when it differs from ``rope`` (Gemma 3, OLMo 3):
     used where the layer's ``sliding`` switch is on, or everywhere when there is no switch and
     ``sliding_window`` is set."""
@@ -329,7 +356,7 @@ class AttentionConfig:
     """The name under which Hugging Face checkpoints store the query, key and value projections
     as one tensor (Phi-3's ``qkv_proj``); None: three tensors, ``q_proj``, ``k_proj``, ``v_proj``."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
@@ -370,7 +397,7 @@ class Attention(ModuleWithStateDictSerialization):
     sinks: NamedArray | None = None
 
     @staticmethod
-    def init(config: AttentionConfig, *, key) -> Attention:
+    def init(config: AttentionConfig, *, key: jax.Array) -> Attention:
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c = config
         QOut = (c.KvHeads, c.QHeadsPerGroup, c.HeadSize)
@@ -390,7 +417,12 @@ class Attention(ModuleWithStateDictSerialization):
         return Attention(config, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks)
 
     def project(
-        self, x: NamedArray, *, positions: NamedArray | None = None, sliding=None, seq_len: int | None = None
+        self,
+        x: NamedArray,
+        *,
+        positions: NamedArray | None = None,
+        sliding: jax.Array | NamedArray | None = None,
+        seq_len: int | None = None,
     ) -> tuple[NamedArray, NamedArray, NamedArray]:
         """Queries ``(..., position, kv_heads, q_heads_per_group, head_size)`` and keys and
         values ``(..., position, kv_heads, head_size)`` of ``x`` ``(..., position, embed)``,
@@ -401,7 +433,9 @@ class Attention(ModuleWithStateDictSerialization):
         Pos = x.resolve_axis("position")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         if c.rope is not None:
             positions = hax.arange(Pos) if positions is None else positions
             seq_len = Pos.size if seq_len is None else seq_len
@@ -417,7 +451,15 @@ class Attention(ModuleWithStateDictSerialization):
             k = apply_rotary(k, cos, sin, c.HeadSize)
         return q, k, v
 
-    def attend(self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding=None) -> NamedArray:
+    def attend(
+        self,
+        q: NamedArray,
+        k: NamedArray,
+        v: NamedArray,
+        mask: AttentionMask,
+        *,
+        sliding: jax.Array | NamedArray | None = None,
+    ) -> NamedArray:
         """Attention of ``q`` (on ``position``) over ``k``/``v`` (on ``key_position``), before
         the output projection. ``sliding`` (a boolean scalar, possibly traced) says whether
         this layer uses the sliding window; None means it does when the config has one."""
@@ -444,7 +486,13 @@ class Attention(ModuleWithStateDictSerialization):
         )
 
     def __call__(
-        self, x: NamedArray, mask: AttentionMask, *, sliding=None, positions: NamedArray | None = None, key=None
+        self,
+        x: NamedArray,
+        mask: AttentionMask,
+        *,
+        sliding: jax.Array | NamedArray | None = None,
+        positions: NamedArray | None = None,
+        key: jax.Array | None = None,
     ) -> NamedArray:
         """``x`` has axes ``(..., position, embed)``. ``sliding`` (a boolean scalar, possibly
         traced) says whether this layer uses the sliding window; None means it does when
@@ -466,4 +514,5 @@ class Attention(ModuleWithStateDictSerialization):
             q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             parts = (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))
             state_dict = unfuse(state_dict, prefix, parts, c.hf_fused_qkv)
-        return super().from_state_dict(state_dict, prefix)
+        loaded: Attention = super().from_state_dict(state_dict, prefix)
+        return loaded

@@ -16,6 +16,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from jax.typing import ArrayLike
 
 
 class KvCache(eqx.Module):
@@ -45,18 +46,18 @@ class KvCache(eqx.Module):
     def KeyPos(self) -> Axis:
         return self.k.resolve_axis("key_position")
 
-    def write(self, layer, k: NamedArray, v: NamedArray, positions: NamedArray) -> KvCache:
+    def write(self, layer: ArrayLike, k: NamedArray, v: NamedArray, positions: NamedArray) -> KvCache:
         """The cache with layer ``layer``'s keys ``k`` and values ``v`` of new tokens written at
         ``positions`` (``(batch, position)``; ``k`` and ``v`` have those axes and the heads'). A
         position past the cache's end is dropped."""
         return KvCache(_scatter(self.k, layer, k, positions), _scatter(self.v, layer, v, positions))
 
-    def layer(self, layer, key_len: int) -> tuple[NamedArray, NamedArray]:
+    def layer(self, layer: ArrayLike, key_len: int) -> tuple[NamedArray, NamedArray]:
         """Layer ``layer``'s keys and values at positions ``0 .. key_len - 1``, axes
         ``(batch, *heads, key_position, head)``."""
         return _read(self.k, layer, key_len), _read(self.v, layer, key_len)
 
-    def insert(self, rows, other: KvCache) -> KvCache:
+    def insert(self, rows: ArrayLike, other: KvCache) -> KvCache:
         """The cache with ``other``'s rows (all of them) put at ``rows`` (an integer array)."""
         return KvCache(_put_rows(self.k, rows, other.k), _put_rows(self.v, rows, other.v))
 
@@ -66,7 +67,7 @@ def _empty(Layers: Axis, Batch: Axis, KeyPos: Axis, like: NamedArray) -> NamedAr
     return hax.zeros((Layers, Batch, *heads, KeyPos, head), dtype=like.dtype)
 
 
-def _scatter(cache: NamedArray, layer, new: NamedArray, positions: NamedArray) -> NamedArray:
+def _scatter(cache: NamedArray, layer: ArrayLike, new: NamedArray, positions: NamedArray) -> NamedArray:
     Batch, *heads, _, head = cache.axes[1:]
     new = new.rearrange((Batch.name, "position", *(h.name for h in heads), head.name)).astype(cache.dtype)
     rows = jnp.arange(Batch.size)[:, None]
@@ -77,12 +78,12 @@ def _scatter(cache: NamedArray, layer, new: NamedArray, positions: NamedArray) -
     return hax.named(cache.array.at[index].set(new.array, mode="drop"), cache.axes)
 
 
-def _read(cache: NamedArray, layer, key_len: int) -> NamedArray:
+def _read(cache: NamedArray, layer: ArrayLike, key_len: int) -> NamedArray:
     one = jax.lax.dynamic_index_in_dim(cache.array, jnp.asarray(layer), axis=0, keepdims=False)
     axes = list(cache.axes[1:])
     axes[-2] = axes[-2].resize(key_len)
     return hax.named(one[..., :key_len, :], tuple(axes))
 
 
-def _put_rows(cache: NamedArray, rows, other: NamedArray) -> NamedArray:
+def _put_rows(cache: NamedArray, rows: ArrayLike, other: NamedArray) -> NamedArray:
     return hax.named(cache.array.at[:, jnp.asarray(rows)].set(other.array.astype(cache.dtype), mode="drop"), cache.axes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -33,7 +34,7 @@ from haliax import Axis, NamedArray
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
 from levanter_core.layers.mlp import init_linear
 from levanter_core.layers.norm import RmsNorm
-from levanter_core.layers.rotary import YarnRotaryConfig, apply_rotary, rotary_tables
+from levanter_core.layers.rotary import RotaryConfig, YarnRotaryConfig, apply_rotary, rotary_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,8 @@ class MlaConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
-    rope: object | None = None
+    rope: RotaryConfig | None = None
+    """The rotation of the ``qk_rope_head_dim`` part of each query and key (required)."""
     rope_interleave: bool = True
     bias: bool = False
     """Biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` (``attention_bias``)."""
@@ -74,7 +76,7 @@ class MlaConfig:
 
     @property
     def scale(self) -> float:
-        scale = self.QkHead.size**-0.5
+        scale: float = self.QkHead.size**-0.5
         rope = self.rope
         if isinstance(rope, YarnRotaryConfig) and rope.mscale_all_dim and rope.factor > 1:
             mscale = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
@@ -96,14 +98,14 @@ class MultiHeadLatentAttention(eqx.Module):
     q_b_proj: hnn.Linear | None = None
 
     @staticmethod
-    def init(config: MlaConfig, *, key) -> MultiHeadLatentAttention:
+    def init(config: MlaConfig, *, key: jax.Array) -> MultiHeadLatentAttention:
         c = config
         k_q, k_qb, k_kva, k_kvb, k_o = jax.random.split(key, 5)
         std = c.initializer_range
         QOut = (c.Heads, c.QkHead)
         KvA = Axis("kv_latent", c.kv_lora_rank + c.qk_rope_head_dim)
         KvB = (c.Heads, Axis("kv_head", c.qk_nope_head_dim + c.v_head_dim))
-        q = {}
+        q: dict[str, Any] = {}
         if c.q_lora_rank is None:
             q["q_proj"] = init_linear(c.Embed, QOut, key=k_q, std=std)
         else:
@@ -127,11 +129,18 @@ class MultiHeadLatentAttention(eqx.Module):
         if c.rope_interleave:  # pairs (0, 1), (2, 3), ... become halves (0, 2, ...), (1, 3, ...)
             order = jnp.concatenate([jnp.arange(0, Rope.size, 2), jnp.arange(1, Rope.size, 2)])
             x = hax.named(jnp.take(x.array, order, axis=x.axis_indices("head_size")), x.axes)
+        if c.rope is None:
+            raise ValueError("multi-head latent attention rotates part of each head: MlaConfig.rope is required")
         cos, sin = rotary_tables(c.rope, Rope.size, positions, Rope, seq_len=seq_len)
         return apply_rotary(x, cos, sin, Rope)
 
     def project(
-        self, x: NamedArray, *, positions: NamedArray | None = None, sliding=None, seq_len: int | None = None
+        self,
+        x: NamedArray,
+        *,
+        positions: NamedArray | None = None,
+        sliding: jax.Array | NamedArray | None = None,
+        seq_len: int | None = None,
     ) -> tuple[NamedArray, NamedArray, NamedArray]:
         """Queries and keys ``(..., position, heads, head_size)`` (``[nope, rope]``, rotated) and
         values ``(..., position, heads, v_head_size)``."""
@@ -141,7 +150,8 @@ class MultiHeadLatentAttention(eqx.Module):
         seq_len = Pos.size if seq_len is None else seq_len
         if self.q_proj is not None:
             q = self.q_proj(x)
-        else:
+        else:  # with q_lora_rank: q_a_proj, q_a_layernorm and q_b_proj
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         nope = c.qk_nope_head_dim
         q_nope = q["head_size", :nope]
@@ -162,7 +172,15 @@ class MultiHeadLatentAttention(eqx.Module):
         k = hax.concatenate("head_size", [k_nope, k_rot])
         return q, k.rearrange(q.axes), v
 
-    def attend(self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding=None) -> NamedArray:
+    def attend(
+        self,
+        q: NamedArray,
+        k: NamedArray,
+        v: NamedArray,
+        mask: AttentionMask,
+        *,
+        sliding: jax.Array | NamedArray | None = None,
+    ) -> NamedArray:
         """Attention of ``q`` (on ``position``) over ``k``/``v`` (on ``key_position``), before ``o_proj``."""
         c = self.config
         # every head is its own key/value head: the grouped layout's two head axes, one of size 1
@@ -184,7 +202,13 @@ class MultiHeadLatentAttention(eqx.Module):
         return out["q_heads_per_group", 0].rename({"kv_heads": "heads"})
 
     def __call__(
-        self, x: NamedArray, mask: AttentionMask, *, sliding=None, positions: NamedArray | None = None, key=None
+        self,
+        x: NamedArray,
+        mask: AttentionMask,
+        *,
+        sliding: jax.Array | NamedArray | None = None,
+        positions: NamedArray | None = None,
+        key: jax.Array | None = None,
     ) -> NamedArray:
         q, k, v = self.project(x, positions=positions)
         renamed = {"position": "key_position"}

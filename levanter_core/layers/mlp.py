@@ -10,7 +10,7 @@ import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
-from haliax import Axis, NamedArray
+from haliax import Axis, AxisSpec, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
 
 from levanter_core.hf.layouts import fuse, unfuse
@@ -28,7 +28,7 @@ ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
 }
 
 
-def init_linear(In, Out, *, key, std: float, use_bias: bool = False) -> hnn.Linear:
+def init_linear(In: AxisSpec, Out: AxisSpec, *, key: jax.Array, std: float, use_bias: bool = False) -> hnn.Linear:
     """A Linear layer with N(0, std) weights and zero biases (the usual LLM initialization)."""
     weight = hax.random.normal(key, hax.concat_axis_specs(Out, In)) * std
     bias = hax.zeros(Out) if use_bias else None
@@ -53,7 +53,7 @@ class GatedMlp(ModuleWithStateDictSerialization):
         Mlp: Axis,
         activation: str,
         *,
-        key,
+        key: jax.Array,
         std: float = 0.02,
         down_std: float | None = None,
         use_bias: bool = False,
@@ -82,7 +82,8 @@ class GatedMlp(ModuleWithStateDictSerialization):
         if self.fused is not None:
             rows = self.gate_proj.Out.size
             state_dict = unfuse(state_dict, prefix, (("gate_proj", rows), ("up_proj", rows)), self.fused)
-        return super().from_state_dict(state_dict, prefix)
+        loaded: GatedMlp = super().from_state_dict(state_dict, prefix)
+        return loaded
 
 
 class Mlp(eqx.Module):
@@ -98,7 +99,7 @@ class Mlp(eqx.Module):
         Hidden: Axis,
         activation: str,
         *,
-        key,
+        key: jax.Array,
         std: float = 0.02,
         down_std: float | None = None,
         use_bias: bool = False,

@@ -105,7 +105,7 @@ class MoeConfig:
     """The router's name in Hugging Face checkpoints (``gate``; GPT-OSS: ``router``)."""
     initializer_range: float = 0.02
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) cannot exceed the number of experts ({self.num_experts})")
         if self.num_experts % self.num_groups or self.top_groups > self.num_groups:
@@ -156,7 +156,7 @@ class Experts(ModuleWithStateDictSerialization):
     down_bias: NamedArray | None = None  # (experts, embed)
 
     @staticmethod
-    def init(config: MoeConfig, *, key) -> Experts:
+    def init(config: MoeConfig, *, key: jax.Array) -> Experts:
         c = config
         k1, k2, k3 = jax.random.split(key, 3)
         E, Embed, Mlp = c.Experts, c.Embed, c.Mlp
@@ -219,7 +219,8 @@ class Experts(ModuleWithStateDictSerialization):
                 with_prefix(prefix, "gate_up_proj"): gate_up,
                 with_prefix(prefix, "down_proj"): self.down_proj.rearrange((..., "experts", "mlp", "embed")).array,
             }
-            if self.gate_bias is not None:
+            if self.gate_bias is not None:  # the three biases, or none
+                assert self.up_bias is not None and self.down_bias is not None
                 state[with_prefix(prefix, "gate_up_proj_bias")] = _interleave(
                     self.gate_bias.rearrange((..., "experts", "mlp")).array,
                     self.up_bias.rearrange((..., "experts", "mlp")).array,
@@ -279,7 +280,9 @@ def _deinterleave(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
     return gate_up[..., ::2], gate_up[..., 1::2]
 
 
-def _named_like(array: jax.Array, template: NamedArray, core: tuple[str, ...], *, experts_first: bool = False):
+def _named_like(
+    array: jax.Array, template: NamedArray, core: tuple[str, ...], *, experts_first: bool = False
+) -> NamedArray:
     """``array`` (the ``core`` axes last, any leading axes of ``template`` such as ``layers``
     before them, or, with ``experts_first``, after a leading ``experts``) named as ``template``."""
     leading = tuple(ax for ax in template.axes if ax.name not in core)
@@ -316,7 +319,7 @@ class MoeBlock(eqx.Module):
     shared_experts: GatedMlp | None = None
 
     @staticmethod
-    def init(config: MoeConfig, *, key) -> MoeBlock:
+    def init(config: MoeConfig, *, key: jax.Array) -> MoeBlock:
         c = config
         k_router, k_experts, k_shared = jax.random.split(key, 3)
         router = Router(
@@ -396,7 +399,7 @@ def _limit_to_top_groups(choice: NamedArray, Token: Axis, c: MoeConfig) -> Named
     return hax.named(masked, (Token, c.Experts))
 
 
-def router_losses(stats: RouterStats, num_experts: int, *, balance_weight: float, z_weight: float):
+def router_losses(stats: RouterStats, num_experts: int, *, balance_weight: float, z_weight: float) -> AuxiliaryLoss:
     """The load-balancing loss and the router z-loss from the statistics of all layers (stacked
     along ``layers``),
     weighted into one training term; the unweighted values are the metrics

@@ -52,10 +52,13 @@ class RmsNorm(ModuleWithStateDictSerialization):
         if self.weight is None or self.weight.ndim == 1:
             return self
         flat = hax.flatten_axes(self.weight, self.weight.axes, "__norm__")
-        return eqx.tree_at(lambda m: m.weight, self, flat)
+        flattened: RmsNorm = eqx.tree_at(lambda m: m.weight, self, flat)
+        return flattened
 
     def unflatten_from_export(self, template: RmsNorm) -> RmsNorm:
         if template.weight is None or template.weight.ndim == 1:
             return self
+        assert self.weight is not None  # loaded into the template's structure
         weight = hax.named(self.weight.array.reshape(template.weight.array.shape), template.weight.axes)
-        return eqx.tree_at(lambda m: m.weight, self, weight)
+        unflattened: RmsNorm = eqx.tree_at(lambda m: m.weight, self, weight)
+        return unflattened

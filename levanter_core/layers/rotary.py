@@ -32,7 +32,8 @@ Two things the kit's families rely on:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+import typing
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import haliax as hax
 import jax.numpy as jnp
@@ -44,6 +45,9 @@ from levanter_core.config.base import ConfigModel
 
 
 class _RotaryBase(ConfigModel):
+    if TYPE_CHECKING:
+        type: str  # each scaling's own Literal field, the discriminator
+
     theta: PositiveFloat = 10000.0
     """Base wavelength of the rotations (Hugging Face's ``rope_theta``)."""
 
@@ -73,9 +77,9 @@ class _RotaryBase(ConfigModel):
         """Multiplies the cosines and sines (YaRN's and LongRoPE's attention temperature); 1 for the others."""
         return 1.0
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         """The Hugging Face ``rope_parameters`` dictionary of this scaling."""
-        out = {"rope_type": self.type, "rope_theta": self.theta}
+        out: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
         if self.partial_rotary_factor != 1.0:
             out["partial_rotary_factor"] = self.partial_rotary_factor
         return out
@@ -95,7 +99,7 @@ class DefaultRotaryConfig(_RotaryBase):
         freqs = super().inverse_frequencies(head_size)
         return freqs if self.factor == 1.0 else (freqs / np.float32(self.factor)).astype(np.float32)
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         if self.factor == 1.0:
             return super().to_hf()
         return {**super().to_hf(), "rope_type": "linear", "factor": self.factor}
@@ -113,7 +117,7 @@ class LinearRotaryConfig(_RotaryBase):
     def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         return (super().inverse_frequencies(head_size) / np.float32(self.factor)).astype(np.float32)
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "factor": self.factor}
 
 
@@ -151,7 +155,7 @@ class Llama3RotaryConfig(_RotaryBase):
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         return {
             **super().to_hf(),
             "factor": self.factor,
@@ -221,9 +225,10 @@ class YarnRotaryConfig(_RotaryBase):
         extrapolation = 1.0 / pos_freqs
         interpolation = 1.0 / (self.factor * pos_freqs)
         keep = 1 - ramp
-        return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+        blended: np.ndarray = (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+        return blended
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         out = {
             **super().to_hf(),
             "factor": self.factor,
@@ -268,7 +273,7 @@ class LongRopeConfig(_RotaryBase):
     ``factor <= 1``)."""
 
     @model_validator(mode="after")
-    def _same_lengths(self):
+    def _same_lengths(self) -> LongRopeConfig:
         if len(self.short_factor) != len(self.long_factor):
             raise ValueError(
                 f"short_factor has {len(self.short_factor)} entries and long_factor {len(self.long_factor)}; "
@@ -285,7 +290,7 @@ class LongRopeConfig(_RotaryBase):
 
     def is_long(self, seq_len: int | None) -> bool:
         """Whether a sequence of ``seq_len`` positions uses the long factors."""
-        return bool(seq_len) and seq_len > self.original_max_position_embeddings
+        return seq_len is not None and seq_len > self.original_max_position_embeddings
 
     def inverse_frequencies(self, head_size: int, seq_len: int | None = None) -> np.ndarray:
         factors = self.long_factor if self.is_long(seq_len) else self.short_factor
@@ -305,7 +310,7 @@ class LongRopeConfig(_RotaryBase):
             return 1.0
         return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         out = {
             **super().to_hf(),
             "short_factor": list(self.short_factor),
@@ -337,7 +342,7 @@ class DynamicRotaryConfig(_RotaryBase):
         shape = np.arange(0, head_size, 2, dtype=np.int64).astype(np.float32) / head_size
         return (1.0 / (np.float32(base) ** shape)).astype(np.float32)
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         return {**super().to_hf(), "factor": self.factor}
 
 
@@ -352,7 +357,9 @@ RotaryConfig = Annotated[
 ]
 """The ``rope:`` section of a model config: one of the scalings above, chosen by ``type``."""
 
-_BY_TYPE = {cls.model_fields["type"].default: cls for cls in RotaryConfig.__origin__.__args__}
+_BY_TYPE: dict[str, type[_RotaryBase]] = {
+    cls.model_fields["type"].default: cls for cls in typing.get_args(typing.get_args(RotaryConfig)[0])
+}
 
 
 # What transformers reads from ``rope_parameters`` for each rope type we implement, besides
@@ -388,7 +395,7 @@ _HF_UNSUPPORTED_ROPE = {
 
 
 def rotary_from_hf(
-    params: dict | None, *, default_theta: float = 10000.0, hf_config: dict | None = None
+    params: dict[str, Any] | None, *, default_theta: float = 10000.0, hf_config: dict[str, Any] | None = None
 ) -> _RotaryBase:
     """Our rotary config from a Hugging Face ``rope_parameters`` (or legacy ``rope_scaling``)
     dictionary.
@@ -446,7 +453,7 @@ def rotary_from_hf(
 
 def rotary_tables(
     rope: _RotaryBase, head_size: int, positions: NamedArray, HeadSize: Axis, *, seq_len: int | None = None
-):
+) -> tuple[NamedArray, NamedArray]:
     """``(cos, sin)`` for ``positions`` (any axes, integer), each with the rotated part of
     ``HeadSize`` appended (all of it unless ``rope.partial_rotary_factor`` < 1).
 

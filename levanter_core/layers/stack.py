@@ -10,6 +10,7 @@ second group's first layer is ``layers.{len(first group)}``.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import equinox as eqx
 import haliax.nn as hnn
@@ -18,9 +19,19 @@ from haliax import Axis
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, from_state_dict, to_state_dict, with_prefix
 
 
-def stack_layers(Layers: Axis, layer_cls, *args, key, scan: bool, gradient_checkpointing=True, **kwargs):
+def stack_layers(
+    Layers: Axis,
+    layer_cls: type,
+    *args: Any,
+    key: jax.Array,
+    scan: bool,
+    gradient_checkpointing: bool | str = True,
+    **kwargs: Any,
+) -> hnn.Stacked | hnn.BlockSeq:
     """``Layers.size`` layers of ``layer_cls`` (built by ``layer_cls.init(*args, key=..., **kwargs)``,
-    each with its own key), as an ``hnn.Stacked`` (``scan``) or an ``hnn.BlockSeq``."""
+    each with its own key), as an ``hnn.Stacked`` (``scan``) or an ``hnn.BlockSeq``.
+    ``gradient_checkpointing``: a bool or the name of a Haliax checkpointing policy
+    (``levanter_core.models.lm.GradientCheckpointing``)."""
     stack = hnn.Stacked if scan else hnn.BlockSeq
     return stack.init(Layers, layer_cls, gradient_checkpointing=gradient_checkpointing)(
         *args, key=jax.random.split(key, Layers.size), **kwargs
@@ -31,7 +42,7 @@ class LayerGroups(ModuleWithStateDictSerialization):
     """Consecutive stacks of layers, each of one kind (``kinds[i]``), numbered as one sequence
     in checkpoints. ``starts[i]`` is the index of group ``i``'s first layer."""
 
-    groups: tuple
+    groups: tuple[hnn.Stacked | hnn.BlockSeq, ...]
     starts: tuple[int, ...] = eqx.field(static=True)
     kinds: tuple[str, ...] = eqx.field(static=True)
 
@@ -55,16 +66,18 @@ class LayerGroups(ModuleWithStateDictSerialization):
             size = _group_size(group)
             local = {f"{i}.{rest}": v for i in range(size) for rest, v in per_layer.get(start + i, {}).items()}
             loaded.append(from_state_dict(group, local, None))
-        return eqx.tree_at(lambda m: m.groups, self, tuple(loaded))
+        updated: LayerGroups = eqx.tree_at(lambda m: m.groups, self, tuple(loaded))
+        return updated
 
 
-def _group_size(group) -> int:
+def _group_size(group: Any) -> int:
     if isinstance(group, hnn.BlockSeq):
         return len(group.blocks)
     inner = getattr(group, "layers", group)  # the loader wraps an unrolled group
     if isinstance(inner, hnn.BlockSeq):
         return len(inner.blocks)
-    return group.Block.size
+    size: int = group.Block.size
+    return size
 
 
 def runs(kinds: tuple[str, ...]) -> list[tuple[int, int, str]]:

@@ -20,13 +20,23 @@ positions, so every block holds every row: a batch split across devices stays sp
 from __future__ import annotations
 
 import functools
+from typing import overload
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
+from haliax import NamedArray
 
 
-def cross_entropy_sum(hidden, head, targets, weights, *, block: int | None = None, cap: float | None = None):
+def cross_entropy_sum(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    block: int | None = None,
+    cap: float | None = None,
+) -> jax.Array:
     """``sum(weights * (logsumexp(logits) - logits[target]))`` with ``logits = hidden @ head``
     (soft-capped as ``cap * tanh(logits / cap)`` when ``cap`` is set), in float32.
     ``block``: positions per block (None: all of them, one block)."""
@@ -34,8 +44,15 @@ def cross_entropy_sum(hidden, head, targets, weights, *, block: int | None = Non
 
 
 def cross_entropy_and_z_sum(
-    hidden, head, targets, weights, *, z_weight: float, block: int | None = None, cap: float | None = None
-):
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    z_weight: float,
+    block: int | None = None,
+    cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """``(sum(weights * (loss + z_weight * logsumexp(logits)^2)), sum(weights * logsumexp^2))``: the
     cross-entropy with PaLM's z-loss added, and the z-loss term alone (for logging; it has no
     gradient of its own, differentiate the first value)."""
@@ -43,7 +60,9 @@ def cross_entropy_and_z_sum(
     return total, jax.lax.stop_gradient(z_sum)
 
 
-def token_losses(hidden, head, targets, *, block: int | None = None, cap: float | None = None):
+def token_losses(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, *, block: int | None = None, cap: float | None = None
+) -> jax.Array:
     """The per-token losses ``[rows, positions]`` (float32), block by block, without gradients."""
     blocks = _blocks(hidden.shape[1], block)
     h, t = _split(hidden, blocks), _split(targets, blocks)
@@ -51,7 +70,9 @@ def token_losses(hidden, head, targets, *, block: int | None = None, cap: float 
     return _join(per_block, *hidden.shape[:2])
 
 
-def sample_tokens(hidden, head, key, *, block: int | None = None, cap: float | None = None):
+def sample_tokens(
+    hidden: jax.Array, head: jax.Array, key: jax.Array, *, block: int | None = None, cap: float | None = None
+) -> jax.Array:
     """Token ids ``[rows, positions]`` drawn from ``softmax(hidden @ head)`` (soft-capped as the
     loss is), block by block so that the whole batch's logits are never held at once, without
     gradients."""
@@ -63,7 +84,11 @@ def sample_tokens(hidden, head, key, *, block: int | None = None, cap: float | N
     return _join(per_block, *hidden.shape[:2]).astype(jnp.int32)
 
 
-def soft_cap(logits, cap: float | None):
+@overload
+def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array: ...
+@overload
+def soft_cap(logits: NamedArray, cap: float | None) -> NamedArray: ...
+def soft_cap(logits: jax.Array | NamedArray, cap: float | None) -> jax.Array | NamedArray:
     """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-capping), on plain or named arrays;
     ``logits`` itself if ``cap`` is None."""
     if cap is None:
@@ -80,7 +105,7 @@ def _blocks(positions: int, block: int | None) -> int:
     return positions if block is None else max(1, min(block, positions))
 
 
-def _split(x, per_block: int):
+def _split(x: jax.Array, per_block: int) -> jax.Array:
     """``[rows, positions, ...]`` -> ``[blocks, rows * per_block, ...]``, zero-padded at the end."""
     rows, positions = x.shape[:2]
     count = -(-positions // per_block)
@@ -91,7 +116,7 @@ def _split(x, per_block: int):
     return x.reshape(count, rows * per_block, *x.shape[3:])
 
 
-def _join(x, rows: int, positions: int):
+def _join(x: jax.Array, rows: int, positions: int) -> jax.Array:
     """The inverse of :func:`_split`."""
     count = x.shape[0]
     x = jnp.moveaxis(x.reshape(count, rows, -1, *x.shape[2:]), 0, 1)
@@ -101,11 +126,13 @@ def _join(x, rows: int, positions: int):
 # -- one block -------------------------------------------------------------------------------
 
 
-def _logits(h, head, cap):
+def _logits(h: jax.Array, head: jax.Array, cap: float | None) -> jax.Array:
     return soft_cap(jnp.dot(h, head, preferred_element_type=jnp.float32), cap)
 
 
-def _block_losses(h, head, t, cap):
+def _block_losses(
+    h: jax.Array, head: jax.Array, t: jax.Array, cap: float | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-token losses of one block, and what their gradient needs: the softmax's
     unnormalized ``exp(logits - max)``, its row sums, and the logits."""
     logits = _logits(h, head, cap)
@@ -117,12 +144,14 @@ def _block_losses(h, head, t, cap):
     return losses, exp, total, logits
 
 
-def _block_lse(exp_total, logits):
+def _block_lse(exp_total: jax.Array, logits: jax.Array) -> jax.Array:
     """``logsumexp`` of each row, from :func:`_block_losses`' row sums and logits."""
     return (jnp.max(logits, axis=-1, keepdims=True) + jnp.log(exp_total))[..., 0]
 
 
-def _block_loss_and_grads(h, h_t, head, t, w, cap, z):
+def _block_loss_and_grads(
+    h: jax.Array, h_t: jax.Array, head: jax.Array, t: jax.Array, w: jax.Array, cap: float | None, z: float
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One block's weighted loss sum (with ``z`` times the z-loss), its weighted z-loss sum, its
     gradient with respect to ``h`` and its contribution to the gradient with respect to ``head``.
     ``h_t`` is ``h`` transposed: the head's gradient is then a plain matmul, which XLA's CPU
@@ -149,12 +178,20 @@ def _block_loss_and_grads(h, h_t, head, t, w, cap, z):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(block, cap, z, hidden, head, targets, weights):
+def _fused(
+    block: int | None,
+    cap: float | None,
+    z: float,
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """``(loss sum with z x z-loss, z-loss sum)``; only the first value has a gradient."""
     blocks = _blocks(hidden.shape[1], block)
     h, t, w = _split(hidden, blocks), _split(targets, blocks), _split(weights, blocks)
 
-    def sums(xs):
+    def sums(xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         losses, _, total, logits = _block_losses(xs[0], head, xs[1], cap)
         z_terms = jnp.square(_block_lse(total, logits)) if z else jnp.zeros_like(losses)
         return jnp.sum((losses + z * z_terms) * xs[2]), jnp.sum(z_terms * xs[2])
@@ -163,11 +200,24 @@ def _fused(block, cap, z, hidden, head, targets, weights):
     return jnp.sum(loss), jnp.sum(z_sum)
 
 
-def _fused_forward(block, cap, z, hidden, head, targets, weights):
+_Residuals = tuple[jax.Array, jax.Array, jax.Array]  # d hidden, d head, the weights
+
+
+def _fused_forward(
+    block: int | None,
+    cap: float | None,
+    z: float,
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+) -> tuple[tuple[jax.Array, jax.Array], _Residuals]:
     per_block = _blocks(hidden.shape[1], block)
     h, t, w = _split(hidden, per_block), _split(targets, per_block), _split(weights, per_block)
 
-    def step(carry, xs):
+    def step(
+        carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
         loss, z_sum, d_head = carry
         block_loss, block_z, d_h, block_d_head = _block_loss_and_grads(*xs[:2], head, *xs[2:], cap, z)
         return (loss + block_loss, z_sum + block_z, d_head + block_d_head), d_h
@@ -178,11 +228,18 @@ def _fused_forward(block, cap, z, hidden, head, targets, weights):
     return (loss, z_sum), (d_hidden, d_head.astype(head.dtype), weights)
 
 
-def _fused_backward(block, cap, z, residuals, g):
+def _fused_backward(
+    block: int | None, cap: float | None, z: float, residuals: _Residuals, g: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array, None, jax.Array]:
     d_hidden, d_head, weights = residuals
-    g = g[0]  # the z-loss sum alone is a metric: its cotangent is ignored
+    g_loss = g[0]  # the z-loss sum alone is a metric: its cotangent is ignored
     # targets are integers (no gradient); the weights are data, not parameters
-    return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(d_head.dtype), None, jnp.zeros_like(weights)
+    return (
+        (g_loss * d_hidden).astype(d_hidden.dtype),
+        (g_loss * d_head).astype(d_head.dtype),
+        None,
+        jnp.zeros_like(weights),
+    )
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

@@ -34,14 +34,16 @@ three steps of :class:`~levanter_core.layers.attention.Attention` (``project``,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Literal, Protocol, Self, TypeAlias
 
 import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
-from haliax import Axis, NamedArray
+from haliax import Axis, AxisSpec, NamedArray
+from jax.typing import ArrayLike, DTypeLike
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import DECODER_HF_KEYS, HfKey, HfMapped
@@ -59,6 +61,36 @@ NormPlacement = Literal["pre", "post", "sandwich"]
 LayerType = Literal["full_attention", "sliding_attention"]
 """How one layer attends, in Hugging Face's words: to the whole sequence, or through the sliding window."""
 LayerKind = Literal["dense", "moe"]
+
+Sliding: TypeAlias = jax.Array | NamedArray | None
+"""A layer's sliding-window switch: a boolean scalar, possibly traced; None: the attention config decides."""
+
+
+class AttentionLayer(Protocol):
+    """What a decoder layer needs of its attention (``self_attn``), as
+    :class:`~levanter_core.layers.attention.Attention` and
+    :class:`~levanter_core.layers.mla.MultiHeadLatentAttention` offer it: attention over a
+    sequence, and its three steps, between which decoding puts a key/value cache."""
+
+    def __call__(
+        self, x: NamedArray, mask: AttentionMask, *, sliding: Sliding = None, positions: NamedArray | None = None
+    ) -> NamedArray: ...
+
+    def project(
+        self, x: NamedArray, *, positions: NamedArray | None = None, sliding: Sliding = None
+    ) -> tuple[NamedArray, NamedArray, NamedArray]: ...
+
+    def attend(
+        self, q: NamedArray, k: NamedArray, v: NamedArray, mask: AttentionMask, *, sliding: Sliding = None
+    ) -> NamedArray: ...
+
+    @property
+    def o_proj(self) -> Callable[[NamedArray], NamedArray]: ...
+
+
+FeedForward = Callable[[NamedArray], Any]
+"""A layer's feed-forward block (``mlp``), a module called on ``x``: a dense block returns the
+new activations, a :class:`~levanter_core.layers.moe.MoeBlock` them and its :class:`RouterStats`."""
 
 
 class DecoderConfig(LmConfig, HfMapped):
@@ -139,7 +171,7 @@ class DecoderConfig(LmConfig, HfMapped):
     """Run the layers as one ``jax.lax.scan`` (fast compilation) rather than unrolled."""
 
     @model_validator(mode="after")
-    def _check_heads(self):
+    def _check_heads(self) -> Self:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim is None and self.hidden_dim % self.num_heads:
@@ -171,7 +203,8 @@ class DecoderConfig(LmConfig, HfMapped):
     def attention_types(self) -> tuple[LayerType, ...]:
         """Each layer's attention: ``full_attention`` or ``sliding_attention`` (which needs a
         ``sliding_window`` field). Default: every layer full."""
-        return ("full_attention",) * self.num_layers
+        full: LayerType = "full_attention"
+        return (full,) * self.num_layers
 
     def attention_config(self) -> AttentionConfig:
         """The attention layer's settings, from the common fields; a family replaces a few
@@ -190,7 +223,7 @@ class DecoderConfig(LmConfig, HfMapped):
             initializer_range=self.initializer_range,
         )
 
-    def attention_module(self, *, key) -> eqx.Module:
+    def attention_module(self, *, key: jax.Array) -> AttentionLayer:
         """One layer's attention (``self_attn``): :class:`Attention` of :meth:`attention_config`.
         Another module must offer the same ``__call__(x, mask, *, sliding=None)``. When no layer
         slides, the window is dropped, whatever ``attention_config`` says: the layers get no
@@ -200,7 +233,7 @@ class DecoderConfig(LmConfig, HfMapped):
             config = dataclasses.replace(config, sliding_window=None)
         return Attention.init(config, key=key)
 
-    def mlp_module(self, *, key) -> eqx.Module:
+    def mlp_module(self, *, key: jax.Array) -> FeedForward:
         """The feed-forward block of a dense layer (``mlp``): the gated MLP."""
         return GatedMlp.init(self.Embed, self.Mlp, self.activation_function, key=key, std=self.initializer_range)
 
@@ -218,11 +251,11 @@ class DecoderConfig(LmConfig, HfMapped):
         """Weights of the load-balancing loss and the router z-loss (mixture-of-experts families)."""
         return 0.0, 0.0
 
-    def norm(self, axis=None) -> RmsNorm:
+    def norm(self, axis: AxisSpec | None = None) -> RmsNorm:
         """An RMSNorm over ``axis`` (default ``embed``) with this family's epsilon and offset."""
         return RmsNorm.init(axis or self.Embed, eps=self.layer_norm_epsilon, weight_offset=self.norm_offset)
 
-    def embedding_multiplier(self, dtype) -> jax.Array | None:
+    def embedding_multiplier(self, dtype: DTypeLike) -> jax.Array | None:
         """A factor applied to the input embeddings (Gemma's ``sqrt(hidden_dim)``); None: none."""
         return None
 
@@ -232,7 +265,7 @@ class DecoderConfig(LmConfig, HfMapped):
         return None
 
     # -- the core's interface -------------------------------------------------------------------
-    def build(self, Vocab: Axis, *, key) -> DecoderLM:
+    def build(self, Vocab: Axis, *, key: jax.Array) -> DecoderLM:
         return DecoderLM.init(Vocab, self, key=key)
 
     def flops_per_token(self, vocab_size: int) -> float:
@@ -240,7 +273,7 @@ class DecoderConfig(LmConfig, HfMapped):
         mixture-of-experts layer counts its chosen and shared experts and the router."""
         moe = self.moe_config()
         kinds = self.layer_kinds()
-        common = dict(
+        common: dict[str, Any] = dict(
             hidden_dim=self.hidden_dim,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -268,7 +301,7 @@ class DecoderConfig(LmConfig, HfMapped):
 
 
 # -- the modules ----------------------------------------------------------------------------------
-def _apply(norm, x):
+def _apply(norm: RmsNorm | None, x: NamedArray) -> NamedArray:
     return x if norm is None else norm(x)
 
 
@@ -283,8 +316,8 @@ class DecoderLayer(eqx.Module):
 
     (Hugging Face calls the pre-MLP norm of ``pre`` models ``post_attention_layernorm``.)"""
 
-    self_attn: eqx.Module
-    mlp: eqx.Module
+    self_attn: AttentionLayer
+    mlp: FeedForward
     input_layernorm: RmsNorm | None = None
     post_attention_layernorm: RmsNorm | None = None
     pre_feedforward_layernorm: RmsNorm | None = None
@@ -293,11 +326,15 @@ class DecoderLayer(eqx.Module):
     hf_names: tuple[tuple[str, str], ...] = eqx.field(static=True, default=())
 
     @staticmethod
-    def init(config: DecoderConfig, kind: LayerKind = "dense", *, key) -> DecoderLayer:
+    def init(config: DecoderConfig, kind: LayerKind = "dense", *, key: jax.Array) -> DecoderLayer:
         k_attn, k_mlp = jax.random.split(key, 2)
         placement = config.norm_placement
+        mlp: FeedForward
         if kind == "moe":
-            mlp = MoeBlock.init(config.moe_config(), key=k_mlp)
+            moe = config.moe_config()
+            if moe is None:
+                raise ValueError(f"{type(config).__name__}: a moe layer needs moe_config(), which is None")
+            mlp = MoeBlock.init(moe, key=k_mlp)
         else:
             mlp = config.mlp_module(key=k_mlp)
         norms = {
@@ -321,22 +358,33 @@ class DecoderLayer(eqx.Module):
     def _state_dict_key_map(self) -> dict[str, str | None]:
         return dict(self.hf_names)
 
-    def __call__(self, x: NamedArray, mask: AttentionMask, sliding=None, *, positions: NamedArray | None = None):
+    def __call__(
+        self, x: NamedArray, mask: AttentionMask, sliding: Sliding = None, *, positions: NamedArray | None = None
+    ) -> NamedArray | tuple[NamedArray, RouterStats]:
         """``x`` ``(..., position, embed)``; ``sliding`` is this layer's sliding-window switch (None:
         the attention config decides); ``positions`` where ``x``'s tokens sit in their sequences
         (default ``0..position-1``; a decoder with a key/value cache passes later ones). Returns the
         new ``x``, and for a mixture-of-experts layer also its :class:`RouterStats`."""
         return self._residual(x, lambda h: self.self_attn(h, mask, sliding=sliding, positions=positions))
 
-    def decode(self, x: NamedArray, cache: KvCache, layer, positions: NamedArray, *, key_len: int, sliding=None):
+    def decode(
+        self,
+        x: NamedArray,
+        cache: KvCache,
+        layer: ArrayLike,
+        positions: NamedArray,
+        *,
+        key_len: int,
+        sliding: Sliding = None,
+    ) -> tuple[NamedArray, KvCache]:
         """One step of decoding: ``x`` ``(batch, position, embed)`` are new tokens at ``positions``
         (``(batch, position)``); their keys and values go into ``cache`` as layer ``layer``, and
         they attend over the cache's first ``key_len`` positions. Returns the new ``x`` and cache."""
         attn = self.self_attn
         mask = AttentionMask.causal_mask().at_positions(positions)
-        written = []
+        written: list[KvCache] = []
 
-        def attend(h):
+        def attend(h: NamedArray) -> NamedArray:
             q, k, v = attn.project(h, positions=positions, sliding=sliding)
             written.append(cache.write(layer, k, v, positions))
             keys, values = written[0].layer(layer, key_len)
@@ -345,7 +393,9 @@ class DecoderLayer(eqx.Module):
         out = self._residual(x, attend)
         return (out[0] if isinstance(out, tuple) else out), written[0]
 
-    def _residual(self, x: NamedArray, attention):
+    def _residual(
+        self, x: NamedArray, attention: Callable[[NamedArray], NamedArray]
+    ) -> NamedArray | tuple[NamedArray, RouterStats]:
         """The layer around ``attention`` (normed input -> attention output)."""
         pre = self.placement == "pre"
         attn_in = self.input_layernorm
@@ -372,7 +422,7 @@ class Decoder(eqx.Module):
     norm: RmsNorm
 
     @staticmethod
-    def init(Vocab: Axis, config: DecoderConfig, *, key) -> Decoder:
+    def init(Vocab: Axis, config: DecoderConfig, *, key: jax.Array) -> Decoder:
         k_embed, k_layers = jax.random.split(key, 2)
         embed = hax.random.normal(k_embed, (Vocab, config.Embed)) * config.initializer_range
         groups = runs(config.layer_kinds())
@@ -412,13 +462,14 @@ class Decoder(eqx.Module):
         along ``layers`` (None for a dense model). ``positions``: see :meth:`DecoderLayer.__call__`."""
         c = self.config
         x = self.embed(input_ids)
-        stats = []
+        stats: list[RouterStats] = []
         for stack, _start, kind, group_flags in self._groups():
             if kind == "moe":
                 x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
             else:
                 x = stack.fold(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
+        all_stats: RouterStats | None
         if not stats:
             all_stats = None
         elif len(stats) == 1:
@@ -432,9 +483,10 @@ class Decoder(eqx.Module):
         multiplier = self.config.embedding_multiplier(x.dtype)
         return x if multiplier is None else x * multiplier
 
-    def _groups(self):
+    def _groups(self) -> Iterator[tuple[Any, int, str, NamedArray | None]]:
         """``(stack, first layer, kind, sliding flags)`` of each group of layers."""
         flags = self.sliding_flags()
+        groups: Iterable[tuple[Any, int, str]]
         if isinstance(self.layers, LayerGroups):
             groups = zip(self.layers.groups, self.layers.starts, self.layers.kinds)
         else:
@@ -452,14 +504,18 @@ class Decoder(eqx.Module):
         _, (k, v) = jax.eval_shape(lambda: stack.scan_via(lambda layer, c: (c, layer.self_attn.project(probe)[1:]))(0))
         return KvCache.zeros(self.config.Layers, Batch, KeyPos, k, v)
 
-    def decode(self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+    def decode(
+        self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int
+    ) -> tuple[NamedArray, KvCache]:
         """Final hidden states of new tokens ``input_ids`` ``(batch, position)`` at ``positions``,
         attending over the first ``key_len`` positions of ``cache``; and the cache with their keys
         and values added (see :meth:`DecoderLayer.decode`)."""
         x = self.embed(input_ids)
         for stack, start, _, group_flags in self._groups():
 
-            def step(layer, carry, index, flag):
+            def step(
+                layer: DecoderLayer, carry: tuple[NamedArray, KvCache], index: NamedArray, flag: NamedArray | None
+            ) -> tuple[tuple[NamedArray, KvCache], None]:
                 x, cache = carry
                 return layer.decode(x, cache, index.array, positions, key_len=key_len, sliding=flag), None
 
@@ -477,7 +533,7 @@ class DecoderLM(eqx.Module):
     lm_head: hnn.Linear | None
 
     @staticmethod
-    def init(Vocab: Axis, config: DecoderConfig, *, key) -> DecoderLM:
+    def init(Vocab: Axis, config: DecoderConfig, *, key: jax.Array) -> DecoderLM:
         k_model, k_head = jax.random.split(key, 2)
         head = None
         if not config.tie_word_embeddings:
@@ -492,25 +548,31 @@ class DecoderLM(eqx.Module):
     def Vocab(self) -> Axis:
         return self.model.embed_tokens.Vocab
 
-    def activations(self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None) -> NamedArray:
+    def activations(
+        self, input_ids: NamedArray, *, key: jax.Array | None = None, attn_mask: AttentionMask | None = None
+    ) -> NamedArray:
         """Final hidden states. ``attn_mask`` (default causal) can add document segments."""
         return self.model(input_ids, attn_mask if attn_mask is not None else AttentionMask.causal_mask())[0]
 
     def activations_with_aux(
-        self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None
+        self, input_ids: NamedArray, *, key: jax.Array | None = None, attn_mask: AttentionMask | None = None
     ) -> tuple[NamedArray, AuxiliaryLoss | None]:
         """Final hidden states and, for a mixture of experts, the router's training terms."""
         hidden, stats = self.model(input_ids, attn_mask if attn_mask is not None else AttentionMask.causal_mask())
         if stats is None:
             return hidden, None
         balance, z = self.config.router_loss_weights()
-        return hidden, router_losses(stats, self.config.moe_config().num_experts, balance_weight=balance, z_weight=z)
+        moe = self.config.moe_config()
+        assert moe is not None  # router statistics come from its layers
+        return hidden, router_losses(stats, moe.num_experts, balance_weight=balance, z_weight=z)
 
     def init_cache(self, Batch: Axis, KeyPos: Axis) -> KvCache:
         """An empty key/value cache for decoding (:mod:`levanter_core.inference`)."""
         return self.model.init_cache(Batch, KeyPos)
 
-    def decode(self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):
+    def decode(
+        self, input_ids: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int
+    ) -> tuple[NamedArray, KvCache]:
         """Final hidden states of new tokens at ``positions`` and the updated cache (see
         :meth:`Decoder.decode`)."""
         return self.model.decode(input_ids, positions, cache, key_len=key_len)
@@ -519,7 +581,9 @@ class DecoderLM(eqx.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return weight.rearrange((self.config.Embed.name, self.Vocab.name))
 
-    def __call__(self, input_ids: NamedArray, *, key=None, attn_mask: AttentionMask | None = None) -> NamedArray:
+    def __call__(
+        self, input_ids: NamedArray, *, key: jax.Array | None = None, attn_mask: AttentionMask | None = None
+    ) -> NamedArray:
         hidden = self.activations(input_ids, key=key, attn_mask=attn_mask)
         logits = hax.dot(hidden, self.get_lm_head(), axis=self.config.Embed.name)
         return soft_cap(logits, self.config.final_logit_soft_cap)

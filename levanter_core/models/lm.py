@@ -19,7 +19,7 @@ example.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 import haliax as hax
@@ -35,9 +35,12 @@ from levanter_core.layers.auxiliary import AuxiliaryLoss as AuxiliaryLoss  # re-
 from levanter_core.models.cross_entropy import (
     cross_entropy_and_z_sum,
     cross_entropy_sum,
-    soft_cap,
+    soft_cap as soft_cap,
     token_losses,
 )
+
+if TYPE_CHECKING:
+    from levanter_core.layers.attention import AttentionMask
 
 DEFAULT_BLOCK_LOGITS = {"cpu": 2**22, "gpu": 2**28, "tpu": 2**28}
 """Logits per block of the loss when ``cross_entropy_block_size`` is not set, by JAX backend: on
@@ -127,7 +130,7 @@ class LmConfig(TypedConfig, abc.ABC):
         """The model's hidden axis."""
 
     @abc.abstractmethod
-    def build(self, Vocab: Axis, *, key) -> LmHeadModel:
+    def build(self, Vocab: Axis, *, key: jax.Array) -> LmHeadModel:
         """A freshly initialized model with this config and vocabulary."""
 
     def flops_per_token(self, vocab_size: int) -> float | None:
@@ -149,7 +152,9 @@ class LmHeadModel(Protocol):
     @property
     def config(self) -> LmConfig: ...
 
-    def activations(self, input_ids: NamedArray, *, key=None, attn_mask=None) -> NamedArray:
+    def activations(
+        self, input_ids: NamedArray, *, key: jax.Array | None = None, attn_mask: AttentionMask | None = None
+    ) -> NamedArray:
         """Final hidden states, axes ``(..., position, embed)``. ``attn_mask`` (an
         ``AttentionMask``; None: causal) is needed only for packed data."""
         ...
@@ -158,7 +163,7 @@ class LmHeadModel(Protocol):
         """The output projection, axes ``(embed, vocab)``."""
         ...
 
-    def __call__(self, input_ids: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, input_ids: NamedArray, *, key: jax.Array | None = None) -> NamedArray:
         """Logits, axes ``(..., position, vocab)``."""
         ...
 
@@ -173,7 +178,7 @@ class LmExample(eqx.Module):
     loss_mask: NamedArray | None = None
     segment_ids: NamedArray | None = None
 
-    def attn_mask(self):
+    def attn_mask(self) -> AttentionMask | None:
         """The attention mask these examples need; None for plain causal attention."""
         if self.segment_ids is None:
             return None
@@ -186,14 +191,14 @@ def as_example(batch: LmExample | NamedArray) -> LmExample:
     return batch if isinstance(batch, LmExample) else LmExample(batch)
 
 
-def _attn_kwargs(example: LmExample) -> dict:
+def _attn_kwargs(example: LmExample) -> dict[str, AttentionMask]:
     mask = example.attn_mask()
     return {} if mask is None else {"attn_mask": mask}
 
 
 def lm_loss_and_metrics(
-    model: LmHeadModel, batch: LmExample | NamedArray, *, key=None, z_loss_weight: float = 0.0
-) -> tuple[jnp.ndarray, dict]:
+    model: LmHeadModel, batch: LmExample | NamedArray, *, key: jax.Array | None = None, z_loss_weight: float = 0.0
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The training objective of a batch and the model's own metrics: mean next-token
     cross-entropy over the positions ``loss_mask`` selects, plus ``z_loss_weight`` times the
     mean squared log-normalizer of the logits (logged as ``train/z_loss``), plus the model's
@@ -204,7 +209,7 @@ def lm_loss_and_metrics(
         hidden, aux = model.activations_with_aux(example.tokens, key=key, **kwargs)
     else:
         hidden, aux = model.activations(example.tokens, key=key, **kwargs), None
-    metrics = {}
+    metrics: dict[str, jax.Array] = {}
     if z_loss_weight:
         targets, mask = _targets_and_mask(example.tokens, example.loss_mask)
         h, head, (t, w), block, cap = _loss_inputs(model, hidden, targets, mask)
@@ -219,7 +224,7 @@ def lm_loss_and_metrics(
     return loss + aux.loss, {**metrics, **aux.metrics}
 
 
-def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key) -> jnp.ndarray:
+def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over the positions the loss counts, against tokens drawn
     from the model's own predictions (``key`` draws them) rather than the batch's: the loss
     whose gradient Sophia-G squares for its Gauss-Newton estimate of the Hessian's diagonal.
@@ -235,7 +240,7 @@ def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key) -
     return total / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def lm_eval_entropy(model: LmHeadModel, batch: LmExample | NamedArray, *, key=None) -> jnp.ndarray:
+def lm_eval_entropy(model: LmHeadModel, batch: LmExample | NamedArray, *, key: jax.Array | None = None) -> jax.Array:
     """The mean entropy (nats) of the model's next-token distribution over the positions the
     loss counts (``log_entropy``)."""
     example = as_example(batch)
@@ -245,17 +250,20 @@ def lm_eval_entropy(model: LmHeadModel, batch: LmExample | NamedArray, *, key=No
     logits = soft_cap(logits, getattr(model.config, "final_logit_soft_cap", None))
     log_p = hax.nn.log_softmax(logits, axis=model.Vocab)
     entropy = -hax.sum(hax.exp(log_p) * log_p, axis=model.Vocab)
-    return hax.sum(entropy * mask).scalar() / jnp.maximum(hax.sum(mask).scalar(), 1.0)
+    mean: jax.Array = hax.sum(entropy * mask).scalar() / jnp.maximum(hax.sum(mask).scalar(), 1.0)
+    return mean
 
 
-def lm_eval_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key=None) -> jnp.ndarray:
+def lm_eval_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key: jax.Array | None = None) -> jax.Array:
     """The evaluation loss: next-token cross-entropy only (no auxiliary terms)."""
     example = as_example(batch)
     hidden = model.activations(example.tokens, key=key, **_attn_kwargs(example))
     return next_token_loss(model, example.tokens, example.loss_mask, key=key, hidden=hidden)
 
 
-def lm_eval_totals(model: LmHeadModel, batch: LmExample | NamedArray, byte_lengths: jnp.ndarray, *, key=None):
+def lm_eval_totals(
+    model: LmHeadModel, batch: LmExample | NamedArray, byte_lengths: jax.Array, *, key: jax.Array | None = None
+) -> jax.Array:
     """``[nats, tokens, bytes]`` of a batch, float32: the summed next-token cross-entropy over the
     positions the loss counts, how many they are, and how many bytes of text their target tokens
     stand for (``byte_lengths[token]``, see :mod:`levanter_core.data.token_bytes`). Summed over
@@ -275,10 +283,10 @@ def next_token_loss(
     input_ids: NamedArray,
     loss_mask: NamedArray | None = None,
     *,
-    key=None,
+    key: jax.Array | None = None,
     reduction: str = "mean",
     hidden: NamedArray | None = None,
-) -> jnp.ndarray:
+) -> jax.Array:
     """Mean cross-entropy of predicting token ``t+1`` from tokens ``<= t``.
 
     The last position has no target and is excluded. ``loss_mask`` (same axes as
@@ -306,7 +314,9 @@ def _targets_and_mask(input_ids: NamedArray, loss_mask: NamedArray | None) -> tu
     return targets, mask
 
 
-def _loss_inputs(model, hidden: NamedArray, *per_position: NamedArray):
+def _loss_inputs(
+    model: LmHeadModel, hidden: NamedArray, *per_position: NamedArray
+) -> tuple[jax.Array, jax.Array, list[jax.Array], int, float | None]:
     """Plain arrays for :mod:`~levanter_core.models.cross_entropy`: hidden ``[rows, position,
     embed]``, the head ``[embed, vocab]``, and each of ``per_position`` ``[rows, position]`` in the
     same row order (every axis but position and embed flattened into rows); then the positions per
@@ -316,27 +326,27 @@ def _loss_inputs(model, hidden: NamedArray, *per_position: NamedArray):
     h_arr = h.array.reshape(-1, *h.array.shape[-2:])
     arrays = [x.rearrange(Rows).array.reshape(h_arr.shape[:2]) for x in per_position]
     head = model.get_lm_head().rearrange(("embed", model.Vocab.name)).array
-    cap = getattr(model.config, "final_logit_soft_cap", None)
+    cap: float | None = getattr(model.config, "final_logit_soft_cap", None)
     return h_arr, head, arrays, _block_positions(model.config, h_arr.shape[0], model.Vocab.size), cap
 
 
-def _block_positions(config, rows: int, vocab: int) -> int:
+def _block_positions(config: LmConfig, rows: int, vocab: int) -> int:
     """Positions per block of the loss: ``cross_entropy_block_size`` tokens, or by default
     about ``DEFAULT_BLOCK_LOGITS[backend]`` logits."""
-    tokens = getattr(config, "cross_entropy_block_size", None)
+    tokens: int | None = getattr(config, "cross_entropy_block_size", None)
     if tokens is None:
         logits = DEFAULT_BLOCK_LOGITS.get(jax.default_backend(), DEFAULT_BLOCK_LOGITS["gpu"])
         tokens = max(1, logits // vocab)
     return max(1, tokens // rows)
 
 
-def _fused_cross_entropy(model, hidden: NamedArray, targets: NamedArray, weights: NamedArray):
+def _fused_cross_entropy(model: LmHeadModel, hidden: NamedArray, targets: NamedArray, weights: NamedArray) -> jax.Array:
     """The weighted sum of the next-token losses, fused with the output projection."""
     h, head, (t, w), block, cap = _loss_inputs(model, hidden, targets, weights)
     return cross_entropy_sum(h, head, t, w, block=block, cap=cap)
 
 
-def per_token_cross_entropy(model, hidden: NamedArray, targets: NamedArray) -> NamedArray:
+def per_token_cross_entropy(model: LmHeadModel, hidden: NamedArray, targets: NamedArray) -> NamedArray:
     """The loss of each position (float32) with the axes of ``targets``, computed block by
     block as the training loss is (no gradient)."""
     h, head, (t,), block, cap = _loss_inputs(model, hidden, targets)

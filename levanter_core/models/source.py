@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from haliax import Axis
 
 from levanter_core import lora
 from levanter_core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from levanter_core.data.tokenizer import Tokenizer
 
 
 @dataclass
@@ -23,7 +26,7 @@ class LoadedModel:
     config: Any
     """Our model config."""
     Vocab: Axis
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     """A :class:`~levanter_core.data.tokenizer.Tokenizer`, or None when the source has none."""
     eos_ids: tuple[int, ...]
     """The tokens that end a generation: the tokenizer's end-of-text token and the model's
@@ -31,13 +34,13 @@ class LoadedModel:
     source: str
     name: str
     """A short name for the model (``/v1/models``): the source's last path component."""
-    hf_config: dict = field(default_factory=dict)
+    hf_config: dict[str, Any] = field(default_factory=dict)
     """The Hugging Face ``config.json`` the model came from (a Hugging Face source's, or the one an
     import recorded); empty for a model we trained from scratch."""
-    generation_config: dict = field(default_factory=dict)
+    generation_config: dict[str, Any] = field(default_factory=dict)
     """A Hugging Face source's ``generation_config.json`` (empty when it has none, and for our
     checkpoints)."""
-    run_config: dict = field(default_factory=dict)
+    run_config: dict[str, Any] = field(default_factory=dict)
     """The resolved config of the run that wrote one of our checkpoints (empty for a Hugging Face
     source)."""
 
@@ -49,9 +52,9 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
     from levanter_core.hf.bridge import HF_TOKENIZER_DIR, load_checkpoint_model, load_hf_model, resolve_source
 
     name = os.path.basename(os.path.normpath(source)) or source
-    hf_config: dict = {}
-    generation_config: dict = {}
-    run_config: dict = {}
+    hf_config: dict[str, Any] = {}
+    generation_config: dict[str, Any] = {}
+    run_config: dict[str, Any] = {}
     if os.path.isdir(source) and os.path.isfile(os.path.join(source, "config.json")):
         directory = source
     elif os.path.exists(source):
@@ -84,7 +87,7 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
             tokenizer = (run_config.get("data") or {}).get("tokenizer")
 
     loaded_tokenizer = _tokenizer(tokenizer, tokenizer_dir)
-    eos = set()
+    eos: set[int] = set()
     for value in (hf_config.get("eos_token_id"), generation_config.get("eos_token_id")):
         eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     if loaded_tokenizer is not None and loaded_tokenizer.eos_id is not None:
@@ -103,7 +106,7 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
     )
 
 
-def _tokenizer(spec: str | None, directory: str):
+def _tokenizer(spec: str | None, directory: str) -> Tokenizer | None:
     from levanter_core.data.tokenizer import load_tokenizer
 
     if spec is not None:

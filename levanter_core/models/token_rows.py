@@ -3,10 +3,21 @@ tokens a pretrained model never saw (Levanter's ``reinit_tokens``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeVar
+
 from levanter_core.errors import ConfigError
 
+if TYPE_CHECKING:
+    import jax
+    from haliax import NamedArray
 
-def token_ids(tokenizer, tokens, *, field: str) -> list[int]:
+    from levanter_core.data.tokenizer import Tokenizer
+
+_Model = TypeVar("_Model")
+
+
+def token_ids(tokenizer: Tokenizer, tokens: Iterable[str], *, field: str) -> list[int]:
     """The ids of ``tokens`` in ``tokenizer``. Raises :class:`ConfigError` naming ``field`` for a
     token the vocabulary does not have (written as the vocabulary stores it)."""
     lookup = getattr(tokenizer, "token_id", None)
@@ -22,7 +33,9 @@ def token_ids(tokenizer, tokens, *, field: str) -> list[int]:
     return ids
 
 
-def reinitialize_rows(model, ids: list[int], key, *, embeddings: bool = True, lm_head: bool = True):
+def reinitialize_rows(
+    model: _Model, ids: list[int], key: jax.Array, *, embeddings: bool = True, lm_head: bool = True
+) -> _Model:
     """``model`` with the rows of token ``ids`` drawn afresh in each array along its ``vocab`` axis:
     the input embeddings (with ``embeddings``; tied weights are these) and an untied output head (a
     leaf under ``lm_head``, with ``lm_head``). Each row is drawn from a normal distribution cut at
@@ -42,10 +55,11 @@ def reinitialize_rows(model, ids: list[int], key, *, embeddings: bool = True, lm
             if lm_head if is_head else embeddings:
                 leaf = _redraw(leaf, index, jax.random.fold_in(key, n))
         out.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    redrawn: _Model = jax.tree_util.tree_unflatten(treedef, out)
+    return redrawn
 
 
-def _redraw(array, index, key):
+def _redraw(array: NamedArray, index: jax.Array, key: jax.Array) -> NamedArray:
     import jax
     from haliax import NamedArray
 

@@ -30,14 +30,10 @@ from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
 from levanter_core.layers.auxiliary import AuxiliaryLoss as AuxiliaryLoss  # re-exported: the model interface returns it
+from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, token_losses
 
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
-from levanter_core.models.cross_entropy import (
-    cross_entropy_and_z_sum,
-    cross_entropy_sum,
-    soft_cap as soft_cap,
-    token_losses,
-)
+from levanter_core.models.cross_entropy import soft_cap as soft_cap
 
 if TYPE_CHECKING:
     from levanter_core.layers.attention import AttentionMask

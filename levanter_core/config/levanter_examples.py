@@ -43,10 +43,16 @@ import os
 import re
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
+
+from levanter_core import fileio
 from levanter_core.config.loader import Sources
 from levanter_core.config.sft import SFT_FIELDS, ProgramTranslation, TranslatedSources
+from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import LevanterError
+from levanter_core.hf.bridge import config_from_hf, read_hf_config
 from levanter_core.models.lm import LmConfig
+from levanter_core.plugins import registry
 
 ALPACA_PROMPTS = {
     "prompt_input": (
@@ -185,8 +191,6 @@ class _Translation(ProgramTranslation):
         model = self.gsm8k_model_section()
         if model.get("reference_checkpoint"):
             return model["reference_checkpoint"]
-        from levanter_core.plugins import registry
-
         models = registry("model")
         kind = model["type"]
         if kind not in models:
@@ -316,8 +320,6 @@ class _Translation(ProgramTranslation):
             return ALPACA_PROMPTS
         in_file = isinstance(given, str)
         if in_file:
-            from levanter_core import fileio
-
             path = given
             try:
                 given = json.loads(fileio.read_bytes(path))
@@ -374,8 +376,6 @@ def _local_directory(source: str, filename: str) -> str | None:
     if "://" in source or os.path.exists(source):
         return None
     try:
-        from huggingface_hub import try_to_load_from_cache
-
         found = try_to_load_from_cache(source, filename)
     except Exception:  # not a hub name, huggingface_hub missing...
         return None
@@ -386,8 +386,6 @@ def _local_hf_config(source: str) -> dict | None:
     directory = _local_directory(source, "config.json")
     if directory is None:
         return None
-    from levanter_core.hf.bridge import read_hf_config
-
     try:
         return read_hf_config(directory)
     except LevanterError:
@@ -399,8 +397,6 @@ def _our_model(hf_config: dict | None):
     run itself says so)."""
     if hf_config is None:
         return None
-    from levanter_core.hf.bridge import config_from_hf
-
     try:
         return config_from_hf(hf_config)
     except LevanterError:
@@ -411,8 +407,6 @@ def _local_tokenizer(source: str):
     directory = _local_directory(source, "tokenizer.json")
     if directory is None:
         return None
-    from levanter_core.data.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(directory)
     except LevanterError:

@@ -17,6 +17,10 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from levanter_core.config.base import ConfigModel, fixed_type, typed_field_kind
+from levanter_core.config.train import TrainConfig
+from levanter_core.config.types import MAX_INT, format_duration
+from levanter_core.data.config import DataConfig
+from levanter_core.plugins import registry
 
 
 def _type_name(annotation: Any) -> str:
@@ -50,8 +54,6 @@ def _default(field) -> str:
         if isinstance(value, BaseModel):
             return "(section)"
         if hasattr(value, "total_seconds"):
-            from levanter_core.config.types import format_duration
-
             return format_duration(value)
         return repr(value)
     if field.default_factory is not None:
@@ -69,8 +71,6 @@ def _default(field) -> str:
 
 def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
     """Yield ``(dotted name, type, default, description)`` for ``cls`` and its nested sections."""
-    from levanter_core.plugins import registry
-
     for name, field in cls.model_fields.items():
         dotted = f"{prefix}{name}"
         doc = " ".join((field.description or "").split())
@@ -98,8 +98,6 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
                 yield from iter_fields(entry.config_cls, f"{dotted}[type={entry.name}].")
             continue
         if _is_data_section(field):
-            from levanter_core.data.config import DataConfig
-
             yield dotted, "section", "required", doc
             yield from iter_fields(DataConfig, dotted + ".")
             reg = registry("data_source")
@@ -183,9 +181,6 @@ def markdown_reference(cls: type[ConfigModel]) -> str:
 
 def main() -> None:
     """Print the Markdown reference (``python -m levanter_core.config.reference > docs/config-reference.md``)."""
-    from levanter_core.config.train import TrainConfig
-    from levanter_core.config.types import MAX_INT
-
     print("# Configuration reference\n")
     print("Generated from the code by `python -m levanter_core.config.reference` with the plugins of this")
     print("repository installed; `levanter train --help` prints the same for whatever is installed.")

@@ -22,16 +22,17 @@ from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, trans
 from levanter_core.config.storage import StorageConfig, object_store_urls, storage_problem
 from levanter_core.config.types import Seed
 from levanter_core.data.config import DataSection, data_known_fields
-from levanter_core.errors import ConfigError, LevanterError
+from levanter_core.data.tokenizer import tokenizer_spec_with
+from levanter_core.errors import ConfigError, DataError, LevanterError
+from levanter_core.hf.bridge import config_from_hf, read_source_hf_config
 from levanter_core.lora import LoraConfig
+from levanter_core.plugins import registry
 from levanter_core.trainer.config import TrainerConfig
+from levanter_core.trainer.evaluators import EvaluatorConfig
 
 
 def _harness(value):
     """Levanter's ``eval_harness`` section: the ``eval_harness`` evaluator's config, or None."""
-    from levanter_core.plugins import registry
-    from levanter_core.trainer.evaluators import EvaluatorConfig
-
     if value is None or isinstance(value, EvaluatorConfig):
         return value
     if "eval_harness" not in registry("evaluator"):
@@ -297,9 +298,6 @@ class TrainConfig(ConfigModel):
         """The tokens of ``special_tokens`` join ``data.tokenizer`` (``BASE+{...}``, see
         :func:`~levanter_core.data.tokenizer.tokenizer_spec_with`), so that everything that loads
         the run's tokenizer (the cache, exports, sampling a checkpoint) loads the grown one."""
-        from levanter_core.data.tokenizer import tokenizer_spec_with
-        from levanter_core.errors import DataError
-
         if self.special_tokens.reinit_tokens and not self.initialize_from_hf:
             raise ValueError(
                 "special_tokens.reinit_tokens re-draws rows of the model that initialize_from_hf loads; set it"
@@ -334,8 +332,6 @@ class TrainConfig(ConfigModel):
 
 def _installed_objective(name: Any) -> type:
     """The installed objective called ``name``; ValueError naming the choices otherwise."""
-    from levanter_core.plugins import registry
-
     objectives = registry("objective")
     if not isinstance(name, str) or name not in objectives:
         choices = ", ".join(f"{e.name} ({e.provider})" for e in objectives) or "none"
@@ -350,8 +346,6 @@ def objective_class(model_config, config: TrainConfig | None = None) -> type:
     """The :class:`~levanter_core.objective.Objective` subclass a run trains with: its
     ``objective:`` section's (``config``), else the model config's (its ``objective``). Raises
     :class:`ConfigError` when no installed plugin registers it."""
-    from levanter_core.plugins import registry
-
     if config is not None and config.objective is not None:
         return _installed_objective(config.objective["type"])
     name = model_config.objective
@@ -367,8 +361,6 @@ def objective_class(model_config, config: TrainConfig | None = None) -> type:
 def _objective_format(raw: Any) -> dict | None:
     """The ``default_format`` of the objective of the raw config's model type, if the type is
     installed and its objective too (anything else is reported by the fields' own checks)."""
-    from levanter_core.plugins import registry
-
     model = raw.get("model") if isinstance(raw, dict) else None
     name = model.get("type") if isinstance(model, dict) else None
     chosen = raw.get("objective") if isinstance(raw, dict) else None
@@ -396,22 +388,32 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
         raw, sources = translate_levanter_example(raw, sources)
     if is_levanter_sft(raw):  # Levanter's sft / sft_mixture programs' config
         raw, sources = translate_levanter_sft(raw, sources)
-    return validate_train_config(raw, sources), raw
+    raw = _model_from_hf(raw, sources)  # reads a config.json: part of loading, not of validation
+    config = validate_train_config(raw, sources)
+    prepare_storage(config, raw, sources)
+    return config, raw
 
 
 def validate_train_config(raw: dict, sources: Sources) -> TrainConfig:
-    """Validate, then apply the ``storage`` section to this process's environment and check
-    that every object store the config names can be reached (its filesystem package installed,
-    credentials found)."""
-    raw = _model_from_hf(raw, sources)
+    """Validate ``raw`` (a config's merged dict; ``sources`` says where each value came from,
+    for the messages). Reads no file and touches nothing outside: the reading of what the
+    config names (a Hugging Face ``config.json``, tokenizers, data, object stores) happens when
+    it is loaded (:func:`load_train_config`) and in the run's preflight
+    (:func:`levanter_core.run.setup.preflight`)."""
     try:
         config = TrainConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, raw, sources)) from None
     check_schedule(config, sources)
+    return config
+
+
+def prepare_storage(config: TrainConfig, raw: dict, sources: Sources) -> None:
+    """Apply the ``storage`` section to this process's environment and check that every object
+    store the config names can be reached (its filesystem package installed, credentials
+    found)."""
     config.storage.apply()
     check_storage(raw, sources)
-    return config
 
 
 def check_schedule(config: TrainConfig, sources: Sources) -> None:
@@ -433,8 +435,6 @@ def _model_from_hf(raw: dict, sources: Sources) -> dict:
     source = raw.get("initialize_from_hf") if isinstance(raw, dict) else None
     if "model" in raw or not isinstance(source, str) or not source:
         return raw
-    from levanter_core.hf.bridge import config_from_hf, read_source_hf_config
-
     try:
         model = config_from_hf(read_source_hf_config(source), source=f"{source}/config.json")
     except LevanterError as e:
@@ -499,8 +499,6 @@ def _describe(err: dict, raw: dict) -> str:
 
 def _known_fields(loc: tuple, raw: dict) -> list[str]:
     """The field names allowed at ``loc`` (for did-you-mean hints)."""
-    from levanter_core.plugins import registry
-
     cls: Any = TrainConfig
     node: Any = raw
     if loc[:1] == ("data",):

@@ -22,6 +22,7 @@ import importlib
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 from levanter_core.errors import PluginError
 
@@ -91,7 +92,7 @@ class Entry:
         return not isinstance(self.target, str) or "config_cls" in self.__dict__
 
     @functools.cached_property
-    def config_cls(self) -> type:
+    def config_cls(self) -> type[Any]:
         """The config class; a string target is imported now, and checked against the kind's
         base class (a :class:`PluginError` naming the plugin if it cannot be)."""
         if not isinstance(self.target, str):

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import click
 import typer
@@ -33,7 +33,7 @@ app = typer.Typer(
 class _TrainCommand(typer.core.TyperCommand):
     """`levanter train --help` ends with the reference of every config field."""
 
-    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:  # typer's own click types
         from levanter_core.config.reference import field_reference
         from levanter_core.config.train import TrainConfig
 

@@ -10,7 +10,7 @@ become ``levanter train --help`` and ``docs/configuration.md``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import (
     BaseModel,
@@ -177,7 +177,7 @@ def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = 
 
     base = KINDS[kind].base_class()
     if isinstance(value, base):
-        return value
+        return cast(TypedConfig, value)
     if value is None:
         value = {}
     if not isinstance(value, dict):
@@ -196,7 +196,7 @@ def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = 
     except ValidationError as e:
         if not loc:
             raise
-        errors = [{**err, "loc": loc + tuple(err["loc"])} for err in e.errors()]
+        errors: list[Any] = [{**err, "loc": loc + tuple(err["loc"])} for err in e.errors()]
         raise ValidationError.from_exception_data("config", errors) from None
 
 
@@ -262,6 +262,6 @@ def typed_field_kind(field: Any) -> tuple[str, str | None] | None:
     """``(kind, default type)`` if the pydantic ``field`` is :func:`Typed`/:func:`TypedList`."""
     for meta in getattr(field, "metadata", ()):
         func = getattr(meta, "func", None)
-        if hasattr(func, "__levanter_kind__"):
+        if func is not None and hasattr(func, "__levanter_kind__"):
             return func.__levanter_kind__, func.__levanter_default__
     return None

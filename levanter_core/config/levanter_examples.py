@@ -84,7 +84,7 @@ _FIELDS = {
     "gsm8k_lora": (_ALPACA_FIELDS - {"prompts"})
     | {"model", "input_key", "output_key", "merged_hf_save_path", "merged_hf_upload"},
 }
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     # the programs' TrainArgs defaults
     "alpaca": {"data": "tatsu-lab/alpaca", "hf_save_path": "alpaca_hf_ckpts"},
     "alpaca_lora": {"data": "tatsu-lab/alpaca", "hf_save_path": "alpaca_hf_ckpts"},

@@ -88,7 +88,7 @@ def iter_fields(cls: type[ConfigModel], prefix: str = "") -> Iterator[tuple[str,
                 default_text = "required"
             if fixed_type(field):  # one type only: its fields, without [type=...]
                 yield dotted, f"{default} section", "null", doc
-                if default in reg:
+                if isinstance(default, str) and default in reg:
                     for row in iter_fields(reg.get(default).config_cls, f"{dotted}."):
                         if row[0] != f"{dotted}.type":
                             yield row

@@ -114,7 +114,7 @@ def storage_problem(url: str) -> str | None:
         require_filesystem(url)
     except ValueError as e:
         return str(e)
-    return _credentials_problem(OBJECT_STORES[protocol_of(url)])
+    return _credentials_problem(OBJECT_STORES[protocol_of(url) or ""])
 
 
 @functools.cache

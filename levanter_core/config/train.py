@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import (
     Field,
@@ -45,7 +45,7 @@ def _harness(value):
     return validate_section("evaluator", {"type": "eval_harness", **value})
 
 
-_harness.__levanter_fixed__ = True  # (the config reference lists the eval_harness evaluator's fields only)
+_harness.__levanter_fixed__ = True  # type: ignore[attr-defined]  # a marker: the config reference lists the eval_harness evaluator's fields only
 
 _HarnessSection = Annotated[
     Any,
@@ -62,7 +62,7 @@ LORA_HF_SAVE_STEPS = 1000
 class TrainConfig(ConfigModel):
     """A training run: ``data``, ``model``, ``trainer`` and ``optimizer`` sections."""
 
-    data: DataSection  # type: ignore[valid-type]
+    data: DataSection
     """The training (and validation) data: one source written inline (``type``, default
     ``url``) or named sources under ``configs`` mixed by ``train_weights``; the tokenizer, the
     cache directory and the shuffling they share."""
@@ -106,7 +106,7 @@ class TrainConfig(ConfigModel):
     tokens and added to the training loss (PaLM's auxiliary loss keeping the softmax's normalizer
     near 1). 0: none. Logged as ``train/z_loss``; evaluation reports the cross-entropy alone."""
 
-    data_seed: Seed | None = None  # type: ignore[valid-type]
+    data_seed: Seed | None = None
     """Seed of the data order (shuffling and mixing) in place of ``trainer.seed``, so the data
     order can change while the initialization stays, or the reverse (0 to 2^32 - 1). None:
     ``trainer.seed``."""
@@ -175,7 +175,7 @@ class TrainConfig(ConfigModel):
     """Evaluations that plugins provide, run during training (each item's ``type`` picks one; see
     ``levanter plugins``); each runs every ``every`` steps (default: with the run's evaluation,
     ``trainer.steps_per_eval``) and after the last step, its metrics sent to the trackers."""
-    eval_harness: _HarnessSection = None  # type: ignore[valid-type]
+    eval_harness: _HarnessSection = None
     """lm-eval-harness tasks to run during training (Levanter's section: ``task_spec``,
     ``max_examples``...), every ``eval_harness_steps``: the ``eval_harness`` evaluator of the
     ``levanter-eval-harness`` plugin; without that plugin only null is accepted."""
@@ -264,10 +264,11 @@ class TrainConfig(ConfigModel):
         ``options`` model (None without an ``objective:`` section or settings)."""
         if self.objective is None:
             return None
-        objective = _installed_objective(self.objective["type"])
+        section = cast(dict, self.objective)  # the validator made it {type: NAME, ...settings}
+        objective = _installed_objective(section["type"])
         if objective.options is None:
             return None
-        return objective.options.model_validate({k: v for k, v in self.objective.items() if k != "type"})
+        return objective.options.model_validate({k: v for k, v in section.items() if k != "type"})
 
     @field_validator("hf_save_dtype")
     @classmethod
@@ -330,7 +331,7 @@ class TrainConfig(ConfigModel):
         return self.initialize_from_hf or None
 
 
-def _installed_objective(name: Any) -> type:
+def _installed_objective(name: Any) -> type[Any]:
     """The installed objective called ``name``; ValueError naming the choices otherwise."""
     objectives = registry("objective")
     if not isinstance(name, str) or name not in objectives:
@@ -342,12 +343,12 @@ def _installed_objective(name: Any) -> type:
     return objectives.get(name).config_cls
 
 
-def objective_class(model_config, config: TrainConfig | None = None) -> type:
+def objective_class(model_config, config: TrainConfig | None = None) -> type[Any]:
     """The :class:`~levanter_core.objective.Objective` subclass a run trains with: its
     ``objective:`` section's (``config``), else the model config's (its ``objective``). Raises
     :class:`ConfigError` when no installed plugin registers it."""
     if config is not None and config.objective is not None:
-        return _installed_objective(config.objective["type"])
+        return _installed_objective(cast(dict, config.objective)["type"])
     name = model_config.objective
     try:
         return registry("objective").get(name).config_cls
@@ -366,6 +367,7 @@ def _objective_format(raw: Any) -> dict | None:
     chosen = raw.get("objective") if isinstance(raw, dict) else None
     if isinstance(chosen, dict):
         chosen = chosen.get("type")
+    objective: Any
     if isinstance(chosen, str):
         objective = chosen
     elif not isinstance(name, str) or name not in registry("model"):
@@ -475,7 +477,7 @@ def format_validation_error(error: ValidationError, raw: dict, sources: Sources)
     return "\n".join(lines)
 
 
-def _describe(err: dict, raw: dict) -> str:
+def _describe(err: Any, raw: dict) -> str:
     kind, loc = err["type"], tuple(err["loc"])
     if kind == "extra_forbidden":
         known = _known_fields(loc[:-1], raw)
@@ -516,7 +518,7 @@ def _known_fields(loc: tuple, raw: dict) -> list[str]:
             kind, default = typed
             name = node.get("type", default) if isinstance(node, dict) else None
             reg = registry(kind)
-            if name not in reg:
+            if not isinstance(name, str) or name not in reg:
                 return []
             cls = reg.get(name).config_cls
     if isinstance(cls, type) and issubclass(cls, ConfigModel):

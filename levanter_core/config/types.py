@@ -42,7 +42,7 @@ def whole_number(low: int, high: int, why: str) -> Any:
             )
         return value
 
-    check.__levanter_int_range__ = (low, high)  # (seen by ConfigModel, which then adds no bound of its own)
+    check.__levanter_int_range__ = (low, high)  # type: ignore[attr-defined]  # a marker ConfigModel reads: it adds no bound of its own
     return Annotated[int, AfterValidator(check)]
 
 

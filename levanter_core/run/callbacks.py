@@ -83,8 +83,8 @@ class Heatmap(StepCallback):
         dataset = next(iter(self.data.validation.values()))
         batch = next(eval_batches(dataset, trainer.plan.eval_batch_size, 1))
         with hax.partitioning.set_mesh(trainer.mesh):
-            scores = token_log_probs(info.eval_model(), trainer.to_device(batch, trainer.EvalBatch))
-        scores = np.asarray(multihost_utils.process_allgather(scores, tiled=True))  # every process computes a part
+            found = token_log_probs(info.eval_model(), trainer.to_device(batch, trainer.EvalBatch))
+        scores = np.asarray(multihost_utils.process_allgather(found, tiled=True))  # every process computes a part
         if jax.process_index() != 0:
             return
         rows = slice(0, self.viz.num_sequences)

@@ -64,7 +64,7 @@ class HfExporter:
         except ValueError as e:
             raise ConfigError(f"hf_save_path: the model cannot be saved in Hugging Face form: {e}") from None
 
-    def export(self, model, step: int) -> str:
+    def export(self, model, step: int) -> str | None:
         if jax.process_count() > 1:  # every process holds a part; process 0 writes the whole
             model = multihost_utils.process_allgather(model, tiled=True)
         self.last_step = step
@@ -89,6 +89,7 @@ class HfExporter:
 
     def _export_peft(self, model, step: int) -> None:
         """The adapters as a PEFT adapter directory ``{peft_save_path}/{run_id}/step-N``."""
+        assert self.peft_directory is not None and self.config.lora is not None  # peft_save_path needs lora
         output = join(self.peft_directory, f"step-{step}")
         with local_output(output) as written:
             write_peft_adapter(

@@ -150,7 +150,9 @@ def resolve_model(config: TrainConfig, tokenizer):
     other ids must match the checkpoint's) makes the vocabulary the tokenizer's size."""
     model_config, vocab_size, directory, origin = config.model, tokenizer.vocab_size, None, None
     if config.initialize_from_hf:
-        directory = resolve_source(config.hf_source)
+        source = config.hf_source
+        assert source is not None  # initialize_from_hf is set
+        directory = resolve_source(source)
         hf_config = read_hf_config(directory)
         if config.use_hf_model_config:
             model_config = with_run_settings(config_from_hf(hf_config), config.model)
@@ -164,9 +166,9 @@ def resolve_model(config: TrainConfig, tokenizer):
         if getattr(tokenizer, "added_tokens", ()):
             # special_tokens added some: the model takes the tokenizer's size, as in Levanter's sft
             # (rows past the checkpoint's end are added, padding rows past the tokenizer's end dropped)
-            check_tokenizer_fits(directory, max(vocab_size, tokenizer.vocab_size), tokenizer, source=config.hf_source)
+            check_tokenizer_fits(directory, max(vocab_size, tokenizer.vocab_size), tokenizer, source=source)
             return model_config, Axis("vocab", tokenizer.vocab_size), directory
-        check_tokenizer_fits(directory, vocab_size, tokenizer, source=config.hf_source)
+        check_tokenizer_fits(directory, vocab_size, tokenizer, source=source)
     elif config.trainer.initialize_from and (found := discover_latest(config.trainer.initialize_from)):
         # the vocabulary of the weights we start from (an import keeps its model's padded size)
         vocab_size = read_metadata(found).get("metadata", {}).get("vocab_size", vocab_size)

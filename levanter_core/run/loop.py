@@ -80,7 +80,8 @@ class TrainLoop:
         stops the run before it trains, not when it is first due."""
         trainer_cfg = self.trainer.config
         steps_per_eval = trainer_cfg.steps_per_eval
-        self.callbacks = callbacks = [self.profile]  # closed at the end, however far this gets
+        callbacks: list[StepCallback] = [self.profile]
+        self.callbacks = callbacks  # closed at the end, however far this gets
         if trainer_cfg.viz is not None:
             callbacks.append(Heatmap(trainer_cfg.viz, self.data))
         if trainer_cfg.sample is not None:

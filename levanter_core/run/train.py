@@ -51,7 +51,7 @@ from levanter_core.run.setup import (
     preflight,
     remove_untrained_run,
 )
-from levanter_core.tracker.base import RunInfo, finish_tracker
+from levanter_core.tracker.base import RunInfo, RunStatus, finish_tracker
 from levanter_core.trainer.checks import check_batch_sizes
 from levanter_core.trainer.extend import warn_if_restarting
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
@@ -203,7 +203,7 @@ def _train(config: TrainConfig, run: RunFiles, data, progress: bool) -> RunResul
     )
     tracker = make_tracker(config, run_info)
     result = RunResult(run_id, run.directory.location, start_step, start_step)
-    status = "success"  # what the trackers are told at the end
+    status: RunStatus = "success"  # what the trackers are told at the end
     try:
         tracker.log_hyperparameters(resolved)
         for path in run.record_files:

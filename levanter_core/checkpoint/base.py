@@ -54,7 +54,9 @@ class CheckpointerConfig(TypedConfig, abc.ABC):
     """Where checkpoints go: a local directory, or an ``s3://`` or ``gs://`` bucket (committed by
     a marker object written last). Each is a directory ``step-N`` under ``{base_path}/{run_id}``
     (or under ``base_path`` itself, see ``append_run_id_to_base_path``)."""
-    save_interval: Duration | None = "15m"
+    # the default is written as a user writes it (and shown so in the config reference);
+    # Duration's validator parses it into a timedelta (validate_default)
+    save_interval: Duration | None = "15m"  # type: ignore[assignment]
     """Save a temporary checkpoint when this much time (``'30s'``, ``'15m'``, ``'1h'``) has passed
     since the last save. The previous temporary checkpoint is deleted once the next checkpoint
     is complete. None: no time-based checkpoints."""
@@ -184,7 +186,9 @@ class Checkpointer(abc.ABC):
         """:meth:`load`, passing ``allow_partial=True`` only when asked: a checkpointer whose
         ``load`` was written before that option existed keeps working for whole loads. With
         it, what the checkpoint lacks keeps ``template``'s values."""
-        return self.load(template, path, allow_partial=True) if allow_partial else self.load(template, path)
+        # `load` as implemented: one that supports partial loads takes `allow_partial` (see load)
+        load: Callable[..., Any] = self.load
+        return load(template, path, allow_partial=True) if allow_partial else load(template, path)
 
     def set_aside(self, checkpoint_path: str) -> str | None:
         """Move a damaged checkpoint out of the way, keeping its files; return where it went

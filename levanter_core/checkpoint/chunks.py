@@ -42,7 +42,7 @@ def _zarr_spec(checkpoint: str, name: str, **options: Any) -> dict:
 
 def _checksum(value: np.ndarray) -> str:
     """The XXH3-64 digest (hex) of ``value``'s bytes in C order."""
-    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
 
 
 def _box(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -111,6 +111,7 @@ def _read_marker(checkpoint: str) -> dict:
     marker, problem = _parse_marker(checkpoint)
     if problem is not None:
         raise DamagedCheckpointError(f"checkpoint {checkpoint} is damaged: {problem}")
+    assert marker is not None  # _parse_marker gives a marker exactly when it finds no problem
     return marker
 
 

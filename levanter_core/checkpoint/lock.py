@@ -107,7 +107,7 @@ class RunLock:
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lock file (nothing if not held)."""
-        if self.path is None:
+        if self.path is None or self._record is None:  # not held (acquire sets both together)
             return
         self._stop.set()
         if self._thread is not None:

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import re
-from typing import Any
+from typing import Any, cast
 
 import haliax as hax
 import jax
@@ -154,7 +154,8 @@ async def _read_verified(
     """The array in ``store``, placed as ``sharding`` says (on this process's devices), read
     whole chunk by whole chunk so that each is checked against ``checksums`` (chunk key ->
     checksum; None: none recorded) before it is used. Raises :class:`_ChecksumMismatch`."""
-    chunks = tuple(store.chunk_layout.read_chunk.shape or ())  # None for a scalar
+    # None for a scalar; tensorstore's type allows unset dimensions, which a stored zarr array has none of
+    chunks = cast(tuple[int, ...], tuple(store.chunk_layout.read_chunk.shape or ()))
     read: dict[str, asyncio.Future] = {}
 
     async def chunk(key: str, box: tuple[tuple[int, int], ...]) -> np.ndarray:
@@ -169,6 +170,7 @@ async def _read_verified(
     # one read per chunk, however many of this process's devices need it
     regions: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # jax's annotation allows None; every sharding gives each device an index
         regions.setdefault(_box(index, shape), []).append(device)
     needed = {key: box for region in regions for key, box in _chunks_in(region, chunks, shape)}
     for key, box in needed.items():

@@ -88,7 +88,7 @@ class _Save:
             # each process checksummed the chunks it wrote; process 0 records them all
             gathered = distributed.gather(f"checkpoint_checksums_{self.token}", json.dumps(checksums))
             distributed.barrier(f"checkpoint_written_{self.token}")  # no device collective: safe here
-            if jax.process_index() == 0:
+            if gathered is not None:  # process 0 (gather gives the others None)
                 merged: dict[str, dict[str, str]] = {}
                 for part in gathered:
                     for name, sums in json.loads(part).items():

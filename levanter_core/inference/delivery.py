@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from levanter_core.inference.requests import Completion, Request, Update
+
+if TYPE_CHECKING:
+    from levanter_core.data.tokenizer import Tokenizer
+    from levanter_core.inference.engine import _Slot
 
 logger = logging.getLogger(__name__)
 
@@ -17,11 +22,18 @@ class _Delivery:
     """The :class:`~levanter_core.inference.engine.Engine`'s methods that hand requests their
     results; they read the engine's ``_slots``, ``eos_ids``, ``max_seq_len`` and ``tokenizer``."""
 
+    _slots: list[_Slot | None]
+    eos_ids: tuple[int, ...]
+    max_seq_len: int
+    tokenizer: Tokenizer | None
+
     # -- turning tokens into results -----------------------------------------------------------
     def _accept(self, slot: int, tokens: list[int], logprobs: list[float], top_ids, top_lps) -> None:
         """Give slot ``slot``'s request its new ``tokens`` (``top_ids``/``top_lps``: the
         alternatives at each, ``[len(tokens), top_n]``); free the slot if it has ended."""
-        request = self._slots[slot].request
+        held = self._slots[slot]
+        assert held is not None  # called for a slot that holds a request (just prefilled, or decoding)
+        request = held.request
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         params = request.params

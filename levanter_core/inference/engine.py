@@ -404,7 +404,7 @@ class Engine(_Delivery):
 
     def _take_admissions(self) -> list[tuple[int, Request]]:
         free = [i for i, s in enumerate(self._slots) if s is None]
-        admitted = []
+        admitted: list[tuple[int, Request]] = []
         while self._queue and free and len(admitted) < self.max_prefill_seqs:
             request = self._queue.popleft()
             if request.cancelled:

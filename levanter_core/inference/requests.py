@@ -93,6 +93,7 @@ class Request:
             raise TimeoutError("the request has not finished")
         if self._error is not None:
             raise self._error
+        assert self._completion is not None  # a request is done with an error or with its completion
         return self._completion
 
     def done(self) -> bool:

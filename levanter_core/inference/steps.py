@@ -80,7 +80,7 @@ def _decode(
         return cache, new, positions + 1, out
 
     rows = Batch.size
-    out = (jnp.zeros((rows, rounds), jnp.int32), jnp.zeros((rows, rounds), jnp.float32))
+    out: tuple[jax.Array, ...] = (jnp.zeros((rows, rounds), jnp.int32), jnp.zeros((rows, rounds), jnp.float32))
     if top_n:  # (no zero-sized buffers when nobody asked for alternatives)
         out += (jnp.zeros((rows, rounds, top_n), jnp.int32), jnp.zeros((rows, rounds, top_n), jnp.float32))
     tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)

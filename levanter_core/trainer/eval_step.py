@@ -41,12 +41,13 @@ class EvalStep(BatchPlacement):
                 return self._eval_step(model, batch, reference)
 
         else:
-            step = self._eval_steps.get(fn)
-            if step is None:
-                step = self._eval_steps[fn] = hax.named_jit(
+            compiled = self._eval_steps.get(fn)
+            if compiled is None:
+                compiled = self._eval_steps[fn] = hax.named_jit(
                     lambda model, batch: fn(self.mp.cast_to_compute(model), batch, key=None),
                     axis_resources=self.compute_mapping,
                 )
+            step = compiled
         losses = []
         with hax.partitioning.set_mesh(self.mesh):
             for batch in batches:

@@ -22,6 +22,7 @@ class Prefetcher:
         for step in range(start, stop):
             if self._stopped.is_set():
                 return
+            item: tuple[int, np.ndarray | None, BaseException | None]
             try:
                 item = (step, make_batch(step), None)
             except BaseException as e:  # surfaced to the training thread by get()

@@ -5,7 +5,6 @@ state structure with the state donated."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -44,7 +43,7 @@ def _batch_axis(example, name: str) -> Axis:
 class TrainStep(BatchPlacement):
     """The training-step part of the Trainer."""
 
-    _flat_steps: list[tuple[Any, Callable]]
+    _flat_steps: list[tuple[Any, jax.stages.Wrapped]]
     """(state structure, compiled step) for each structure of state seen."""
 
     def _compute_loss(self, model, batch, key, reference=None) -> tuple[jax.Array, dict]:
@@ -202,7 +201,7 @@ class TrainStep(BatchPlacement):
         with hax.partitioning.set_mesh(self.mesh):
             self._flat_step(structure, leaves).lower(leaves, example).compile()
 
-    def _flat_step(self, structure, leaves: list) -> Callable:
+    def _flat_step(self, structure, leaves: list) -> jax.stages.Wrapped:
         """The compiled step for states of this ``structure``, as a function of the state's leaves
         (donated) and the batch, returning the new leaves and the metrics. Calling it costs one
         flatten and one unflatten of the state; ``hax.named_jit`` would re-partition the whole state

@@ -118,7 +118,7 @@ def _ready(ledger: dict) -> tuple[list[dict], int, int]:
 def _no_documents(path: str, split: str, ledger: dict) -> DataError:
     names = [s["name"] for s in ledger["shards"]]
     listing = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    skipped = collections.Counter()
+    skipped: collections.Counter[str] = collections.Counter()
     for shard in ledger["shards"]:
         skipped.update(shard["skipped"])
     note = f" ({sum(skipped.values())} records skipped: {dict(skipped)})" if skipped else ""

@@ -36,7 +36,7 @@ class TokenCache:
 
     def _set_ledger(self, ledger: dict) -> None:
         self._ledger = ledger
-        skipped = collections.Counter()
+        skipped: collections.Counter[str] = collections.Counter()
         for shard in ledger["shards"]:
             skipped.update(shard["skipped"])
         self._skipped = dict(sorted(skipped.items()))  # read every training step: counted once per ledger
@@ -197,6 +197,7 @@ class TokenCache:
 
     def _wait_on_build(self, tokens: int, documents: int) -> None:
         build = self._build
+        assert build is not None  # wait_for waits on the build only when there is one
         with build.condition:
             while True:
                 _, ready_docs, ready_tokens = _ready(build.ledger)

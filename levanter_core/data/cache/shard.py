@@ -10,6 +10,7 @@ import functools
 from collections.abc import Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from levanter_core.data.cache.ledger import MAX_PROBLEMS
 from levanter_core.data.cache.storage import _field_key, _field_offsets_key, _shard_key, _storage
@@ -61,7 +62,9 @@ class _ShardWriter:
         self._index = index
         self._dtype = token_dtype
         self._fields = {name: np.dtype(dtype) for name, dtype in fields.items()}
-        names = {"tokens": token_dtype, "offsets": np.int64} | ({"target_mask": np.uint8} if packed else {})
+        names: dict[str, npt.DTypeLike] = {"tokens": token_dtype, "offsets": np.int64}
+        if packed:
+            names["target_mask"] = np.uint8
         for name, dtype in self._fields.items():
             names |= {_field_key(name): dtype, _field_offsets_key(name): np.int64}
         self._arrays = {name: storage.open_array(_shard_key(index, name), np.dtype(dt)) for name, dt in names.items()}

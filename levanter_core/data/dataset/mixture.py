@@ -12,7 +12,7 @@ import numpy as np
 from levanter_core.data.permutation import Permutation, derive_key
 
 
-def block_counts(weights: Sequence[float], block_size: int) -> np.ndarray:
+def block_counts(weights: Sequence[float] | np.ndarray, block_size: int) -> np.ndarray:
     """Sequences of each source in a block of ``block_size``: ``weight * block_size`` rounded
     by largest remainder, so they sum to ``block_size``; a weight of 0 always gets 0."""
     w = np.asarray(weights, np.float64)

@@ -5,6 +5,7 @@ stored order; possibly cut to a part of the source)."""
 from __future__ import annotations
 
 import logging
+from typing import Literal, overload
 
 import numpy as np
 
@@ -49,6 +50,10 @@ class _EpochOrder:
     def is_cut(self) -> bool:
         return self.limit is not None or self.fraction is not None
 
+    @overload
+    def pass_length(self, *, wait: Literal[True]) -> int: ...
+    @overload
+    def pass_length(self, *, wait: bool) -> int | None: ...
     def pass_length(self, *, wait: bool) -> int | None:
         """Sequences in one pass over the source; None when not known yet and ``wait`` is false."""
         if self.is_cut:
@@ -68,6 +73,10 @@ class _EpochOrder:
         n = self.dataset.final_length()  # complete: wait_for returned short of `needed`
         return n is not None and needed > passes * n
 
+    @overload
+    def _cut_length(self, *, wait: Literal[True]) -> int: ...
+    @overload
+    def _cut_length(self, *, wait: bool) -> int | None: ...
     def _cut_length(self, *, wait: bool) -> int | None:
         if self.limit is not None:
             n = self.dataset.final_length()
@@ -81,6 +90,7 @@ class _EpochOrder:
         if self._cut is None:
             if not wait and self.dataset.final_length() is None:
                 return None
+            assert self.fraction is not None  # a cut source without a limit has a fraction (is_cut)
             n = self.dataset.wait_complete()
             cut = int(n * self.fraction)
             if cut == 0:
@@ -115,9 +125,9 @@ class _EpochOrder:
         if len(positions) == 0:
             return np.zeros(0, np.int64)
         if self.shuffle is True:  # the permutation needs the final size
-            n = self.dataset.wait_complete()
-            epochs, within = np.divmod(positions, n)
-            return self._permuted(epochs, within, n)
+            total = self.dataset.wait_complete()
+            epochs, within = np.divmod(positions, total)
+            return self._permuted(epochs, within, total)
         self.dataset.wait_for(int(positions.max()) + 1)
         n = self.dataset.final_length()
         if n is None:  # not complete, so every position is available: still the first epoch

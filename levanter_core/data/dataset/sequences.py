@@ -390,8 +390,11 @@ class SlicedSequences(SequenceDataset):
         available = self.available()
         self._check_available(indices, available)
         first = self.start
-        if first < 0:  # something is available, so the cache is complete
-            first = self._bounds(self.base.final_length())[0]
+        if first < 0:  # a slice from the end: something is available only once the cache is complete
+            n = self.base.final_length()
+            if n is None:  # nothing is available yet, so `indices` is empty
+                return self.base.rows(indices)
+            first = self._bounds(n)[0]
         return self.base.rows(indices + first)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
@@ -191,9 +191,10 @@ class TrainStream:
         if stage_starts is None:
             return None
         lengths = [order.pass_length(wait=False) for order in self._orders]
-        if any(length is None for length in lengths):
+        known = [length for length in lengths if length is not None]
+        if len(known) < len(lengths):
             return None
-        return self._end(lengths, stage_starts)
+        return self._end(known, stage_starts)
 
     def template(self, batch_size: int) -> Batch:
         """A batch of zeros with the shapes and structure of every batch of this stream (to
@@ -202,6 +203,10 @@ class TrainStream:
 
     # -- where the stream ends
 
+    @overload
+    def _stage_starts(self, batch_size: int) -> list[int]: ...
+    @overload
+    def _stage_starts(self, batch_size: int | None) -> list[int] | None: ...
     def _stage_starts(self, batch_size: int | None) -> list[int] | None:
         steps = [0] if self._mixture is None else self._mixture.steps
         if self._offsets is not None:
@@ -227,7 +232,8 @@ class TrainStream:
             ends += [min(p for p in found if p is not None)] if any(p is not None for p in found) else []
         if self.stop_strategy == "all_exhausted":  # the last source to run out ends it
             found = [self._position_of(s, n, stage_starts) for s, n in enumerate(lengths)]
-            ends += [max(found)] if all(p is not None for p in found) else []
+            reached = [p for p in found if p is not None]
+            ends += [max(reached)] if len(reached) == len(found) else []
         return min(ends) if ends else None
 
     def _check_not_ended(self, step: int, start: int, stop: int, stage_starts: list[int]) -> None:
@@ -276,8 +282,10 @@ def _assemble(
     fields = {name: np.zeros((batch_size, length), dtype) for name, (length, dtype) in (field_shapes or {}).items()}
     for where, rows in parts:
         tokens[where] = rows.tokens
-        for name, values in fields.items():
-            values[where] = rows.fields[name]
+        if fields:
+            assert rows.fields is not None  # every source's rows hold the fields (TrainStream checks they agree)
+            for name, values in fields.items():
+                values[where] = rows.fields[name]
     if not packed:
         return Batch(tokens, fields=fields or None)
     loss_mask = np.ones((batch_size, seq_len), np.float32)

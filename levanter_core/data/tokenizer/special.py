@@ -65,7 +65,7 @@ def _recipe_problem(recipe) -> str | None:
         return "the added special tokens must be a JSON object"
     for key, value in recipe.items():
         if key in SPECIAL_TOKEN_ROLES:
-            ok = isinstance(value, str) and value
+            ok = isinstance(value, str) and bool(value)
         elif key == "additional_special_tokens":
             ok = isinstance(value, list) and all(isinstance(t, str) and t for t in value)
         elif key == "add_missing_defaults":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -26,6 +26,7 @@ from levanter_core.hf.checkpoint import HfCheckpoint
 from levanter_core.hf.convert import load_hf_weights
 from levanter_core.hf.io.source import read_hf_config, resolve_source
 from levanter_core.hf.io.tokenizer_files import _run_tokenizer
+from levanter_core.models.lm import LmConfig
 
 # the name its log lines had before the split from levanter_core.hf.bridge (the CLI prints it)
 logger = logging.getLogger("levanter_core.hf.bridge")
@@ -66,7 +67,7 @@ def load_checkpoint_model(checkpoint: str, *, averaged: bool = True) -> Checkpoi
     run_config = stored.get("config") or {}
     if "model" not in run_config:
         raise CheckpointError(f"{found} does not record its model config, so its model cannot be built")
-    config = validate_section("model", run_config["model"])
+    config = cast(LmConfig, validate_section("model", run_config["model"]))  # the model section's types are LmConfigs
     tokenizer = None
     vocab_size = stored.get("vocab_size")
     if vocab_size is None:  # checkpoints of training runs before vocab_size was recorded

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.convert import HfConvertible
 from levanter_core.hf.io.tokenizer_files import TOKENIZER_FILES
+from levanter_core.models.lm import LmConfig
 from levanter_core.plugins import get_manager, registry
 
 
@@ -89,7 +90,8 @@ def config_from_hf(hf_config: dict, *, source: str = "config.json") -> Any:
     if not issubclass(entry.config_cls, HfConvertible):
         raise CheckpointError(f"model type {name!r} ({entry.provider}) cannot be converted from Hugging Face")
     try:
-        config = entry.config_cls.from_hf_config(hf_config)
+        # a model type's config is an LmConfig; HfConvertible is the mixin that reads Hugging Face configs
+        config = cast(LmConfig, entry.config_cls.from_hf_config(hf_config))
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
     # A clashed name is recorded qualified, so that the config saved with an import or a run

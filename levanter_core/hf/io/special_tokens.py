@@ -60,12 +60,13 @@ def _tokenizer_special_ids(directory: str) -> dict[str, int]:
                 contents = json.load(f)
             if isinstance(contents, dict):
                 named.update({k: contents[k] for k in SPECIAL_TOKENS.values() if contents.get(k) is not None})
-    ids = {}
+    ids: dict[str, int] = {}
     for key, name in SPECIAL_TOKENS.items():
         token = named.get(name)
         token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str) and vocabulary.token_to_id(token) is not None:
-            ids[key] = vocabulary.token_to_id(token)
+        token_id = vocabulary.token_to_id(token) if isinstance(token, str) else None
+        if token_id is not None:
+            ids[key] = token_id
     eos = load_tokenizer(directory).eos_id
     if eos is not None:
         ids["eos_token_id"] = eos

@@ -65,12 +65,14 @@ docs-check: $(VENV)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir "$$tmp"
 
 # Lint and format: every Python file of the repository (pyproject.toml's [tool.ruff]); the
-# core's layers and what plugins may import (pyproject.toml's [tool.importlinter]).
+# core's layers and what plugins may import (pyproject.toml's [tool.importlinter]); the core's
+# types, strict on the public plugin API (pyproject.toml's [tool.mypy]).
 .PHONY: lint
 lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # A worker that dies fails the run at once (xdist's replacement worker can wait forever).
 test: setup-test lint

@@ -9,7 +9,8 @@ as class attributes and inherits the tests (in the spirit of ``transformers``'
       unrolled = (name, ...)                   ├─> test_unrolled_layers_match_hugging_face[name]
       generation = (name, ...)                 └─> test_greedy_decoding_matches_transformers_generate[name]
       refused = {message: () -> HF dict}      ───> test_unsupported_settings_are_refused_by_name[message]
-      package, nano_configs = (file, ...)     ───> test_nano_config_trains[file]       (slow)
+      package, nano_configs = (file, ...)     ─┬─> test_nano_config_trains[file]       (slow)
+      golden_losses = "assets/losses"          └─> ... and its 20-step loss curve, step by step
       distribution, types                     ───> test_discovered_through_its_entry_point
 
 :class:`ModelFamilyTests` is the four kinds together; a plugin that has only some of them
@@ -25,7 +26,9 @@ module calls ``pytest.importorskip`` for both before it builds a ``transformers`
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import re
 from collections.abc import Callable
 from importlib import resources
@@ -36,7 +39,7 @@ import pytest
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.bridge import config_from_hf
 from levanter_core.hf.parity import check_generation_parity, check_hf_parity
-from levanter_core.testing import listed_plugin, train_briefly
+from levanter_core.testing import golden, listed_plugin, train_briefly
 from levanter_core.testing.metrics import logged
 
 HfConfigFactory = Callable[[], Any]
@@ -125,7 +128,9 @@ class RefusalTests(_Parametrized):
 
 
 class NanoTrainingTests(_Parametrized):
-    """Each nano config the plugin ships trains a few steps (``slow``)."""
+    """Each nano config the plugin ships trains a few steps (``slow``); with
+    :attr:`golden_losses`, twenty, and its loss curve is compared with the one recorded
+    (:mod:`~levanter_core.testing.golden`)."""
 
     case_lists = {"nano_config": "nano_configs"}
 
@@ -136,24 +141,60 @@ class NanoTrainingTests(_Parametrized):
     nano_overrides: ClassVar[tuple[str, ...]] = ()
     """Command-line overrides for every nano run (``"--trainer.train_batch_size", "4"``)."""
     nano_steps: ClassVar[int] = 4
+    """Steps of a nano run without :attr:`golden_losses` (with it: ``golden.GOLDEN_STEPS``)."""
+    golden_losses: ClassVar[str | None] = None
+    """The folder of this family's golden loss curves, relative to that of the test module
+    that defines the class (``"assets/losses"``), one ``<config name>.json`` per nano config.
+    Set, each nano run is a golden run (:func:`~levanter_core.testing.golden.train_golden`:
+    ``GOLDEN_STEPS`` steps of a small batch on a corpus the test writes, the config's model
+    and optimizer unchanged), checked as any nano run and then against its curve; a missing
+    curve skips the test, saying how to record it (``LEVANTER_UPDATE_GOLDEN=1``). None: the
+    run of :attr:`nano_steps` steps on the standard library, no curve."""
+
+    @property
+    def nano_run_steps(self) -> int:
+        """Steps of each nano run: ``golden.GOLDEN_STEPS`` with :attr:`golden_losses`, else
+        :attr:`nano_steps`."""
+        return golden.GOLDEN_STEPS if self.golden_losses else self.nano_steps
 
     def nano_config_path(self, name: str) -> str:
         """The path of nano config ``name`` in the installed package."""
         return str(resources.files(self.package) / "configs" / name)
 
+    def golden_path(self, name: str) -> str:
+        """Where the golden loss curve of nano config ``name`` is kept (see :attr:`golden_losses`)."""
+        folder = os.path.join(os.path.dirname(inspect.getfile(type(self))), self.golden_losses or "")
+        return os.path.join(folder, os.path.splitext(name)[0] + ".json")
+
+    def golden_data(self, workdir: str) -> list[str]:
+        """The ``data`` overrides of a golden run, its corpus written under ``workdir``: by
+        default :func:`~levanter_core.testing.golden.golden_corpus` (text). A family whose
+        configs read other data (speech) writes its own here."""
+        return golden.golden_corpus(os.path.join(workdir, "corpus"))
+
     @pytest.mark.slow
     def test_nano_config_trains(self, nano_config: str, tmp_path) -> None:
-        result = train_briefly(
-            self.nano_config_path(nano_config), str(tmp_path), steps=self.nano_steps, overrides=self.nano_overrides
-        )
+        path, workdir = self.nano_config_path(nano_config), str(tmp_path)
+        if not self.golden_losses:
+            result = train_briefly(path, workdir, steps=self.nano_steps, overrides=self.nano_overrides)
+            self.check_nano_run(nano_config, result)
+            return
+        data = self.golden_data(workdir)
+        result = golden.train_golden(path, workdir, data=data, overrides=self.nano_overrides)
         self.check_nano_run(nano_config, result)
+        golden.check_golden_losses(
+            self.golden_path(nano_config),
+            nano_config,
+            logged(result.run_dir, "train/loss", once=True),
+            golden.recorded_overrides(workdir, data, self.nano_overrides),
+        )
 
     def check_nano_run(self, nano_config: str, result) -> None:
         """What every nano run must show: each step trained and logged once with a finite loss,
         and the evaluation loss lower at the end than at the start. A family extends this (and
         calls it) to check more of the same run."""
-        steps = list(range(1, self.nano_steps + 1))
-        assert result.final_step == self.nano_steps
+        steps = list(range(1, self.nano_run_steps + 1))
+        assert result.final_step == self.nano_run_steps
         losses = logged(result.run_dir, "train/loss", once=True)
         assert sorted(losses) == steps, f"{nano_config}: train/loss logged at steps {sorted(losses)}"
         assert all(math.isfinite(loss) for loss in losses.values()), f"{nano_config}: losses {losses}"

@@ -90,5 +90,6 @@ class TestDeepseekV3(ModelFamilyTests):
     refused = {"rope type 'proportional' is not supported": _proportional_rope}
     package = "levanter_model_deepseek"
     nano_configs = ("deepseek_v3_nano.yaml",)
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     distribution = "levanter-model-deepseek"
     types = {"model": ["deepseek_v3"]}

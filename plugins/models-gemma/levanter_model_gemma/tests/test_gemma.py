@@ -207,6 +207,7 @@ class TestGemmaFamilies(ModelFamilyTests):
     refused = REFUSED
     package = "levanter_model_gemma"
     nano_configs = ("gemma_nano.yaml", "gemma2_nano.yaml", "gemma3_nano.yaml")
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     # batches of 4 sequences rather than 16: the loss still falls, in a third less time
     nano_overrides = ("--trainer.train_batch_size", "4")
     distribution = "levanter-model-gemma"

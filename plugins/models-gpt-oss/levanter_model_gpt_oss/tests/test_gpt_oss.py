@@ -117,5 +117,6 @@ class TestGptOss(ModelFamilyTests):
     refused = {message: _refused_with(keys) for message, keys in REFUSED.items()}
     package = "levanter_model_gpt_oss"
     nano_configs = ("gpt_oss_nano.yaml",)
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     distribution = "levanter-model-gpt-oss"
     types = {"model": ["gpt_oss"]}

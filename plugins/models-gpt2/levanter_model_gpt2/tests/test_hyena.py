@@ -111,6 +111,7 @@ def test_packed_examples_are_refused():
 class TestHyenaNano(NanoTrainingTests):
     package = "levanter_model_gpt2"
     nano_configs = ("gpt2_hyena_nano.yaml",)
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
 
 
 def test_decodes_without_a_cache_as_its_own_greedy_argmax(caplog):

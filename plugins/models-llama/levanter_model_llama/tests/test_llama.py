@@ -129,6 +129,7 @@ class TestLlamaFamilies(ModelFamilyTests):
     }
     package = "levanter_model_llama"
     nano_configs = ("llama_nano.yaml", "mistral_nano.yaml")
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     distribution = "levanter-model-llama"
     types = {"model": ["llama", "mistral", "phi3"]}
 

@@ -199,5 +199,6 @@ class TestOlmoFamilies(ModelFamilyTests):
     refused = REFUSED
     package = "levanter_model_olmo"
     nano_configs = ("olmo2_nano.yaml", "olmo3_nano.yaml")
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     distribution = "levanter-model-olmo"
     types = {"model": ["olmo2", "olmo3"]}

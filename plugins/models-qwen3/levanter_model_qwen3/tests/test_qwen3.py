@@ -138,5 +138,6 @@ class TestQwenFamilies(ModelFamilyTests):
     refused = REFUSED
     package = "levanter_model_qwen3"
     nano_configs = ("qwen_nano.yaml", "qwen3_nano.yaml", "qwen3_moe_nano.yaml")
+    golden_losses = "assets/losses"  # the 20-step loss curve of each (levanter_core.testing.golden)
     distribution = "levanter-model-qwen3"
     types = {"model": ["qwen", "qwen3", "qwen3_moe"]}

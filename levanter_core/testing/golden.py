@@ -99,11 +99,7 @@ def train_golden(config_path: str, workdir: str, *, data: Sequence[str] | None =
     written under ``workdir``), then ``overrides``. Returns the
     run's ``RunResult``."""
     from levanter_core.config.train import load_train_config
-
-    try:
-        from levanter_core.run import run_training
-    except ImportError:  # before run_training moved out of levanter_core.trainer.run
-        from levanter_core.trainer.run import run_training
+    from levanter_core.run import run_training
 
     if data is None:
         data = golden_corpus(os.path.join(workdir, "corpus"))

@@ -9,11 +9,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from levanter_core.inference.requests import Completion, Request, Update
+from levanter_core.inference.requests import Completion, Request, Update, _Slot
 
 if TYPE_CHECKING:
     from levanter_core.data.tokenizer import Tokenizer
-    from levanter_core.inference.engine import _Slot
 
 logger = logging.getLogger(__name__)
 

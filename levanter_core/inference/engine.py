@@ -41,7 +41,7 @@ from haliax import Axis
 
 from levanter_core.inference import decoding
 from levanter_core.inference.delivery import _Delivery
-from levanter_core.inference.requests import Completion, Request, RequestError, Update
+from levanter_core.inference.requests import Completion, Request, RequestError, Update, _Slot
 from levanter_core.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from levanter_core.inference.steps import _bucket, _decode, _host, _prefill, _sampling
 
@@ -63,13 +63,6 @@ __all__ = [
     "_prefill",
     "_sampling",
 ]
-
-
-@dataclass
-class _Slot:
-    request: Request
-    position: int  # where the last token (the next one fed to the model) sits
-    token: int
 
 
 @dataclass

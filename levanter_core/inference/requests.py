@@ -102,3 +102,12 @@ class Request:
     def cancel(self) -> None:
         """Stop generating (a client that went away); the slot is freed at the next step."""
         self.cancelled = True
+
+
+@dataclass
+class _Slot:
+    """A row of the engine's batch and the request decoding in it."""
+
+    request: Request
+    position: int  # where the last token (the next one fed to the model) sits
+    token: int

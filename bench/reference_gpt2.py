@@ -49,6 +49,20 @@ EOS = "<|endoftext|>"
 REFERENCE_TRAINER = {"mp": "p=f32", "train_batch_size": 16}
 """Precision and batch of the reference run (REFERENCE.md)."""
 
+_LLAMA_1B = {
+    "type": "llama",
+    "hidden_dim": 2048,
+    "num_layers": 16,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "intermediate_dim": 8192,
+    "seq_len": 2048,
+    "tie_word_embeddings": True,
+    "attn_backend": "jax",
+}
+"""Llama-3.2-1B's shapes with the corpus's vocabulary: the ``llama1b`` presets, which differ only in
+gradient checkpointing."""
+
 PRESETS: dict[str, dict] = {
     # The reference model of REFERENCE.md; GPT-2 ties its embeddings.
     "gpt2": {
@@ -104,35 +118,13 @@ PRESETS: dict[str, dict] = {
     # parameters. seq_len 2048, bf16 compute, f32 parameters and optimizer state; each layer's
     # input is kept and its inside recomputed in the backward pass. For one H100/H200 (issue 39).
     "llama1b": {
-        "model": {
-            "type": "llama",
-            "hidden_dim": 2048,
-            "num_layers": 16,
-            "num_heads": 32,
-            "num_kv_heads": 8,
-            "intermediate_dim": 8192,
-            "seq_len": 2048,
-            "tie_word_embeddings": True,
-            "attn_backend": "jax",
-            "gradient_checkpointing": True,
-        },
+        "model": {**_LLAMA_1B, "gradient_checkpointing": True},
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
     # The same model with every activation kept for the backward pass (no recomputation): fewer
     # FLOPs on the device per step, about 60 GB of activations at batch 16 (an H200 holds them).
     "llama1b-keep": {
-        "model": {
-            "type": "llama",
-            "hidden_dim": 2048,
-            "num_layers": 16,
-            "num_heads": 32,
-            "num_kv_heads": 8,
-            "intermediate_dim": 8192,
-            "seq_len": 2048,
-            "tie_word_embeddings": True,
-            "attn_backend": "jax",
-            "gradient_checkpointing": False,
-        },
+        "model": {**_LLAMA_1B, "gradient_checkpointing": False},
         "trainer": {"mp": "p=f32,c=bfloat16", "train_batch_size": 16},
     },
     # Not a benchmark: exercises the benchmark itself in seconds (tests use it).

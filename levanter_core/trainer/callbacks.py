@@ -97,8 +97,3 @@ class StepCallback:
 
     def close(self) -> None:
         """At the end of the run, whether it succeeded or not."""
-
-
-def every(interval: int, *, at_end: bool = True) -> Callable[[int, bool], bool]:
-    """A ``due`` rule: every ``interval`` steps, and after the last step if ``at_end``."""
-    return lambda step, last: step % interval == 0 or (at_end and last)

@@ -25,27 +25,19 @@ _HOMES = {
     "write_run_record": "levanter_core.run.record",
     "HfExporter": "levanter_core.run.export",
 }
-_RENAMED = {
-    "_TrainLoop": ("levanter_core.run.loop", "TrainLoop"),
-    "_check_model_takes_packed_data": ("levanter_core.run.initial", "check_model_takes_packed_data"),
-}
-_by_name = moved(__name__, _HOMES)
+_by_name = moved(
+    __name__,
+    {
+        **_HOMES,
+        "_TrainLoop": "levanter_core.run.loop:TrainLoop",
+        "_check_model_takes_packed_data": "levanter_core.run.initial:check_model_takes_packed_data",
+        "RUN_SETTINGS": "levanter_core.models.lm:LmConfig.run_settings",
+    },
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        home, new = _RENAMED[name]
-        warnings.warn(f"{__name__}.{name} moved to {home}.{new}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(home), new)
-    if name == "RUN_SETTINGS":
-        warnings.warn(
-            f"{__name__}.RUN_SETTINGS moved to levanter_core.models.lm.LmConfig.run_settings; use that "
-            "(the old path is removed in levanter-core 0.3)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module("levanter_core.models.lm").LmConfig.run_settings
-    if name == "plugin_versions":
+    if name == "plugin_versions":  # a method of the process's plugin manager, not a module's name
         warnings.warn(
             f"{__name__}.plugin_versions moved to levanter_core.plugins.get_manager().versions; use that "
             "(the old path is removed in levanter-core 0.3)",

@@ -19,12 +19,22 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
+import haliax as hax
+import jax.numpy as jnp
 import numpy as np
+from haliax import Axis
+from tqdm.auto import tqdm
 
-from levanter_core.data.cache import SKIP_BAD_DATA_HINT
-from levanter_core.data.dataset import TOO_SHORT_HINT
+from levanter_core.config.train import load_train_config, objective_class
+from levanter_core.data.cache import SKIP_BAD_DATA_HINT, open_cache
+from levanter_core.data.dataset import TOO_SHORT_HINT, held_out, sequence_dataset
 from levanter_core.data.formats import MESSAGES_FIELD_HINT, TEXT_KEY_HINT
+from levanter_core.data.pipeline import _open
+from levanter_core.data.source import UrlSourceConfig
+from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import DataError, UserError
+from levanter_core.models.source import load_model_source
+from levanter_core.objective import batch_totals, evaluate_batch
 
 if TYPE_CHECKING:
     from levanter_core.data.dataset import SequenceDataset
@@ -124,11 +134,6 @@ def sets_from_config(
     """The validation sets of the training config at ``path`` (its tokenizer, the sets, and
     each tag's sets), their caches built where that config keeps them. ``field_lengths``: the
     objective's :meth:`~levanter_core.objective.Objective.row_lengths` (for audio, say)."""
-    from levanter_core.config.train import load_train_config
-    from levanter_core.data.dataset import held_out, sequence_dataset
-    from levanter_core.data.pipeline import _open
-    from levanter_core.data.tokenizer import load_tokenizer
-
     config, _ = load_train_config(path, list(overrides))
     data = config.data
     tokenizer = load_tokenizer(data.tokenizer)
@@ -170,10 +175,6 @@ def sets_from_files(
     None: text, from ``.jsonl`` with a ``text`` field, ``.txt`` a document per line, ``.json``,
     ``.parquet``, compressed too; ``{"type": "audio"}``: a manifest of ``audio`` and ``text``).
     ``field_lengths``: as for :func:`sets_from_config`."""
-    from levanter_core.data.cache import open_cache
-    from levanter_core.data.dataset import sequence_dataset
-    from levanter_core.data.source import UrlSourceConfig
-
     sets, names = [], set(taken)
     for file in files:
         if "://" not in file and not os.path.exists(file):
@@ -235,11 +236,6 @@ def evaluate_sets(
     the set once, in batches of ``batch_size`` (the last one smaller), at most ``max_batches``
     of them. ``tokenizer`` is the one that tokenized the sets (for the objective's
     :meth:`~levanter_core.objective.Objective.eval_constants`: how many bytes each token is)."""
-    import haliax as hax
-    from tqdm.auto import tqdm
-
-    from levanter_core.objective import batch_totals, evaluate_batch
-
     constants = objective.eval_constants(model, tokenizer)
 
     step = hax.named_jit(lambda model, example, *constants: evaluate_batch(objective, model, example, *constants))
@@ -264,10 +260,6 @@ def example_of(objective, batch):
     """The objective's example of a host ``batch``: the arrays it names
     (:meth:`~levanter_core.objective.Objective.fields`) as named arrays on the default device,
     the batch axis (``batch``) first."""
-    import haliax as hax
-    import jax.numpy as jnp
-    from haliax import Axis
-
     fields = objective.fields(batch)
     Batch = Axis("batch", next(len(f.values) for f in fields.values() if f.values is not None))
 
@@ -295,9 +287,6 @@ def run_eval(
     """Evaluate the model of ``source`` (a checkpoint, an import, a Hugging Face directory or
     hub name) on the validation sets of ``config`` and on the ``data`` files, through the
     model's training objective."""
-    from levanter_core.config.train import objective_class
-    from levanter_core.models.source import load_model_source
-
     if not config and not data:
         raise UserError("nothing to evaluate on: give --config CONFIG (its validation sets) or --data FILE")
     loaded = load_model_source(source, tokenizer=tokenizer)

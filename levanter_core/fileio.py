@@ -10,6 +10,11 @@ import posixpath
 import shutil
 from typing import Any
 
+import fsspec
+import fsspec.config
+from fsspec.core import split_protocol
+from fsspec.registry import known_implementations
+
 
 def write_text_atomically(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` so that readers (and a run killed mid-write) see either
@@ -53,8 +58,6 @@ def require_filesystem(url: str | None) -> str | None:
     per protocol. A chained URL (``simplecache::s3://...``) is checked link by link."""
     if url is None:
         return url
-    from fsspec.core import split_protocol
-
     for link in url.split("::"):
         protocol, _ = split_protocol(link)
         if protocol and (problem := _filesystem_problem(protocol)):
@@ -65,9 +68,6 @@ def require_filesystem(url: str | None) -> str | None:
 @functools.cache
 def _filesystem_problem(protocol: str) -> str | None:
     """Why fsspec cannot open ``protocol://`` URLs here; None if it can."""
-    import fsspec
-    from fsspec.registry import known_implementations
-
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
@@ -142,8 +142,6 @@ def configure_fsspec() -> None:
     """Give fsspec's S3 filesystem the endpoint and region of the environment (s3fs itself does
     not read ``AWS_ENDPOINT_URL``); called before every filesystem is made, so that it follows
     the environment of the moment."""
-    import fsspec.config
-
     options: dict = {}
     if endpoint := _s3_endpoint():
         options["endpoint_url"] = endpoint
@@ -163,8 +161,6 @@ def configure_fsspec() -> None:
 
 def filesystem(path: str):
     """fsspec's filesystem for ``path`` and the path within it."""
-    import fsspec
-
     configure_fsspec()
     if is_local(path):
         return fsspec.filesystem("file"), local_path(path)
@@ -173,8 +169,6 @@ def filesystem(path: str):
 
 def open_file(url: str, mode: str = "rb", **options):
     """``fsspec.open`` with the environment's object-store settings."""
-    import fsspec
-
     configure_fsspec()
     return fsspec.open(url, mode, **options)
 

@@ -45,8 +45,9 @@ from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, field_validator
 
+from levanter_core.checkpoint import read_metadata
 from levanter_core.config.base import ConfigModel
-from levanter_core.errors import ConfigError
+from levanter_core.errors import CheckpointError, ConfigError
 
 M = TypeVar("M")
 
@@ -365,9 +366,6 @@ class AdapterCheckpoints:
         return self._with_base(loaded)
 
     def _check_base(self, path: str) -> None:
-        from levanter_core.checkpoint import read_metadata
-        from levanter_core.errors import CheckpointError
-
         stored = read_metadata(path).get("metadata", {}).get("lora_base")
         if self._base is not None and stored is not None and stored != self._base:
             raise CheckpointError(

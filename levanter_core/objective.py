@@ -27,8 +27,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
+
+from levanter_core.data.token_bytes import token_byte_lengths
+from levanter_core.models import lm
+from levanter_core.models.lm import LmExample, _targets_and_mask, as_example, lm_eval_totals, lm_sampled_loss
+from levanter_core.trainer.evaluators import eval_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +141,6 @@ class Objective(abc.ABC):
     def data_points(self, example: Any) -> jax.Array:
         """How many predictions :meth:`loss` averages over in a batch (float32 scalar): by default
         the batch's rows."""
-        import jax.numpy as jnp
-
         leaves = list(jax.tree.leaves(example, is_leaf=lambda x: isinstance(x, NamedArray)))
         return jnp.asarray(leaves[0].axes[0].size, jnp.float32)
 
@@ -175,8 +179,6 @@ class Objective(abc.ABC):
         that carry it; ``per_set``: also each set's own). By default the loss (and bits per
         byte where the totals have a third entry, bytes) of
         :func:`levanter_core.trainer.evaluators.eval_metrics`."""
-        from levanter_core.trainer.evaluators import eval_metrics
-
         return eval_metrics(totals, tags, per_set=per_set)
 
 
@@ -221,8 +223,6 @@ class LmObjective(Objective):
         loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None,
         eval_loss_fn: Callable[..., jax.Array] | None = None,
     ) -> None:
-        from levanter_core.models import lm
-
         self._loss = loss_fn or (
             lambda model, ex, *, key: lm.lm_loss_and_metrics(model, ex, key=key, z_loss_weight=z_loss_weight)
         )
@@ -241,8 +241,6 @@ class LmObjective(Objective):
         }
 
     def example(self, arrays: Mapping[str, NamedArray | None]) -> Any:
-        from levanter_core.models.lm import LmExample
-
         return LmExample(arrays["tokens"], arrays["loss_mask"], arrays["segment_ids"])
 
     def loss(self, model: Any, example: Any, *, key: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -254,14 +252,10 @@ class LmObjective(Objective):
     def sampled_loss(self, model: Any, example: Any, *, key: jax.Array) -> jax.Array:
         """Next-token cross-entropy against tokens sampled from the model's predictions
         (:func:`~levanter_core.models.lm.lm_sampled_loss`)."""
-        from levanter_core.models.lm import lm_sampled_loss
-
         return lm_sampled_loss(model, example, key=key)
 
     def data_points(self, example: Any) -> jax.Array:
         """The positions whose next token the loss counts."""
-        from levanter_core.models.lm import _targets_and_mask, as_example
-
         example = as_example(example)
         points: jax.Array = _targets_and_mask(example.tokens, example.loss_mask)[1].sum().scalar()
         return points
@@ -269,16 +263,10 @@ class LmObjective(Objective):
     def eval_totals(self, model: Any, example: Any, *constants: Any) -> jax.Array:
         """``[nats, tokens, bytes]`` (:func:`~levanter_core.models.lm.lm_eval_totals`); the
         constant is the bytes of text each token id stands for."""
-        from levanter_core.models.lm import lm_eval_totals
-
         (byte_lengths,) = constants
         return lm_eval_totals(model, example, byte_lengths)
 
     def eval_constants(self, model: Any, tokenizer: Any) -> tuple[Any, ...]:
         """The bytes of text each token id stands for (as long as the model's vocabulary: ids
         past the tokenizer's stand for none), for bits per byte."""
-        import jax.numpy as jnp
-
-        from levanter_core.data.token_bytes import token_byte_lengths
-
         return (jnp.asarray(token_byte_lengths(tokenizer, model.Vocab.size)),)

@@ -21,6 +21,7 @@ from levanter_core.data.tokenizer import (
     find_tokenizer_json,
     load_tokenizer,
 )
+from levanter_core.data.tokenizer import load as tokenizer_load
 from levanter_core.errors import DataError
 
 HUB_NAME = "facebook/wav2vec2-base-960h"
@@ -216,7 +217,7 @@ def test_fetching_from_the_hub_takes_the_tokenizer_files_and_not_the_model(tmp_p
                 shutil.copy(path, snapshot / path.name)
         return str(snapshot)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(tokenizer_load, "snapshot_download", snapshot_download)
     assert load_tokenizer(HUB_NAME).vocab_size == 32
     assert asked == [HUB_NAME]
     assert sorted(p.name for p in (tmp_path / "snapshot").iterdir()) == [

@@ -36,6 +36,9 @@ class GrowingCache:
         self._complete = False
         self._error: Exception | None = None
         self._changed = threading.Condition()
+        self.blocked = threading.Event()
+        """Set when a reader first waits for what the cache does not hold yet: a test grows the
+        cache once this is set, which shows that the reader waited for it."""
 
     def append(self, docs, masks=None) -> None:
         docs = [np.asarray(d, np.int32) for d in docs]
@@ -81,14 +84,17 @@ class GrowingCache:
         return np.array(self._offsets, np.int64)
 
     def wait_for(self, *, tokens: int = 0, documents: int = 0) -> None:
-        with self._changed:
-            self._changed.wait_for(
-                lambda: (
-                    self._error is not None
-                    or self._complete
-                    or (self.num_tokens >= tokens and self.num_documents >= documents)
-                )
+        def ready() -> bool:
+            return (
+                self._error is not None
+                or self._complete
+                or (self.num_tokens >= tokens and self.num_documents >= documents)
             )
+
+        with self._changed:
+            if not ready():
+                self.blocked.set()
+            self._changed.wait_for(ready)
             if self._error is not None:
                 raise self._error
 
@@ -217,16 +223,14 @@ def test_era_shuffle_permutes_within_each_era_and_starts_before_the_cache_is_com
 def test_era_shuffle_waits_for_its_whole_era():
     cache = text_cache(8 * 16, complete=False)
     stream = TrainStream({"main": TextSequences(cache, 8)}, seed=0, shuffle=10)
-    grown = threading.Event()
 
     def grow():
-        time.sleep(0.2)
-        grown.set()
+        cache.blocked.wait(timeout=60)
         cache.append([np.arange(8 * 16, 8 * 20)])
 
     threading.Thread(target=grow).start()
     batch = stream.batch(2, 5)  # positions 10..14 are there, but their era runs to 19
-    assert grown.is_set()
+    assert cache.blocked.is_set()
     assert set(starts(batch, 8)) <= set(range(10, 20)) and starts(batch, 8) != [10, 11, 12, 13, 14]
 
 
@@ -238,40 +242,41 @@ def test_no_shuffle_reads_in_order_and_wraps_into_the_next_epoch():
 def test_batch_waits_for_the_cache_to_grow():
     cache = text_cache(16, complete=False)
     stream = TrainStream({"main": TextSequences(cache, 8)}, seed=0, shuffle=False)
-    grown = threading.Event()
 
     def grow():
-        time.sleep(0.2)
-        grown.set()
+        cache.blocked.wait(timeout=60)
         cache.append([np.arange(16, 40)])
 
     threading.Thread(target=grow).start()
     batch = stream.batch(1, 2)  # sequences 2 and 3 are not in the cache yet
-    assert grown.is_set()
+    assert cache.blocked.is_set()
     assert starts(batch, 8) == [2, 3]
 
 
 def test_full_shuffle_waits_for_the_complete_cache():
     cache = text_cache(8 * 10, complete=False)
     stream = TrainStream({"main": TextSequences(cache, 8)}, seed=0, shuffle=True)
-    finished = threading.Event()
 
     def finish():
-        time.sleep(0.2)
+        cache.blocked.wait(timeout=60)
         cache.append([np.arange(80, 96)])
-        finished.set()
         cache.finish()
 
     threading.Thread(target=finish).start()
     first = [s for step in range(4) for s in starts(stream.batch(step, 3), 8)]
-    assert finished.is_set()
+    assert cache.blocked.is_set()
     assert sorted(first) == list(range(12))
 
 
 def test_batch_raises_the_cache_build_error():
     cache = text_cache(16, complete=False)
     stream = TrainStream({"main": TextSequences(cache, 8)}, seed=0, shuffle=False)
-    threading.Timer(0.1, cache.fail, [DataError("train.jsonl:3: not JSON")]).start()
+
+    def fail():
+        cache.blocked.wait(timeout=60)
+        cache.fail(DataError("train.jsonl:3: not JSON"))
+
+    threading.Thread(target=fail).start()
     with pytest.raises(DataError, match="train.jsonl:3: not JSON"):
         stream.batch(5, 2)
 

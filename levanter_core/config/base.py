@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, core_schema
 
 from levanter_core.config.types import MAX_INT, not_a_bool
+from levanter_core.plugins import KINDS, registry
 
 _SCHEMA_KEYS = (
     *("schema", "items_schema", "keys_schema", "values_schema"),
@@ -173,8 +174,6 @@ def _fail(loc: tuple, kind: str, message: str, value: Any) -> ValidationError:
 
 
 def _validate_one(kind: str, default_type: str | None, value: Any, loc: tuple = ()) -> TypedConfig:
-    from levanter_core.plugins import KINDS, registry
-
     base = KINDS[kind].base_class()
     if isinstance(value, base):
         return cast(TypedConfig, value)

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from levanter_core.errors import ConfigError
+from levanter_core.plugins.configs import resolve_config_path
 
 
 @dataclasses.dataclass
@@ -308,8 +309,6 @@ def _child(node: Any, part: str, path: tuple, dotted: str, create: bool) -> tupl
 def load_config_dict(path: str, override_args: list[str] | None = None) -> tuple[dict, Sources]:
     """The merged config dict (YAML + includes + overrides) and where each key came from.
     ``path`` may also name a config a plugin ships (see :mod:`levanter_core.plugins.configs`)."""
-    from levanter_core.plugins.configs import resolve_config_path
-
     data, sources = load_yaml(resolve_config_path(path))
     if override_args:
         apply_overrides(data, parse_overrides(override_args), sources)

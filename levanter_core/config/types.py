@@ -6,6 +6,7 @@ import datetime
 import re
 from typing import Annotated, Any
 
+import jmp
 from pydantic import AfterValidator, BeforeValidator, PlainSerializer
 from pydantic_core import PydanticCustomError
 
@@ -128,8 +129,6 @@ def parse_size(value: Any) -> int:
 
 def parse_mp_policy(value: Any) -> str:
     """Check a jmp policy string such as ``p=f32,c=bfloat16`` (or just ``f32``)."""
-    import jmp
-
     if not isinstance(value, str):
         raise ValueError(f"expected a precision policy like 'p=f32,c=bfloat16', got {value!r}")
     try:

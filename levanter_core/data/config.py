@@ -42,6 +42,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from levanter_core.config.base import ConfigModel, Typed, _fail, _validate_one, accepted_only_as
 from levanter_core.config.types import LargeCount, parse_size
 from levanter_core.fileio import require_filesystem
+from levanter_core.plugins import registry
 
 SINGLE = "main"
 """The name the only source of a non-mixture ``data:`` section gets."""
@@ -334,8 +335,6 @@ def validate_data_section(value: Any) -> DataConfig:
 def _inferred_type(section: dict) -> str:
     """The source type for a section without ``type``: the registered source whose
     ``inferred_from`` keys appear in it, else ``url``."""
-    from levanter_core.plugins import registry
-
     reg = registry("data_source")
     for name in reg.names():
         cls = reg.get(name).config_cls
@@ -348,8 +347,6 @@ def data_known_fields(loc: tuple, section: Any) -> list[str]:
     """The field names allowed at ``loc`` inside the ``data:`` section ``section`` (raw), for
     did-you-mean hints: the section's own fields plus its inline source's, or a mixture
     source's fields under ``configs.<name>``."""
-    from levanter_core.plugins import registry
-
     section = section if isinstance(section, dict) else {}
     reg = registry("data_source")
 

@@ -29,7 +29,9 @@ import re
 import string
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, NoReturn
 
+import jinja2
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import Field, field_validator
 
 from levanter_core.config.base import Typed, TypedConfig
@@ -278,9 +280,6 @@ BUILTIN_CHAT_TEMPLATE = (
 def _compile(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox, with the settings and the ``raise_exception``
     helper that Hugging Face's templates expect."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_from_template
     try:
@@ -304,8 +303,6 @@ def _render(
     specials: dict[str, str],
     where: str,
 ) -> str:
-    import jinja2
-
     try:
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
     except _TemplateRaised as e:

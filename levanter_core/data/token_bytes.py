@@ -21,6 +21,7 @@ import json
 import re
 
 import numpy as np
+from tokenizers import Tokenizer as RustTokenizer
 
 from levanter_core.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -43,8 +44,6 @@ def _lengths(tokenizer: Tokenizer) -> np.ndarray:
         lengths[tokenizer.eos_id] = 0
         return lengths
     spec = json.loads(tokenizer.to_tokenizer_json())
-    from tokenizers import Tokenizer as RustTokenizer
-
     rust = RustTokenizer.from_str(json.dumps(spec))
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     byte_level = _uses(spec, "ByteLevel")

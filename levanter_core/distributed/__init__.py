@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import logging
 
+import jax
+from jax._src import distributed
+from jax._src.clusters import ClusterEnv  # the detection jax.distributed.initialize() uses
+
 logger = logging.getLogger(__name__)
 
 # How long a process waits for another to publish a value or reach a barrier.
@@ -27,8 +31,6 @@ def detected_cluster() -> str | None:
     """The name of the cluster environment JAX recognises here (``slurm``, ``ompi``,
     ``gce_tpu``, ``gke_tpu``, ``k8s``, ...) when it gives this job more than one process;
     None otherwise (one machine, or a cluster job of a single process)."""
-    from jax._src.clusters import ClusterEnv  # the detection jax.distributed.initialize() uses
-
     for env in ClusterEnv._cluster_types:
         if env.opt_in_only_method:
             continue
@@ -44,8 +46,6 @@ def initialize(config) -> str | None:
     """Start ``jax.distributed`` as ``config`` (a ``DistributedConfig``) says, or as the
     detected cluster says; return how (``"configured"`` or the cluster's name), or None for a
     single-process run. Must run before anything touches a device."""
-    import jax
-
     if not config.initialize_jax_distributed:
         return None
     how = "configured" if config.requested else detected_cluster()
@@ -73,14 +73,10 @@ def initialize(config) -> str | None:
 
 
 def process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 
 def process_count() -> int:
-    import jax
-
     return jax.process_count()
 
 
@@ -91,8 +87,6 @@ def is_leader() -> bool:
 
 def _client():
     # The coordination-service client that JAX's own checkpointing uses; there is no public one.
-    from jax._src import distributed
-
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError("jax.distributed is not initialized")
@@ -146,8 +140,6 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
 def coordinator_host() -> str | None:
     """The host name of process 0 as the processes reach it (from the coordinator address);
     None in a single-process run."""
-    from jax._src import distributed
-
     address = distributed.global_state.coordinator_address
     if process_count() == 1 or not address:
         return None

@@ -17,6 +17,8 @@ import struct
 from collections.abc import Iterable
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from levanter_core.errors import CheckpointError
 from levanter_core.fileio import filesystem, new_file_mode, write_text_atomically
@@ -118,8 +120,6 @@ class HfCheckpoint:
 
     def read(self, name: str) -> np.ndarray:
         """The tensor's values (a NumPy array in its stored dtype)."""
-        from safetensors import safe_open
-
         stored = self.tensors[name]
         with safe_open(os.path.join(self.directory, stored.file), framework="np") as f:
             return f.get_tensor(stored.name)
@@ -167,8 +167,6 @@ def write_hf_checkpoint(directory: str, tensors: dict[str, np.ndarray], *, max_s
     ``max_shard_bytes`` (a tensor larger than that gets a shard of its own) and the index
     ``model.safetensors.index.json``, readable as the umask allows (``0o644`` usually). Returns
     the shard file names."""
-    from safetensors.numpy import save_file
-
     groups: list[list[str]] = [[]]
     group_bytes = 0
     for name, array in tensors.items():

@@ -14,7 +14,27 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, cast
 
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
 import numpy as np
+from haliax import Axis
+
+from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
+from levanter_core.config.base import validate_section
+from levanter_core.hf.bridge import (
+    SPECIAL_TOKENS,
+    config_from_hf,
+    export_hf,
+    import_hf,
+    in_vocabulary,
+    load_hf_model,
+    read_hf_config,
+)
+from levanter_core.inference.engine import Engine
+from levanter_core.inference.sampling import SamplingParams
+from levanter_core.models.source import load_model_source
 
 if TYPE_CHECKING:
     from levanter_core.models.lm import LmConfig
@@ -49,8 +69,6 @@ class ParityReport:
         assert self.import_max_abs_diff <= tolerance, f"import: max abs diff {self.import_max_abs_diff}"
         assert self.export_max_abs_diff <= tolerance, f"export: max abs diff {self.export_max_abs_diff}"
         if configs:
-            from levanter_core.hf.bridge import SPECIAL_TOKENS
-
             translated = {k: v for k, v in self.config_differences.items() if special_tokens or k not in SPECIAL_TOKENS}
             assert translated == {}, f"the config's round trip changes {translated}"
             assert self.export_config_differences == {}, f"the export changes {self.export_config_differences}"
@@ -81,10 +99,6 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def our_logits(model, tokens: np.ndarray) -> np.ndarray:
-    import equinox as eqx
-    import haliax as hax
-    import jax.numpy as jnp
-
     ids = hax.named(jnp.asarray(tokens, dtype=jnp.int32), ("batch", "position"))
     logits = eqx.filter_jit(lambda m, x: m(x))(model, ids)
     return np.asarray(logits.rearrange(("batch", "position", "vocab")).array)
@@ -107,8 +121,6 @@ def check_hf_parity(
     the weights are loaded as a run with ``initialize_from_hf`` and ``model.scan_layers:
     false`` loads them, saved as that run would save its checkpoint, and exported from it."""
     import transformers
-
-    from levanter_core.hf.bridge import SPECIAL_TOKENS, export_hf, in_vocabulary
 
     source, imported, exported = (os.path.join(workdir, d) for d in ("hf", "imported", "exported"))
     theirs = random_hf_model(hf_config, seed=seed)
@@ -141,13 +153,6 @@ def import_as_checkpoint(source: str, imported: str, *, scan_layers: bool = True
     ``(config, Vocab, model)``: as ``levanter import-hf`` writes it, or with ``scan_layers``
     False, as a run with ``initialize_from_hf`` and ``model.scan_layers: false`` loads the
     weights (unrolled layers) and saves its checkpoint. A parity test exports from it."""
-    import jax
-    from haliax import Axis
-
-    from levanter_core.checkpoint import load_checkpoint, read_metadata, write_checkpoint
-    from levanter_core.config.base import validate_section
-    from levanter_core.hf.bridge import config_from_hf, import_hf, load_hf_model, read_hf_config
-
     if scan_layers:
         import_hf(source, imported)
         stored = read_metadata(imported)["metadata"]
@@ -199,11 +204,6 @@ def check_generation_parity(
     cache), ``new_tokens`` each."""
     import torch
 
-    from levanter_core.hf.bridge import import_hf
-    from levanter_core.inference.engine import Engine
-    from levanter_core.inference.sampling import SamplingParams
-    from levanter_core.models.source import load_model_source
-
     source, imported = os.path.join(workdir, "hf"), os.path.join(workdir, "imported")
     theirs_model = random_hf_model(hf_config, seed=seed)
     theirs_model.save_pretrained(source)
@@ -242,12 +242,7 @@ def load_balancing_losses(hf_config, workdir: str, *, seed: int = 0, seq_len: in
     ``moe/load_balancing_loss`` on a random ``transformers`` model of ``hf_config`` (imported from
     its checkpoint in ``workdir``), the ``aux_loss`` ``transformers`` computes on the same tokens,
     and our weighted auxiliary term (what training adds to the loss)."""
-    import equinox as eqx
-    import haliax as hax
-    import jax.numpy as jnp
     import torch
-
-    from levanter_core.hf.bridge import load_hf_model
 
     theirs = random_hf_model(hf_config, seed=seed)
     theirs.save_pretrained(workdir)

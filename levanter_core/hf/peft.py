@@ -28,6 +28,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import save_file
 
 from levanter_core import lora
 from levanter_core.errors import CheckpointError
@@ -193,8 +194,6 @@ def write_peft_adapter(
     """Write ``model``'s adapters (trained with ``config``) as a PEFT adapter directory
     ``output`` (local); returns the adapted modules' names. ``task_type``: PEFT's, see
     :func:`task_type_of`."""
-    from safetensors.numpy import save_file
-
     tensors, modules, transposed = peft_tensors(model)
     os.makedirs(output, exist_ok=True)
     save_file(tensors, os.path.join(output, ADAPTER_WEIGHTS), metadata={"format": "pt"})

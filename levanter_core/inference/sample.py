@@ -9,10 +9,15 @@ import re
 import time
 from typing import Any
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, ValidationError, model_validator
 
 from levanter_core.config.base import ConfigModel
+from levanter_core.config.loader import load_config_dict
+from levanter_core.config.train import format_validation_error
+from levanter_core.data.formats import render_chat_prompt
 from levanter_core.errors import ConfigError, DataError, UserError
+from levanter_core.inference.engine import Engine, RequestError
+from levanter_core.models.source import load_model_source
 from levanter_core.trainer.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -122,11 +127,6 @@ class SampleConfig(ConfigModel):
 
 def load_sample_config(path: str, overrides: list[str] | None = None) -> SampleConfig:
     """Load, include, override and validate a sampler config (errors name file, line and field)."""
-    from pydantic import ValidationError
-
-    from levanter_core.config.loader import load_config_dict
-    from levanter_core.config.train import format_validation_error
-
     raw, sources = load_config_dict(path, overrides)
     try:
         return SampleConfig.model_validate(raw)
@@ -200,8 +200,6 @@ def encode_prompts(prompts: list[dict], tokenizer, *, chat: bool) -> list[list[i
     """Token ids of each prompt: a ``messages`` prompt (or any prompt, with ``chat``) through the
     chat template, the rest as text with the tokenizer's own special tokens. Raises
     :class:`DataError` for text that is not Unicode (a lone surrogate), naming the prompt."""
-    from levanter_core.data.formats import render_chat_prompt
-
     encoded = []
     for p in prompts:
         where = p.get("where", "the prompt")
@@ -231,9 +229,6 @@ def run_sample(
 ) -> list[list[Any]]:
     """Generate ``n`` samples of each prompt from the model of ``source`` and print them (as JSON
     lines with ``as_json``). Returns the completions of the last round."""
-    from levanter_core.inference.engine import Engine, RequestError
-    from levanter_core.models.source import load_model_source
-
     loaded = load_model_source(source, tokenizer=tokenizer)
     if loaded.tokenizer is None:
         raise UserError(f"{source} has no tokenizer (no tokenizer.json); name one with --tokenizer")

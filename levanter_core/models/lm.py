@@ -29,8 +29,9 @@ from haliax import Axis, NamedArray
 from pydantic import PositiveInt
 
 from levanter_core.config.base import TypedConfig
+from levanter_core.layers.attention import AttentionMask
 from levanter_core.layers.auxiliary import AuxiliaryLoss as AuxiliaryLoss  # re-exported: the model interface returns it
-from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, token_losses
+from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, sample_tokens, token_losses
 
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
 from levanter_core.models.cross_entropy import soft_cap as soft_cap
@@ -178,8 +179,6 @@ class LmExample(eqx.Module):
         """The attention mask these examples need; None for plain causal attention."""
         if self.segment_ids is None:
             return None
-        from levanter_core.layers.attention import AttentionMask
-
         return AttentionMask.causal_mask().with_segments(self.segment_ids)
 
 
@@ -225,8 +224,6 @@ def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key: j
     from the model's own predictions (``key`` draws them) rather than the batch's: the loss
     whose gradient Sophia-G squares for its Gauss-Newton estimate of the Hessian's diagonal.
     Auxiliary losses are left out; the draw carries no gradient."""
-    from levanter_core.models.cross_entropy import cross_entropy_sum, sample_tokens
-
     example = as_example(batch)
     hidden = model.activations(example.tokens, key=None, **_attn_kwargs(example))
     _, mask = _targets_and_mask(example.tokens, example.loss_mask)

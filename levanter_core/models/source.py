@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 from haliax import Axis
 
 from levanter_core import lora
+from levanter_core.checkpoint import discover_latest
+from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import CheckpointError
+from levanter_core.hf.bridge import HF_TOKENIZER_DIR, load_checkpoint_model, load_hf_model, resolve_source
 
 if TYPE_CHECKING:
     from levanter_core.data.tokenizer import Tokenizer
@@ -48,9 +51,6 @@ class LoadedModel:
 def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedModel:
     """The model of ``source`` (see the module docstring). ``tokenizer`` (a tokenizer spec, as
     ``data.tokenizer``) replaces the source's own."""
-    from levanter_core.checkpoint import discover_latest
-    from levanter_core.hf.bridge import HF_TOKENIZER_DIR, load_checkpoint_model, load_hf_model, resolve_source
-
     name = os.path.basename(os.path.normpath(source)) or source
     hf_config: dict[str, Any] = {}
     generation_config: dict[str, Any] = {}
@@ -107,8 +107,6 @@ def load_model_source(source: str, *, tokenizer: str | None = None) -> LoadedMod
 
 
 def _tokenizer(spec: str | None, directory: str) -> Tokenizer | None:
-    from levanter_core.data.tokenizer import load_tokenizer
-
     if spec is not None:
         return load_tokenizer(spec)
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):

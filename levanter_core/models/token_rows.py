@@ -6,6 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
 
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
 from levanter_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,10 +46,6 @@ def reinitialize_rows(
     3 standard deviations, with the per-feature mean and standard deviation of the whole matrix, as
     Levanter's ``reinit_tokens`` does (a token unseen in pretraining has a far smaller norm than
     the rest; https://github.com/marin-community/marin/issues/954)."""
-    import jax
-    import jax.numpy as jnp
-    from haliax import NamedArray
-
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, NamedArray))
     index = jnp.asarray(ids, dtype=jnp.int32)
     out = []
@@ -60,9 +60,6 @@ def reinitialize_rows(
 
 
 def _redraw(array: NamedArray, index: jax.Array, key: jax.Array) -> NamedArray:
-    import jax
-    from haliax import NamedArray
-
     order = ("vocab", *(a.name for a in array.axes if a.name != "vocab"))
     moved = array.rearrange(order)
     values = moved.array

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from levanter_core.config.train import load_train_config
+from levanter_core.hf.parity import random_hf_model
+from levanter_core.run import run_training
 from levanter_core.testing.metrics import logged, read_metrics
 from levanter_core.testing.tiny import TINY_HF, tiny_hf_config, tiny_model
 
@@ -44,8 +55,6 @@ def run_config(
     """A tiny GPT-2 run on ``data`` (a ``data:`` section) as a YAML file in ``tmp_path``, with
     logs and checkpoints under ``tmp_path``; ``trainer`` fields are added or overridden. Returns
     the file's path."""
-    import yaml
-
     config = {
         "data": {"tokenizer": "byte", **data},
         "model": model,
@@ -71,9 +80,6 @@ def train_briefly(config_path: str, workdir: str, *, steps: int = 4, overrides: 
     logs, checkpoints and cache under ``workdir`` and a small slice of the Python
     standard library as the corpus (so it runs offline in seconds). Returns the
     :class:`~levanter_core.run.result.RunResult`."""
-    from levanter_core.config.train import load_train_config
-    from levanter_core.run import run_training
-
     args = [
         "--trainer.num_train_steps", str(steps),
         "--trainer.steps_per_eval", str(steps),
@@ -94,8 +100,6 @@ def train_bpe_tokenizer(
     """Train a byte-level BPE tokenizer on ``texts`` with the ``tokenizers`` library (offline,
     in seconds for small corpora) and save it as the ``tokenizer.json`` at ``path``. Returns
     ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -125,9 +129,6 @@ def tiny_hf_llama(
     ``max_position_embeddings``; ``tokenizer_config`` (``tokenizer_config.json``) is written
     when given. Returns ``directory``."""
     import transformers
-    from tokenizers import Tokenizer
-
-    from levanter_core.hf.parity import random_hf_model
 
     os.makedirs(directory, exist_ok=True)
     path = train_bpe_tokenizer(texts, os.path.join(directory, "tokenizer.json"), vocab_size=vocab_size)
@@ -154,9 +155,6 @@ def tiny_hf_llama(
 def listed_plugin(distribution: str) -> dict:
     """What ``levanter plugins --json`` says about ``distribution`` (its hooks, types and error),
     run in a subprocess as a user would, with this interpreter: a plugin's discovery test."""
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", "from levanter_core.cli import main; main()", "plugins", "--json"],
         capture_output=True,
@@ -187,12 +185,6 @@ class LocalS3Server:
         self.stop()
 
     def start(self, timeout: float = 60.0) -> None:
-        import socket
-        import subprocess
-        import sys
-        import time
-        import urllib.request
-
         with socket.socket() as s:  # a port free now; moto binds it a moment later
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

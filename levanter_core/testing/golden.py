@@ -52,6 +52,12 @@ import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import jax
+import jaxlib
+import pytest
+
+from levanter_core.config.train import load_train_config
+from levanter_core.run import run_training
 from levanter_core.testing import code_docs, write_jsonl
 
 GOLDEN_STEPS = 20
@@ -98,9 +104,6 @@ def train_golden(config_path: str, workdir: str, *, data: Sequence[str] | None =
     :func:`golden_arguments` with the data of ``data`` (overrides; default: :func:`golden_corpus`
     written under ``workdir``), then ``overrides``. Returns the
     run's ``RunResult``."""
-    from levanter_core.config.train import load_train_config
-    from levanter_core.run import run_training
-
     if data is None:
         data = golden_corpus(os.path.join(workdir, "corpus"))
     config, _ = load_train_config(config_path, [*golden_arguments(workdir, data), *overrides])
@@ -117,9 +120,6 @@ def recorded_overrides(workdir: str, data: Sequence[str], overrides: Sequence[st
 def golden_record(config: str, losses: Mapping[int, float], overrides: Sequence[str]) -> dict:
     """What a curve's file holds: the config's file name, the steps, the run's overrides, the
     versions that produced it, the date, and the training loss of each step, in order."""
-    import jax
-    import jaxlib
-
     return {
         "config": config,
         "steps": len(losses),
@@ -166,9 +166,6 @@ def check_golden_losses(path: str, config: str, losses: Mapping[int, float], ove
     the curve instead. Writing, finding no curve, or running on another backend than the
     curve's (a GPU's sums are not the CPU's) skips the test with a message saying so (needs
     pytest)."""
-    import jax
-    import pytest
-
     how = (
         f"(re)write it: {UPDATE_VARIABLE}=1 python -m pytest -n 0 -k nano_config_trains <the family's tests>, "
         "then review the curve's diff (levanter_core/testing/golden.py)"

@@ -7,15 +7,16 @@ with the dotted config field to change."""
 
 from __future__ import annotations
 
+from levanter_core.data.pipeline import needed_caches
+from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import ConfigError, DataError
 from levanter_core.trainer.config import TrainerConfig
+from levanter_core.trainer.trainer import BatchPlan
 
 
 def check_tokenizer(spec: str) -> None:
     """Load the tokenizer ``data.tokenizer`` names, so that a file or directory that is not a
     tokenizer stops the run here rather than after its run directory is made."""
-    from levanter_core.data.tokenizer import load_tokenizer
-
     try:
         load_tokenizer(spec)
     except DataError as e:
@@ -26,8 +27,6 @@ def check_tokenizer(spec: str) -> None:
 def check_data_inputs(data) -> None:
     """Every source and split the run reads (a ``data:`` section) must find its inputs
     (:meth:`~levanter_core.data.source.DataSourceConfig.check_inputs`)."""
-    from levanter_core.data.pipeline import needed_caches
-
     for name, split in needed_caches(data):
         try:
             data.configs[name].check_inputs(split)
@@ -46,8 +45,6 @@ def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) 
     if trainer.train_batch_size == -1:
         return  # per_device_parallelism x the devices: divides by construction
     if data_parallel is not None:
-        from levanter_core.trainer.trainer import BatchPlan
-
         for size in trainer.batch_schedule.sizes:
             BatchPlan.from_config(trainer, data_parallel, size)
         return

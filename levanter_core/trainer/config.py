@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+from haliax.quantization import QuantizationConfig as HaliaxQuantization
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_only_as
@@ -108,8 +109,6 @@ class QuantizationConfig(ConfigModel):
         return self.fp8 or self.int8
 
     def to_haliax(self):
-        from haliax.quantization import QuantizationConfig as HaliaxQuantization
-
         return HaliaxQuantization(
             targets=self.targets, amax_history_length=self.amax_history_length, fp8=self.fp8, int8=self.int8
         )

@@ -16,6 +16,9 @@ import re
 
 import yaml
 
+from levanter_core.checkpoint import discover_latest, read_metadata
+from levanter_core.fileio import exists, join, list_names, read_bytes
+
 logger = logging.getLogger(__name__)
 
 _IGNORED = (("trainer", "num_train_steps"), ("trainer", "id"), ("trainer", "distributed"))
@@ -45,9 +48,6 @@ def earlier_runs_made_longer(config, resolved: dict, run_id: str) -> list[Earlie
     and that have a checkpoint, when the run ``run_id`` is about to start afresh: its id derived
     (no ``trainer.id``), no checkpoint of its own yet, and no explicit checkpoint to start from.
     Empty otherwise."""
-    from levanter_core.checkpoint import discover_latest, read_metadata
-    from levanter_core.fileio import exists, join, list_names, read_bytes
-
     trainer = config.trainer
     base_path = getattr(trainer.checkpointer, "base_path", None)
     if trainer.id or trainer.load_checkpoint is False or trainer.load_checkpoint_path or not base_path:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
 
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import DATA_PARALLEL_AXES, MESH_AXES
@@ -31,9 +34,6 @@ if TYPE_CHECKING:
 def make_mesh(config: TrainerConfig, devices: list | None = None) -> Mesh:
     """The mesh of ``devices`` (default: all of the run's devices) with the axis sizes
     ``config`` asks for; a :class:`ConfigError` naming the field when they do not fit."""
-    import jax
-    from jax.sharding import Mesh
-
     devices = list(jax.devices() if devices is None else devices)
     dcn, replica, model = config.replica_dcn_axis_size, config.replica_ici_axis_size, config.model_axis_size
     n = len(devices)
@@ -86,8 +86,6 @@ def _process_index(device) -> int:
 def _ici_mesh(shape: tuple[int, ...], devices: list) -> np.ndarray:
     """``devices`` (one DCN group) as an array of ``shape``: laid out by JAX for the hardware's
     topology where it knows it (TPU), else in the given order."""
-    from jax.experimental import mesh_utils
-
     try:
         return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError):  # a topology JAX cannot tile this shape on

@@ -9,6 +9,8 @@ from pydantic import Field, PositiveInt
 
 from levanter_core.config.base import ConfigModel
 from levanter_core.config.types import Seed
+from levanter_core.inference.engine import Engine
+from levanter_core.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +32,6 @@ class TrainingSamplesConfig(ConfigModel):
 
 def sample_texts(model, tokenizer, config: TrainingSamplesConfig, *, seq_len: int) -> dict[str, str]:
     """``{"samples/N": prompt + continuation}`` for each prompt (N from 0)."""
-    from levanter_core.inference.engine import Engine
-    from levanter_core.inference.sampling import SamplingParams
-
     eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
     ids = [tokenizer.encode_batch([p])[0].tolist()[: seq_len - 1] for p in config.prompts]
     budget = max(1, min(config.max_new_tokens, seq_len - max(len(i) for i in ids)))

@@ -25,6 +25,7 @@ from haliax import NamedArray
 from pydantic import Field, PositiveInt
 
 from levanter_core.config.base import ConfigModel
+from levanter_core.tracker import Histogram
 
 WatchTarget = Literal["params", "grads", "updates"]
 HISTOGRAM_BINS = 64
@@ -120,8 +121,6 @@ def is_watch_metric(name: str) -> bool:
 
 def host_value(value):
     """A fetched watch value as a tracker receives it: a number, or a Histogram."""
-    from levanter_core.tracker import Histogram
-
     if isinstance(value, dict):
         return Histogram(
             np.asarray(value["counts"]),

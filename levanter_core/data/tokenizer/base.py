@@ -10,6 +10,8 @@ import hashlib
 import json
 
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
 
 from levanter_core.data.tokenizer.files import _token_text
 from levanter_core.errors import DataError
@@ -131,9 +133,6 @@ class ByteTokenizer(Tokenizer):
     def to_tokenizer_json(self) -> str:
         """A byte-level BPE with no merges: each byte is one token whose id is its value.
         (GPT-2's byte-to-character table turns the bytes into the characters it works on.)"""
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as RustTokenizer
-
         printable = [
             *range(ord("!"), ord("~") + 1),
             *range(ord("\u00a1"), ord("\u00ac") + 1),
@@ -164,8 +163,6 @@ class HfTokenizer(Tokenizer):
         config: dict | None = None,
         added_tokens: tuple[str, ...] = (),
     ):
-        from tokenizers import Tokenizer as RustTokenizer
-
         self.name = name
         self._json_digest = hashlib.sha256(tokenizer_json.encode()).hexdigest()
         try:

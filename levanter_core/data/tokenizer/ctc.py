@@ -8,6 +8,9 @@ import functools
 import posixpath
 import sys
 
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
+
 from levanter_core.data.tokenizer.base import HfTokenizer
 from levanter_core.data.tokenizer.files import _chat_template, _read_json_object, _token_text, _tokenizer_config
 from levanter_core.errors import DataError
@@ -86,9 +89,6 @@ def _ctc_tokenizer_json(
     this vocabulary and these settings (``do_lower_case`` upper-cases the text first). It
     decodes ids as text, the word delimiter written as ``replace_word_delimiter_char`` and
     repeated tokens kept (collapsing the repeats of a CTC output is the model's business)."""
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-
     tok = RustTokenizer(models.WordLevel(vocab, unk_token=unk_token))
     replacements = []
     if do_lower_case:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import posixpath
 
 import fsspec
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 
 from levanter_core.data.tokenizer.base import SPECIAL_TOKEN_ROLES, ByteTokenizer, HfTokenizer, Tokenizer
 from levanter_core.data.tokenizer.ctc import CTC_TOKENIZER_CLASS, _is_ctc_tokenizer, _load_ctc_tokenizer
@@ -132,9 +135,6 @@ def _is_hub_name(spec: str) -> bool:
     ending in ``.json`` (a tokenizer file that is not there), is not one."""
     if "://" in spec or spec.endswith(".json"):
         return False
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
     try:
         validate_repo_id(spec)
     except HFValidationError:
@@ -146,9 +146,6 @@ def _hub_snapshot(name: str) -> str:
     """The directory of the Hugging Face cache holding the tokenizer files of hub model
     ``name`` at its main revision: downloaded when the hub is reachable (and
     ``HF_HUB_OFFLINE`` is not set), else the copy already in the cache."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
-
     try:
         return snapshot_download(name, allow_patterns=list(HUB_TOKENIZER_FILES))
     except LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and nothing cached

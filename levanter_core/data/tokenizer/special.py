@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as RustTokenizer
+
 from levanter_core.data.tokenizer.base import EOS_TEXT, SPECIAL_TOKEN_ROLES, ByteTokenizer, HfTokenizer, Tokenizer
 from levanter_core.data.tokenizer.files import _token_text
 from levanter_core.errors import DataError
@@ -83,9 +86,6 @@ def add_special_tokens(base: Tokenizer, recipe: dict, name: str) -> HfTokenizer:
     the next id (roles in the order of :data:`SPECIAL_TOKEN_ROLES`, then the additional tokens),
     matched whole in text and never split; one already there is only marked special. A role given
     a token becomes that token (``eos_token`` is then the end of text)."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as RustTokenizer
-
     if isinstance(base, ByteTokenizer):
         base = HfTokenizer(base.name, base.to_tokenizer_json(), EOS_TEXT)
     assert isinstance(base, HfTokenizer)

@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any, cast
 
+from huggingface_hub import hf_hub_download, snapshot_download
+
 from levanter_core.errors import CheckpointError
 from levanter_core.hf.convert import HfConvertible
 from levanter_core.hf.io.tokenizer_files import TOKENIZER_FILES
@@ -22,17 +24,11 @@ from levanter_core.plugins import get_manager, registry
 
 def resolve_source(source: str) -> str:
     """A local directory holding ``source``: ``source`` itself, or a download of the hub
-    repository of that name (needs ``huggingface_hub`` and network access)."""
+    repository of that name (through the Hugging Face cache; a download needs network access)."""
     if os.path.isdir(source):
         return source
     if os.path.exists(source):
         raise CheckpointError(f"{source} is a file; expected a Hugging Face model directory (with config.json)")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise CheckpointError(
-            f"{source!r} is not a local directory, and huggingface_hub is not installed to fetch it from the hub"
-        ) from None
     try:
         return snapshot_download(source, allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES])
     except Exception as e:  # offline, unknown repository, gated model...
@@ -50,8 +46,6 @@ def read_source_hf_config(source: str) -> dict:
     if os.path.exists(source):
         raise CheckpointError(f"{source} is a file; expected a Hugging Face model directory (with config.json)")
     try:
-        from huggingface_hub import hf_hub_download
-
         path = hf_hub_download(source, "config.json")
     except Exception as e:  # offline and not cached, unknown repository, gated model...
         raise CheckpointError(

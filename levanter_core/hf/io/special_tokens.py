@@ -8,6 +8,8 @@ import json
 import logging
 import os
 
+from tokenizers import Tokenizer as RustTokenizer
+
 from levanter_core.data.tokenizer import load_tokenizer
 
 # the name its log lines had before the split from levanter_core.hf.bridge (the CLI prints it)
@@ -49,8 +51,6 @@ def _tokenizer_special_ids(directory: str) -> dict[str, int]:
     is found as training found it, see :func:`levanter_core.data.tokenizer.load_tokenizer`)."""
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return {}
-    from tokenizers import Tokenizer as RustTokenizer
-
     vocabulary = RustTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
     named = {}
     for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins

@@ -11,6 +11,7 @@ import equinox as eqx
 import haliax as hax
 import jax
 from haliax import Axis
+from tokenizers import Tokenizer as RustTokenizer
 
 from levanter_core.errors import ConfigError
 
@@ -35,8 +36,6 @@ def check_tokenizer_fits(directory: str, vocab_size: int, tokenizer, *, source: 
     shipped = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(shipped):
         return
-    from tokenizers import Tokenizer as RustTokenizer
-
     theirs = _tokens_by_id(RustTokenizer.from_file(shipped))
     ours = _tokens_by_id(RustTokenizer.from_str(tokenizer.to_tokenizer_json()))
     differing = [i for i in sorted(theirs.keys() & ours.keys()) if theirs[i] != ours[i]]

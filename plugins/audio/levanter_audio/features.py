@@ -25,6 +25,8 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 SAMPLE_RATE = 16_000
@@ -149,9 +151,6 @@ def log_mel_spectrogram_jax(audio, *, n_mels: int = 80):
     ``2 * max_source_positions`` frames) gives that many frames, equal to the first frames of the
     30-second features of the same clip when the clip fits in the window. Traceable
     (``jax.jit``); computed in float32, it agrees with the numpy version to about 1e-5."""
-    import jax
-    import jax.numpy as jnp
-
     audio = jnp.asarray(audio, dtype=jnp.float32)
     if audio.shape[-1] % HOP_LENGTH or audio.shape[-1] <= N_FFT // 2:
         raise ValueError(

@@ -29,6 +29,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from levanter_audio.manifest import parse_record
 from levanter_core.data.formats import Encoded, FormatConfig, append_eos
 from levanter_core.data.tokenizer import Tokenizer
 from levanter_core.errors import DataError
@@ -65,8 +66,6 @@ class AudioFormat(FormatConfig):
         return {AUDIO_FIELD: "float32"}
 
     def encode_batch(self, values, wheres, tokenizer: Tokenizer, eos_id: int | None):
-        from levanter_audio.manifest import parse_record
-
         utterances: list = []
         for value, where in zip(values, wheres):
             try:

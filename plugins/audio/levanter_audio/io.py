@@ -16,6 +16,7 @@ import os
 import re
 from typing import BinaryIO
 
+import fsspec
 import numpy as np
 import soundfile
 import soxr
@@ -114,8 +115,6 @@ class _open:
 
     def _open_path(self, path: str) -> BinaryIO:
         if "://" in path:
-            import fsspec
-
             opener = fsspec.open(path, "rb")
             try:
                 return opener.open()

@@ -16,16 +16,21 @@ lists the English ones); any other voice is refused."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import espeakng_loader
 import numpy as np
+import soundfile
 
 from levanter_audio.io import SAMPLE_RATE, resample
+from levanter_audio.sentences import random_sentences
 from levanter_core.errors import UserError
 
 DEFAULT_VOICE = "en-us+Storm"
@@ -63,12 +68,6 @@ class _Espeak:
     synthesizer: calls are serialised by a lock."""
 
     def __init__(self):
-        try:
-            import espeakng_loader
-        except ImportError:
-            raise UserError(
-                "speech synthesis needs eSpeak NG: pip install espeakng-loader (it ships the library and its data)"
-            ) from None
         self.data_dir = Path(espeakng_loader.get_data_path())
         try:
             lib = ctypes.CDLL(espeakng_loader.get_library_path())
@@ -189,8 +188,6 @@ def make_speech_corpus(
     blank = [index for index, sentence in enumerate(sentences) if not sentence or not sentence.strip()]
     if blank:
         raise UserError(f"sentences {', '.join(map(str, blank))} (counting from 0) are empty")
-    import soundfile
-
     voices = [voice] if isinstance(voice, str) else list(voice)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -210,9 +207,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m levanter_audio.synth DIRECTORY (--sentences FILE | --random N [--seed S])
     [--fmt flac] [--voice V ...]``: write a corpus and print its manifest's path (for set-up
     scripts). ``--random``: ``N`` sentences of :func:`levanter_audio.sentences.random_sentences`."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(
         prog="python -m levanter_audio.synth",
         description="Speak sentences with eSpeak NG into 16 kHz audio files and a JSON-lines manifest.",
@@ -229,8 +223,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.random is not None:
-            from levanter_audio.sentences import random_sentences
-
             if args.random < 1:
                 raise UserError(f"--random must be at least 1, got {args.random}")
             sentences = random_sentences(args.random, args.seed)

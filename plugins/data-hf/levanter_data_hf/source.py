@@ -30,6 +30,11 @@ import re
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import datasets
+from datasets import Audio, LargeList, List
+from datasets.data_files import EmptyDatasetError
+from datasets.exceptions import DatasetBuildError, DatasetsError
+from pyarrow import ArrowException
 from pydantic import Field, PositiveInt
 
 from levanter_core.data.source import SPLITS, DataSourceConfig, Record
@@ -153,8 +158,6 @@ class HfSourceConfig(DataSourceConfig):
     def _stream(self, split: str):
         """``split`` as an ``IterableDataset``. A saved dataset streams one shard per Arrow
         file, so its shards match the files its fingerprint lists."""
-        import datasets
-
         ds = self._dataset(split)
         if isinstance(ds, datasets.Dataset):
             return ds.to_iterable_dataset(num_shards=max(1, min(len(_arrow_files(ds)), len(ds))))
@@ -173,9 +176,6 @@ class HfSourceConfig(DataSourceConfig):
                 yield Record(row, f"{self.id}:{name}:row {begin + offset}")
 
     def _stream_records(self, split: str, shard: str, start: int) -> Iterator[Record]:
-        from datasets.exceptions import DatasetsError
-        from pyarrow import ArrowException
-
         stream = self._stream(split)
         index, count = self._stream_shard_index(split, shard, stream.num_shards)
         name = self._split_name(split)
@@ -203,8 +203,6 @@ class HfSourceConfig(DataSourceConfig):
         """Each streamed shard's data files with their sizes and modification times (hub
         files: their repository revision). File-based datasets stream one shard per data
         file; when the counts differ, every shard depends on every file."""
-        import datasets
-
         names = self.shards(split)
         ds = self._dataset(split)
         if isinstance(ds, datasets.Dataset):
@@ -217,8 +215,6 @@ class HfSourceConfig(DataSourceConfig):
         return {key: {"all_files_sha256": digest} for key in names}
 
     def _data_files(self, split: str) -> list[list]:
-        import datasets
-
         builder = datasets.load_dataset_builder(self.id, self.name, revision=self.revision, data_files=self.data_files)
         split_files = (builder.config.data_files or {}).get(self._split_name(split), [])
         metadata = getattr(split_files, "origin_metadata", None) or [()] * len(split_files)
@@ -260,8 +256,6 @@ def _load(id: str, name: str | None, revision: str | None, data_files_json: str,
 def _audio_undecoded(ds):
     """``ds`` reading every ``Audio`` feature as ``{"bytes": ..., "path": ...}`` instead of
     decoding it; ``ds`` itself when it has none (or its features are unknown)."""
-    import datasets
-
     features = ds.features
     undecoded = _without_audio_decoding(features) if features else features
     if undecoded == features:
@@ -282,8 +276,6 @@ def _audio_undecoded(ds):
 
 def _without_audio_decoding(feature):
     """``feature`` with every ``Audio`` in it, at any depth, set to ``decode=False``."""
-    from datasets import Audio, LargeList, List
-
     if isinstance(feature, Audio):
         return dataclasses.replace(feature, decode=False)
     if isinstance(feature, dict):  # Features, or a struct
@@ -299,8 +291,6 @@ def _is_saved(id: str) -> bool:
 
 
 def _load_saved(id: str, name: str | None, revision: str | None, data_files_json: str) -> dict[str, Any]:
-    import datasets
-
     for field, value in (("name", name), ("revision", revision), ("data_files", json.loads(data_files_json))):
         if value is not None:
             raise DataError(
@@ -313,10 +303,6 @@ def _load_saved(id: str, name: str | None, revision: str | None, data_files_json
 
 
 def _load_with_datasets(id: str, name: str | None, revision: str | None, data_files, stream: bool) -> dict[str, Any]:
-    import datasets
-    from datasets.data_files import EmptyDatasetError
-    from datasets.exceptions import DatasetBuildError
-
     local = _looks_local(id)
     if local and not os.path.isdir(id):
         raise DataError(f"no dataset {id!r}: no such directory")
@@ -349,8 +335,6 @@ def _looks_local(id: str) -> bool:
 
 
 def _config_names(id: str, revision: str | None, error: ValueError) -> str:
-    import datasets
-
     try:
         names = datasets.get_dataset_config_names(id, revision=revision)
     except Exception:  # listing needs what loading needed; fall back to datasets' own message

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import logging
 
+import equinox as eqx
+import haliax as hax
+import jax
 import numpy as np
+from haliax import Axis
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter_core.inference import decoding
 from levanter_core.models.lm import DEFAULT_BLOCK_LOGITS
@@ -35,9 +41,6 @@ class Scorer:
     to the model inside the compiled function."""
 
     def __init__(self, model, *, mesh=None, compute_mapping=None, cast=None):
-        import haliax as hax
-        import jax
-
         self.model = model
         self.mesh = mesh
         self.compute_mapping = dict(compute_mapping or {})
@@ -77,10 +80,6 @@ class Scorer:
         """The summed log-probability and the greedy flag of each of the batch's queries (in
         :attr:`Batch.indices` order). With several processes, every process calls this with the
         same batch."""
-        import haliax as hax
-        import jax
-        from haliax import Axis
-
         tokens, *rest = batch.arrays()
         self.shapes.add((batch.suffix is not None, *tokens.shape, *batch.targets.shape))
         axes = (Axis("batch", tokens.shape[0]), Axis("position", tokens.shape[1]))
@@ -97,9 +96,6 @@ class Scorer:
     def _put(self, array: np.ndarray, *, sharded: bool):
         """``array`` (the same in every process) as a global array on the mesh: rows split over
         the batch's axes, or whole on every device."""
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
-
         spec = PartitionSpec(self.compute_mapping.get("batch")) if sharded else PartitionSpec()
         sharding = NamedSharding(self.mesh, spec)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
@@ -109,14 +105,10 @@ def _host(x) -> np.ndarray:
     """A result as a numpy array in every process (every process must call this)."""
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def multi_process() -> bool:
-    import jax
-
     return jax.process_count() > 1
 
 
@@ -151,8 +143,6 @@ class Leader:
 def follow(scorer: Scorer) -> int:
     """A follower's loop: compute what process 0 asks for until it says stop. Returns how many
     batches were scored."""
-    from jax.experimental import multihost_utils
-
     done = 0
     while True:
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32)))
@@ -178,8 +168,6 @@ def follow(scorer: Scorer) -> int:
 
 
 def _send(op: int, batch: Batch | None) -> None:
-    from jax.experimental import multihost_utils
-
     header = np.zeros(_HEADER, np.int32)
     header[0] = op
     if batch is not None:
@@ -191,10 +179,6 @@ def _send(op: int, batch: Batch | None) -> None:
 
 def _gathered(model):
     """``model`` with every array whole on this process's first device (every process calls it)."""
-    import equinox as eqx
-    import jax
-    from jax.experimental import multihost_utils
-
     arrays, rest = eqx.partition(model, eqx.is_array)
     local = multihost_utils.process_allgather(arrays, tiled=True)
     device = jax.local_devices()[0]
@@ -204,10 +188,6 @@ def _gathered(model):
 def replicate(model, mesh):
     """``model`` (loaded by every process onto its own first device) as global arrays held
     whole on every device of ``mesh``, so that a program over the mesh can use it."""
-    import equinox as eqx
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
     sharding = NamedSharding(mesh, PartitionSpec())
     arrays, rest = eqx.partition(model, eqx.is_array)
     leaves, structure = jax.tree.flatten(arrays)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, ValidationError, field_validator, model_validator
 
 from levanter_core.config.base import ConfigModel
+from levanter_core.config.loader import load_config_dict
+from levanter_core.config.train import format_validation_error
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.evaluators import Evaluator, EvaluatorConfig, EvaluatorContext
+from levanter_eval_harness.harness import HarnessRun
+from levanter_eval_harness.training import HarnessEvaluator
 
 GENERATION_DEFAULTS = {"max_gen_toks": 256, "temperature": 0.0, "n": 1, "seed": None}
 
@@ -98,8 +102,6 @@ class HarnessConfig(EvaluatorConfig):
 
     def harness_run(self):
         """The :class:`~levanter_eval_harness.harness.HarnessRun` of this config."""
-        from levanter_eval_harness.harness import HarnessRun
-
         return HarnessRun(
             tasks=list(self.task_spec),
             include_path=self.include_path,
@@ -127,8 +129,6 @@ class HarnessConfig(EvaluatorConfig):
         return out
 
     def build(self, context: EvaluatorContext) -> Evaluator:
-        from levanter_eval_harness.training import HarnessEvaluator
-
         return HarnessEvaluator(self, context)
 
 
@@ -169,11 +169,6 @@ class HarnessMainConfig(ConfigModel):
 def load_main_config(path: str, overrides: list[str] | None = None) -> HarnessMainConfig:
     """Load, include, override and validate a standalone harness config (errors name the file,
     the line and the field)."""
-    from pydantic import ValidationError
-
-    from levanter_core.config.loader import load_config_dict
-    from levanter_core.config.train import format_validation_error
-
     raw, sources = load_config_dict(path, overrides)
     try:
         return HarnessMainConfig.model_validate(raw)

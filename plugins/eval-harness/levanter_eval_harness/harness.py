@@ -12,6 +12,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import lm_eval
+from lm_eval.loggers import EvaluationTracker
+
 from levanter_core.errors import UserError
 from levanter_eval_harness.tasks import TaskSpec, load_tasks, task_manager
 
@@ -65,9 +68,6 @@ def evaluate(
     """lm-eval's results (its ``simple_evaluate`` output, ``samples`` included with
     ``log_samples``) of ``lm`` on ``run``'s tasks (``prepared``: already loaded); written under
     ``output_path`` when given, with at most ``max_samples`` samples of each task (None: all)."""
-    import lm_eval
-    from lm_eval.loggers import EvaluationTracker
-
     # lm-eval bootstraps standard errors in a pool of forked processes unless told not to;
     # forking a process that runs JAX's threads can deadlock the children.
     os.environ.setdefault("DISABLE_MULTIPROC", "1")

@@ -20,12 +20,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import equinox as eqx
+import jax
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
+from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE, render_chat_prompt
 from levanter_core.errors import UserError
+from levanter_core.inference.engine import Engine
+from levanter_core.inference.sampling import SamplingParams
 from levanter_eval_harness.compute import Leader, Scorer
 from levanter_eval_harness.scoring import Query, plan_batches
 
@@ -119,25 +124,18 @@ class LevanterLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if not chat_template:
             return None
-        from levanter_core.data.formats import BUILTIN_CHAT_TEMPLATE
-
         return self._tok.chat_template or BUILTIN_CHAT_TEMPLATE
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the tokenizer's chat template (or the built-in one).
         Without ``add_generation_prompt`` the last message is an assistant message to continue:
         the conversation before it with the generation prompt, then its text."""
-        from levanter_core.data.formats import render_chat_prompt
-
         if add_generation_prompt or not chat_history or chat_history[-1].get("role") != "assistant":
             return render_chat_prompt(chat_history, self._tok, where="the task's conversation")
         prompt = render_chat_prompt(chat_history[:-1], self._tok, where="the task's conversation")
         return prompt + chat_history[-1]["content"]
 
     def get_model_info(self) -> dict:
-        import equinox as eqx
-        import jax
-
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(self.model, eqx.is_inexact_array)))
         return {"model_num_parameters": int(params), "model_type": getattr(self.model.config, "type", "")}
 
@@ -214,8 +212,6 @@ class LevanterLM(TemplateLM):
         """Each request's continuation, from the inference engine: greedy (or sampled when the
         task sets ``do_sample``), up to ``max_gen_toks`` tokens, cut before the first of the
         task's ``until`` strings or the end-of-text token."""
-        from levanter_core.inference.sampling import SamplingParams
-
         eos_text = self._tok.decode([self.eot_token_id])
         prepared = []
         for context, gen_kwargs in (req.args for req in requests):
@@ -267,8 +263,6 @@ class LevanterLM(TemplateLM):
 
     def _generation_engine(self):
         if self._engine is None:
-            from levanter_core.inference.engine import Engine
-
             model = self.leader.gather_model()
             self._engine = Engine(
                 model,

@@ -26,7 +26,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import haliax as hax
+import jax
+import jax.numpy as jnp
 import numpy as np
+from haliax import Axis
+
+from levanter_core.inference import decoding
+from levanter_core.models.lm import soft_cap
 
 SMALLEST_LENGTH = 16
 """The shortest input length bucket (shorter inputs are padded to it)."""
@@ -186,8 +193,6 @@ def continuation_scores(model, tokens, row, start, targets, mask, *, block_logit
     the most likely token at its position: two arrays ``[queries]`` (float32, bool). ``tokens``
     is a named array ``(batch, position)``; the rest are plain arrays as in :class:`Batch`.
     At most ``block_logits`` logits exist at a time."""
-    import jax.numpy as jnp
-
     Embed = model.config.Embed.name
     hidden = model.activations(tokens).rearrange(("batch", "position", Embed)).array
     length, width = hidden.shape[1], targets.shape[1]
@@ -200,12 +205,6 @@ def prefixed_scores(model, prefixes, row, start, targets, mask, suffix, *, block
     """:func:`continuation_scores` of a batch with shared prefixes (``prefixes`` a named array
     ``(batch, position)``, ``suffix`` ``[queries, width]``): each prefix runs through the model
     into a key/value cache once; each query's suffix then runs from its prefix's cache row."""
-    import haliax as hax
-    import jax.numpy as jnp
-    from haliax import Axis
-
-    from levanter_core.inference import decoding
-
     Rows, Pos = prefixes.axes
     width = suffix.shape[1]
     KeyPos = Axis("key_position", Pos.size + width)
@@ -224,8 +223,6 @@ def prefixed_scores(model, prefixes, row, start, targets, mask, suffix, *, block
 
 def _take_rows(cache, index):
     """``cache`` with row ``index[i]`` as its row ``i`` (every named array with a ``batch`` axis)."""
-    import haliax as hax
-    import jax
 
     def take(x):
         if isinstance(x, hax.NamedArray) and x.has_axis("batch"):
@@ -239,11 +236,6 @@ def _scores(model, picked, targets, mask, block_logits: int):
     """Per query, the summed log-probability of its targets and whether each is the most likely
     token, from the final hidden states ``picked`` ``[queries, width, embed]`` at the scored
     positions."""
-    import jax
-    import jax.numpy as jnp
-
-    from levanter_core.models.lm import soft_cap
-
     head = model.get_lm_head().rearrange((model.config.Embed.name, model.Vocab.name)).array
     cap = getattr(model.config, "final_logit_soft_cap", None)
     width = targets.shape[1]

@@ -10,6 +10,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from lm_eval.api.group import Group
+from lm_eval.tasks import TaskManager
+
 from levanter_core.errors import UserError
 
 TaskSpec = str | dict[str, Any]
@@ -17,8 +20,6 @@ TaskSpec = str | dict[str, Any]
 
 def task_manager(include_path: str | Sequence[str] | None = None):
     """lm-eval's ``TaskManager`` over its own tasks and those of ``include_path``."""
-    from lm_eval.tasks import TaskManager
-
     paths = [include_path] if isinstance(include_path, str) else list(include_path or [])
     for path in paths:
         if not os.path.isdir(path):
@@ -118,8 +119,6 @@ def _rename(item, lm_eval_name: str, our_name: str) -> None:
     """Levanter's renaming: ``hellaswag`` with alias ``hellaswag_10shot`` becomes
     ``hellaswag_10shot``; a group's tasks keep their names with the alias's suffix
     (``mmlu`` aliased ``mmlu_1shot``: ``mmlu_anatomy_1shot``)."""
-    from lm_eval.api.group import Group
-
     if isinstance(item, Group):
         item.name = _renamed(item.name, lm_eval_name, our_name)
         config = getattr(item, "_config", None)  # a configured group reports the name it was given

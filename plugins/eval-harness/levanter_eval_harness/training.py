@@ -15,7 +15,14 @@ import json
 import logging
 import os
 
+import jax
+
+from levanter_core import distributed
 from levanter_core.trainer.evaluators import Evaluator, EvaluatorContext
+from levanter_eval_harness.compute import Leader, Scorer, follow
+from levanter_eval_harness.harness import PreparedTasks, evaluate, tracker_metrics
+from levanter_eval_harness.lm import DEFAULT_MAX_GEN_TOKS, LevanterLM
+from levanter_eval_harness.tasks import check_task_names, load_tasks, task_manager
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +31,6 @@ _instances = itertools.count()  # numbers the evaluators of a run alike in every
 
 class HarnessEvaluator(Evaluator):
     def __init__(self, config, context: EvaluatorContext):
-        import jax
-
-        from levanter_eval_harness.compute import Scorer
-        from levanter_eval_harness.tasks import task_manager
-
         self.config = config
         self.context = context
         self.number = next(_instances)
@@ -44,15 +46,10 @@ class HarnessEvaluator(Evaluator):
         # stops it before its first step.
         self.manager = None
         if self.leader:
-            from levanter_eval_harness.tasks import check_task_names
-
             self.manager = task_manager(config.include_path)
             check_task_names(self.run.tasks, self.manager)
 
     def evaluate(self, model, step: int) -> dict[str, float]:
-        from levanter_core import distributed
-        from levanter_eval_harness.compute import Leader, follow
-
         self.scorer.model = model
         name = f"eval_harness/{self.number}/step-{step}"
         if not self.leader:
@@ -67,10 +64,6 @@ class HarnessEvaluator(Evaluator):
         return metrics
 
     def _evaluate(self, leader, step: int) -> dict[str, float]:
-        from levanter_eval_harness.harness import PreparedTasks, evaluate, tracker_metrics
-        from levanter_eval_harness.lm import DEFAULT_MAX_GEN_TOKS, LevanterLM
-        from levanter_eval_harness.tasks import load_tasks
-
         config = self.config
         lm = LevanterLM(
             self.scorer.model,

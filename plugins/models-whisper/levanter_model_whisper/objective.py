@@ -26,11 +26,17 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import jiwer
 import numpy as np
 from haliax import NamedArray
+from levanter_audio.features import HOP_LENGTH, log_mel_spectrogram_jax
+from levanter_audio.format import transcript_prompt
 
+from levanter_core.data.tokenizer import load_tokenizer
+from levanter_core.errors import ConfigError
 from levanter_core.models.lm import next_token_loss
 from levanter_core.objective import BatchField, Objective
+from levanter_core.trainer.evaluators import eval_metrics
 
 AUDIO = "audio"
 """The batch's array of samples (the ``audio`` format's document field)."""
@@ -75,14 +81,8 @@ class SpeechRecognition(Objective):
 
     @classmethod
     def from_config(cls, config) -> SpeechRecognition:
-        from levanter_audio.format import transcript_prompt
-
-        from levanter_core.data.tokenizer import load_tokenizer
-
         formats = {source.format.type for source in config.data.configs.values()}
         if formats != {"audio"}:
-            from levanter_core.errors import ConfigError
-
             raise ConfigError(
                 f"model.type {config.model.type!r} trains with the asr objective, which reads audio with transcripts; "
                 f"the data's format is {', '.join(sorted(formats))}: set data format: {{type: audio}} (or leave the "
@@ -95,15 +95,11 @@ class SpeechRecognition(Objective):
     @classmethod
     def for_evaluation(cls, model_config, tokenizer) -> SpeechRecognition:
         """Scores transcripts stored by the ``audio`` format with its defaults (``enforce_bos``)."""
-        from levanter_audio.format import transcript_prompt
-
         return cls(tokenizer=tokenizer, prompt=transcript_prompt(tokenizer))
 
     @classmethod
     def row_lengths(cls, model_config) -> dict[str, int]:
         """The encoder's window in samples: ``2 * max_source_positions`` frames of 160."""
-        from levanter_audio.features import HOP_LENGTH
-
         return {AUDIO: model_config.Frames.size * HOP_LENGTH}
 
     def fields(self, batch) -> dict[str, BatchField]:
@@ -160,8 +156,6 @@ class SpeechRecognition(Objective):
     def eval_metrics(self, totals, tags, *, per_set: bool) -> dict[str, float]:
         """The loss of :func:`~levanter_core.trainer.evaluators.eval_metrics` and the word error
         rate ``eval/wer`` (over every set's words; per set and tag like the loss)."""
-        from levanter_core.trainer.evaluators import eval_metrics
-
         metrics = eval_metrics({name: t[:2] for name, t in totals.items()}, tags, per_set=per_set)
         if not all(len(t) >= 4 for t in totals.values()):
             return metrics
@@ -183,8 +177,6 @@ class SpeechRecognition(Objective):
 def features_of(model, audio: NamedArray) -> NamedArray:
     """The log-mel spectrograms ``(batch, mels, frames)`` of samples ``(batch, samples)``, as the
     model's encoder takes them, computed on the device."""
-    from levanter_audio.features import log_mel_spectrogram_jax
-
     config = model.config
     Batch = audio.axes[0]
     mels = log_mel_spectrogram_jax(audio.array, n_mels=config.num_mel_bins)
@@ -243,8 +235,6 @@ def normalize_words(text: str) -> list[str]:
 def word_errors(reference: str, hypothesis: str) -> tuple[int, int]:
     """Substituted, deleted and inserted words of ``hypothesis`` against ``reference`` (both
     normalized by :func:`normalize_words`), and the reference's words (``jiwer``)."""
-    import jiwer
-
     ref, hyp = normalize_words(reference), normalize_words(hypothesis)
     if not ref:
         return len(hyp), 0

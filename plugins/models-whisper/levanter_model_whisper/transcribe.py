@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -29,10 +30,14 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import jiwer
 import numpy as np
 from haliax import Axis
+from levanter_audio.features import HOP_LENGTH, log_mel_spectrogram_jax, pad_or_trim
 
 from levanter_core.errors import UserError
+from levanter_core.inference.engine import RequestError
+from levanter_core.inference.sampling import SamplingParams
 from levanter_model_whisper.objective import greedy_tokens
 
 logger = logging.getLogger(__name__)
@@ -87,8 +92,6 @@ def window_features(audio: np.ndarray, *, num_mels: int, num_frames: int) -> Ite
     are computed as the ``asr`` objective computes them in training (``log_mel_spectrogram_jax``
     of the window's samples), so that a model trained here with a shorter window hears what it
     learned from."""
-    from levanter_audio.features import HOP_LENGTH, pad_or_trim
-
     window = num_frames * HOP_LENGTH
     spectrogram = _log_mel(num_mels)
     for start in range(0, max(len(audio), 1), window):
@@ -97,8 +100,6 @@ def window_features(audio: np.ndarray, *, num_mels: int, num_frames: int) -> Ite
 
 @functools.cache
 def _log_mel(num_mels: int):
-    from levanter_audio.features import log_mel_spectrogram_jax
-
     return jax.jit(functools.partial(log_mel_spectrogram_jax, n_mels=num_mels))
 
 
@@ -119,8 +120,6 @@ def transcribe_clips(
     of at most ``max_new_tokens`` tokens after ``prompt``; ``text`` turns a window's tokens into
     its text. At most ``in_flight`` windows (default: twice the engine's slots) wait or decode
     at once, so that the engine always has work and a long list of files is never all in memory."""
-    from levanter_core.inference.sampling import SamplingParams
-
     axes = engine.encoder_input_axes
     if axes is None or [ax.name for ax in axes] != ["mels", "frames"]:
         raise ValueError("the engine does not serve a Whisper model (its requests take no spectrogram)")
@@ -158,24 +157,18 @@ def transcribe_clips(
 
 
 def _submit(engine, prompt: list[int], params, features: np.ndarray):
-    from levanter_core.inference.engine import RequestError
-
     while True:  # a full queue (a very long clip) waits for room rather than fails
         try:
             return engine.submit(prompt, params, encoder_input=features)
         except RequestError as e:
             if e.status != 429:
                 raise UserError(str(e)) from None
-            import time
-
             time.sleep(0.01)
 
 
 def _detect_language(engine, prompt: DecoderPrompt, features: np.ndarray) -> int | None:
     """The language token the model chooses after the prompt's first tokens, on a clip's first
     window (as Whisper detects the language), when it is one of the prompt's languages."""
-    from levanter_core.inference.sampling import SamplingParams
-
     first = prompt.tokens[: prompt.detect_at]
     chosen = _submit(engine, list(first), SamplingParams(max_new_tokens=1, temperature=0.0), features).result().tokens
     if chosen and chosen[0] in prompt.languages:
@@ -332,8 +325,6 @@ def _replace_or_add(tokens: list, token: int, among) -> None:
 def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
     """Word error rate of ``hypotheses`` against ``references`` (``jiwer``): substituted,
     deleted and inserted words over the references' words."""
-    import jiwer
-
     if len(references) != len(hypotheses):
         raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
     return float(jiwer.wer(list(references), list(hypotheses)))

@@ -36,6 +36,7 @@ from levanter_core.config.base import ConfigModel
 from levanter_core.models.cross_entropy import soft_cap
 from levanter_core.models.lm import loss_inputs
 from levanter_core.objective import BatchField, Objective
+from levanter_core.trainer.evaluators import eval_metrics
 from levanter_preference.format import CHOSEN_MASK, FIELDS, REJECTED_IDS, REJECTED_MASK
 
 SIDE = "side"
@@ -184,8 +185,6 @@ class DpoObjective(Objective):
         """The loss of :func:`~levanter_core.trainer.evaluators.eval_metrics` (per pair), and
         ``dpo_accuracy`` and ``dpo_margin`` over every set's pairs, each set's (``per_set``) and
         each tag's, beside the loss of the same sets."""
-        from levanter_core.trainer.evaluators import eval_metrics
-
         metrics = eval_metrics({name: t[:2] for name, t in totals.items()}, tags, per_set=per_set)
         groups = {"eval": list(totals)}
         if per_set:

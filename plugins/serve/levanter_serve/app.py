@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -104,7 +105,6 @@ def create_app(
 
 def _add_private_docs(app: FastAPI, checks: list) -> None:
     """``/openapi.json`` and ``/docs`` (Swagger UI) behind the API key's check ``checks``."""
-    from fastapi.openapi.docs import get_swagger_ui_html
 
     @app.get("/openapi.json", dependencies=checks, include_in_schema=False)
     async def openapi():

@@ -18,6 +18,7 @@ import ipaddress
 import json
 import time
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from levanter_serve.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_BODY_BYTES  # noqa: F401 (re-exported)
@@ -169,8 +170,6 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def _waiting_for_head(self) -> bool:
-        import h11
-
         return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
     def _arm_head_deadline(self) -> None:

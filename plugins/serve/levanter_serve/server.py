@@ -10,7 +10,13 @@ import socket
 import threading
 import time
 
+import uvicorn
+
 from levanter_core.errors import LevanterError, UserError
+from levanter_core.inference.engine import Engine
+from levanter_core.inference.sampling import SamplingParams
+from levanter_core.models.source import load_model_source
+from levanter_serve.app import create_app
 from levanter_serve.defaults import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -18,6 +24,7 @@ from levanter_serve.defaults import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PORT,
 )
+from levanter_serve.limits import protocol_with_header_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +70,6 @@ def serve(
     seconds for each request's line and headers. If the engine fails (not one request: the
     engine), the server stops taking requests, answers those in flight with 503, and raises
     :class:`EngineFailed`."""
-    from levanter_core.inference.engine import Engine
-    from levanter_core.models.source import load_model_source
-    from levanter_serve.app import create_app
-
     listener = _listen(host, port)
     try:
         loaded = load_model_source(source, tokenizer=tokenizer)
@@ -108,8 +111,6 @@ def serve(
 def run_until_stopped(engine, app, listener: socket.socket, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
     """Serve ``app`` (over ``engine``) with uvicorn on ``listener`` until SIGINT or SIGTERM, then
     let the engine finish what it holds. If the engine fails, stop and raise :class:`EngineFailed`."""
-    import uvicorn
-
     server = uvicorn.Server(uvicorn_config(app, header_timeout=header_timeout, log_level="info"))
     engine.on_failure = lambda error: stop_when_engine_fails(server, error)
     try:
@@ -130,10 +131,6 @@ def run_until_stopped(engine, app, listener: socket.socket, *, header_timeout: f
 def uvicorn_config(app, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT, log_level: str = "info"):
     """uvicorn's settings for serving ``app``: HTTP/1.1 with a deadline of ``header_timeout``
     seconds on each request's head (see :class:`~levanter_serve.limits.HeaderTimeoutProtocol`)."""
-    import uvicorn
-
-    from levanter_serve.limits import protocol_with_header_timeout
-
     return uvicorn.Config(
         app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=None,
         http=protocol_with_header_timeout(header_timeout),
@@ -149,8 +146,6 @@ def stop_when_engine_fails(server, error: BaseException) -> None:
 
 def warm_up(engine) -> None:
     """Compile the engine's smallest prefill and decoding step before the first request needs them."""
-    from levanter_core.inference.sampling import SamplingParams
-
     logger.info("compiling the model's first steps")
     engine.start()
     engine.generate([[0]], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))

@@ -30,6 +30,11 @@ from typing import Any
 import numpy as np
 import yaml
 from pydantic import Field
+from tensorboardX import SummaryWriter
+from tensorboardX.proto.api_pb2 import Status
+from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
+from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboardX.summary import hparams as hparams_summaries
 
 from levanter_core.tracker import Histogram, RunInfo, RunStatus, Tracker, TrackerConfig
 
@@ -65,8 +70,6 @@ class TensorboardTracker(Tracker):
     """Writes everything it is given to one TensorBoard run directory."""
 
     def __init__(self, event_dir: str, *, resume_step: int | None = None, flush_secs: int = 30):
-        from tensorboardX import SummaryWriter
-
         self.event_dir = event_dir
         # Events from the interrupted attempt at steps >= purge_step are hidden by TensorBoard.
         purge_step = None if resume_step is None else resume_step + 1
@@ -96,8 +99,6 @@ class TensorboardTracker(Tracker):
             self._write_value(f"summary/{name}", value, self._step)
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        from tensorboardX.summary import hparams as hparams_summaries
-
         self._writer.add_text(
             "config",
             _code_block(yaml.safe_dump(hparams, sort_keys=False), "yaml"),
@@ -210,10 +211,6 @@ def _read_text(path: str) -> str | None:
 def _session_end(status: RunStatus):
     """The HParams dashboard's end-of-session record (its Status column) for a run that ended
     as ``status`` says. tensorboardX's ``hparams`` writes one that always says success."""
-    from tensorboardX.proto.api_pb2 import Status
-    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
-    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
-
     end = SessionEndInfo(
         status=Status.Value("STATUS_SUCCESS" if status == "success" else "STATUS_FAILURE"),
         end_time_secs=time.time(),

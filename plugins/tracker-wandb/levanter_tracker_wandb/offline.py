@@ -22,6 +22,8 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from wandb.proto import wandb_internal_pb2
+
 _FILE_HEADER = struct.Struct("<4sHB")  # b":W&B", magic 0xBEE1, format version
 _CHUNK_HEADER = struct.Struct("<IHB")  # masked crc32c, length, chunk type
 _BLOCK = 32768
@@ -78,8 +80,6 @@ def _creation_order(path: str) -> tuple:
 
 def read_offline_run(path: str) -> OfflineRun:
     """Decode the ``.wandb`` file at ``path``."""
-    from wandb.proto import wandb_internal_pb2
-
     run = OfflineRun(path, "", "", "", [], "", [], {}, {}, [], [])
     for raw in _records(path):
         record = wandb_internal_pb2.Record()
@@ -116,8 +116,6 @@ def wait_until_written(path: str, timeout: float = 60.0) -> bool:
     not within ``timeout`` seconds. ``run.finish()`` returns before wandb-core has flushed
     the file (it writes from another process), so a reader right after it could find only
     the file header."""
-    from wandb.proto import wandb_internal_pb2
-
     deadline = time.monotonic() + timeout
     while True:
         if os.path.exists(path):

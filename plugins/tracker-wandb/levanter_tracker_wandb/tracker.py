@@ -16,10 +16,15 @@ import re
 import shlex
 from typing import Any, Literal
 
+import jax
+import wandb
+import wandb.util
 from pydantic import Field, field_validator
 
 from levanter_core.errors import ConfigError
 from levanter_core.tracker.base import Histogram, RunInfo, RunStatus, Tracker, TrackerConfig
+from levanter_tracker_wandb.code import snapshot
+from levanter_tracker_wandb.offline import wait_until_written
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +81,6 @@ class WandbTracker(Tracker):
     """One W&B run, opened on construction and closed by :meth:`finish`."""
 
     def __init__(self, config: WandbConfig, run: RunInfo):
-        import jax
-        import wandb
-
         self.config = config
         self.resume_step = run.resume_step
         run_id = config.id or run.run_id
@@ -114,8 +116,6 @@ class WandbTracker(Tracker):
             )
 
     def _git_snapshot(self):
-        from levanter_tracker_wandb.code import snapshot
-
         if self.config.save_code is False:
             return None
         return snapshot(os.getcwd() if self.config.save_code is True else self.config.save_code)
@@ -152,8 +152,6 @@ class WandbTracker(Tracker):
         self.run.config.update(hparams, allow_val_change=True)
 
     def log_artifact(self, path: str, *, name: str | None = None, type: str | None = None) -> None:
-        import wandb
-
         artifact = wandb.Artifact(
             _artifact_name(name or os.path.basename(path.rstrip(os.sep))), type=type or "artifact"
         )
@@ -170,13 +168,10 @@ class WandbTracker(Tracker):
                 self.log_artifact(dump_dir, name=f"xla_dumps-{self.run.id}", type="xla_dumps")
         # W&B marks a run finished with a non-zero exit code as failed.
         self.run.finish(exit_code=EXIT_CODES[status])
-        if not self.run.disabled:
-            from levanter_tracker_wandb.offline import wait_until_written
-
-            # So that the run is whole on disk (for `wandb sync`, or a second start that
-            # resumes it) when the training run's `finish` returns.
-            if not wait_until_written(self.run.settings.sync_file):
-                logger.warning("W&B had not finished writing %s after 60 s", self.run.settings.sync_file)
+        # So that the run is whole on disk (for `wandb sync`, or a second start that resumes it)
+        # when the training run's `finish` returns.
+        if not self.run.disabled and not wait_until_written(self.run.settings.sync_file):
+            logger.warning("W&B had not finished writing %s after 60 s", self.run.settings.sync_file)
 
 
 def _xla_dump_dir() -> str | None:
@@ -191,8 +186,6 @@ def _xla_dump_dir() -> str | None:
 
 
 def _artifact_name(name: str) -> str:
-    import wandb.util
-
     return wandb.util.make_artifact_name_safe(name)
 
 
@@ -205,8 +198,6 @@ def _to_wandb(value: Any) -> Any:
     """A tracker value as W&B shows it: numbers as they are, markup as HTML, other text as
     a one-row table (W&B charts only numbers), histograms with their own bins. None for a
     value W&B cannot show."""
-    import wandb
-
     if isinstance(value, Histogram):
         return wandb.Histogram(np_histogram=(value.counts.tolist(), value.edges.tolist()))
     if isinstance(value, str):

@@ -6,6 +6,7 @@ import difflib
 from typing import Annotated, Any, cast
 
 from pydantic import (
+    AliasChoices,
     Field,
     PlainSerializer,
     PlainValidator,
@@ -70,6 +71,13 @@ class TrainConfig(ConfigModel):
     """The architecture, chosen by ``type`` among the installed model plugins."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """The training loop, parallelism, evaluation, tracking and checkpoints."""
+    train_seq_len: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("train_seq_len", "train_length", "train_seq_length")
+    )
+    """Train (and evaluate) on sequences of this many tokens, at most the model's context
+    (``model.seq_len``, Levanter's ``model.max_seq_len``), which the model keeps: a GPT-2 keeps
+    all its position embeddings, exports say the whole context. None: the model's context.
+    Levanter's configs also spell it ``train_length`` and ``train_seq_length``."""
     optimizer: Typed("optimizer", "adam") = Field(default_factory=dict)  # type: ignore[valid-type]
     """The optimizer and learning-rate schedule (``type``, default ``adam``)."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -276,6 +284,21 @@ class TrainConfig(ConfigModel):
         if value is not None and value not in ("float32", "bfloat16", "float16", "f32", "bf16", "f16"):
             raise ValueError(f"expected float32, bfloat16 or float16, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _train_length_fits_the_model(self):
+        if self.train_seq_len is not None and self.train_seq_len > self.model.seq_len:
+            raise ValueError(
+                f"train_seq_len ({self.train_seq_len}) cannot exceed the model's context, model.seq_len "
+                f"(Levanter's max_seq_len: {self.model.seq_len}); lower it or raise the model's"
+            )
+        return self
+
+    @property
+    def train_length(self) -> int:
+        """The length of the sequences the run trains and evaluates on: ``train_seq_len``, else
+        the model's context."""
+        return self.train_seq_len or self.model.seq_len
 
     @model_validator(mode="after")
     def _check_initialization(self):

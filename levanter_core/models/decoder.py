@@ -116,7 +116,8 @@ class DecoderConfig(LmConfig, HfMapped):
     ``{"mlp": "block_sparse_moe"}``); used in checkpoints exchanged with Hugging Face only."""
 
     seq_len: PositiveInt = 2048
-    """Length of the training sequences (Hugging Face's ``max_position_embeddings``)."""
+    """The model's context (Hugging Face's ``max_position_embeddings``, Levanter's ``max_seq_len``): the
+    length of the training sequences unless the run's ``train_seq_len`` is shorter."""
 
     hidden_dim: PositiveInt = 4096
     """Width of the residual stream (``hidden_size``)."""

@@ -19,14 +19,14 @@ example.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
-from pydantic import PositiveInt
+from pydantic import PositiveInt, model_validator
 
 from levanter_core.config.base import TypedConfig
 from levanter_core.layers.attention import AttentionMask
@@ -78,7 +78,28 @@ class LmConfig(TypedConfig, abc.ABC):
     A family with run settings of its own extends the tuple."""
 
     seq_len: int = 1024
-    """Length of the training sequences (the ``position`` axis)."""
+    """The model's context: the longest sequence it takes (the ``position`` axis), and what it
+    trains on unless the run's ``train_seq_len`` is shorter. Levanter's current schema calls it
+    ``max_seq_len``, which is read as this field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _levanter_max_seq_len(cls, raw: Any) -> Any:
+        """Levanter's current schema names the context ``max_seq_len`` (its older one, and this
+        framework, ``seq_len``): the same field under either name, not both."""
+        if not isinstance(raw, dict) or "max_seq_len" not in raw:
+            return raw
+        raw = dict(raw)
+        value = raw.pop("max_seq_len")
+        if "seq_len" in raw and raw["seq_len"] != value:
+            raise ValueError(
+                f"max_seq_len ({value}) and seq_len ({raw['seq_len']}) name the same field, the model's "
+                "context: keep one"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_seq_len: expected a positive number of tokens, got {value!r}")
+        raw["seq_len"] = value
+        return raw
 
     cross_entropy_block_size: PositiveInt | None = None
     """How many tokens' logits the loss computes together. The loss is fused with the output

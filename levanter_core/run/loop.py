@@ -64,7 +64,7 @@ class TrainLoop:
         self.learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(self.num_steps)), np.float64)
         self.batches = config.trainer.batch_schedule
         # the tokens of a batch row: its sequences' (a preference pair holds two)
-        self.row_tokens = config.model.seq_len * trainer.objective.sequences_per_row
+        self.row_tokens = config.train_length * trainer.objective.sequences_per_row
         self.tokens_per_step = trainer.plan.batch_size * self.row_tokens
         self.flops_per_token = flops_per_token
         self._eval_constants_found: tuple | None = None  # the objective's, for evaluation
@@ -91,7 +91,7 @@ class TrainLoop:
             result.final_eval_loss = loss
 
         callbacks.append(Evaluation(steps_per_eval, self.evaluate, on_loss))
-        context = EvaluatorContext(self.data.tokenizer, self.trainer, self.run_dir, self.config.model.seq_len)
+        context = EvaluatorContext(self.data.tokenizer, self.trainer, self.run_dir, self.config.train_length)
         for cfg, every in self.config.run_evaluators():
             callbacks.append(PluginEvaluator(cfg.build(context), every, steps_per_eval, self.num_steps))
         for contributed in get_manager().hook().step_callbacks(config=self.config, context=context):

@@ -116,7 +116,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
         with ray_for_run(trainer_cfg.ray) as ray_config:
             data = build_lm_data(
                 config.data,
-                seq_len=config.model.seq_len,
+                seq_len=config.train_length,
                 seed=trainer_cfg.seed if config.data_seed is None else config.data_seed,
                 initial_batch_size=trainer_cfg.batch_schedule.size_at(0),
                 max_epochs=config.epoch,
@@ -208,7 +208,13 @@ def _train(config: TrainConfig, run: RunFiles, data, progress: bool) -> RunResul
         tracker.log_hyperparameters(resolved)
         for path in run.record_files:
             tracker.log_artifact(path, name=os.path.basename(path), type="run_record")
-        flops = model_config.flops_per_token(Vocab.size)  # None: a model that does not count them
+        # None: a model that does not count them. Attention's cost is that of the trained length.
+        trained = (
+            model_config
+            if config.train_seq_len is None
+            else model_config.model_copy(update={"seq_len": config.train_length})
+        )
+        flops = trained.flops_per_token(Vocab.size)
         if flops is not None:
             flops *= trainer.objective.flops_scale
         exporter = None

@@ -93,7 +93,8 @@ class Gpt2Config(LmConfig, HfMapped):
     }
 
     seq_len: PositiveInt = 1024
-    """Length of the training sequences, and the number of learned position embeddings."""
+    """The model's context (Levanter's ``max_seq_len``): the number of learned position embeddings, and the
+    length of the training sequences unless the run's ``train_seq_len`` is shorter."""
 
     hidden_dim: PositiveInt = 768
     """Width of the residual stream (the ``embed`` axis)."""

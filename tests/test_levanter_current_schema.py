@@ -196,3 +196,121 @@ def test_held_out_sequences_in_order_when_the_config_asks_for_them(tmp_path):
     data = _components(tmp_path, num_validation_sequences={"web": 2}, shuffle_before_trainval_split=False)
     config, _ = load_train_config(_with_data(tmp_path, data, "held"))
     assert config.data.num_validation_sequences == {"web": 2}
+
+
+# -- Levanter's train_dpo, lora_dpo and train_simpo configs ------------------------------------
+
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}\n"
+    "{% endif %}{% endfor %}"
+)
+"""A chat template with Hugging Face's generation blocks, as Levanter's DPO configs write them."""
+
+
+def _dpo(tmp_path, **top) -> dict:
+    """A train_dpo config in Levanter's current schema (its dpo_tiny_gpt2.yaml's shape), as a dict."""
+    pairs = [
+        {
+            "chosen": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"good {i}"}],
+            "rejected": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"bad {i}"}],
+        }
+        for i in range(20)
+    ]
+    config = {
+        "data": {
+            "tokenizer": "byte",
+            "cache_dir": str(tmp_path / "cache"),
+            "components": {
+                "default": {
+                    "source": {"type": "url", "train_urls": [write_jsonl(tmp_path / "pairs.jsonl", pairs)]},
+                    "format": {"type": "preference_chat", "chat_template": GENERATION_TEMPLATE, "pack": False},
+                }
+            },
+        },
+        "model": {**CONTEXT, "max_seq_len": 64},
+        "train_seq_len": 64,
+        "trainer": {"train_batch_size": 4, "num_train_steps": 2, "require_accelerator": False},
+        "adapter": {"type": "none"},
+        "reference": {"type": "separate", "model_path": "hf/tiny-gpt2", "is_hf": True},
+        "beta": 0.2,
+        "initialize_from_hf": "hf/tiny-gpt2",
+    }
+    config.update(top)
+    return config
+
+
+def _load(tmp_path, raw: dict):
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_train_config(str(path))[0]
+
+
+def test_a_train_dpo_config_is_a_dpo_run_with_levanters_defaults(tmp_path):
+    config = _load(tmp_path, _dpo(tmp_path))
+    assert config.objective == {"type": "dpo", "beta": 0.2, "label_smoothing": 0.0}
+    # the default validation_split_fraction of Levanter's train_dpo: its last tenth validates
+    assert config.data.validation_split_fraction == 0.1 and config.data.held_out() == {"default": 0.1}
+    fmt = config.data.configs["default"].format
+    assert (fmt.type, fmt.chosen_key, fmt.rejected_key, fmt.chat_template) == (
+        "preference",
+        "chosen",
+        "rejected",
+        GENERATION_TEMPLATE,
+    )
+    assert config.lora is None and config.initialize_from_hf == "hf/tiny-gpt2"
+
+
+def test_a_lora_dpo_config_trains_adapters_against_their_base(tmp_path):
+    raw = _dpo(
+        tmp_path,
+        adapter={"type": "lora", "r": 4, "alpha": 8.0, "zero_init_b": True, "a_init_mode": "random"},
+        reference={"type": "adapter_base"},
+        validation_split_fraction=None,
+    )
+    config = _load(tmp_path, raw)
+    assert (config.lora.r, config.lora.alpha) == (4, 8.0)
+    assert config.data.validation_split_fraction is None and config.objective["type"] == "dpo"
+
+
+def test_the_older_reference_fields_name_the_reference_too(tmp_path):
+    raw = _dpo(tmp_path, reference_model_path="hf/tiny-gpt2", reference_is_hf=True)
+    raw.pop("reference")
+    assert _load(tmp_path, raw).objective["beta"] == 0.2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"reference": {"type": "separate", "model_path": "hf/other"}},
+            r"reference\.model_path .*a different reference \('hf/other'\) is not available",
+        ),
+        ({"reference": {"type": "separate"}}, r"reference\.model_path must be provided"),
+        ({"reference": {"type": "adapter_base"}}, r"adapter_base requires a non-none adapter"),
+        (
+            {"adapter": {"type": "lora", "zero_init_b": True}, "reference": {"type": "adapter_base"}},
+            r"exactly one zero LoRA factor",
+        ),
+        ({"lm_validation_data": {"tokenizer": "byte"}}, r"lm_validation_data is not available"),
+        ({"validation_split_fraction": 1.0}, r"validation_split_fraction \(validation_split_fraction at"),
+    ],
+)
+def test_what_levanters_dpo_refuses_or_this_one_cannot_do_is_refused_by_name(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, _dpo(tmp_path, **change))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("slice_strategy", "drop", "slice_strategy must be 'raise'"),
+        ("pack", True, "Packed preference_chat datasets are not supported"),
+        ("system_prompt", "system", "system prompt taken from a record's field"),
+    ],
+)
+def test_preference_chat_settings_without_meaning_here_are_refused(tmp_path, field, value, message):
+    raw = _dpo(tmp_path)
+    raw["data"]["components"]["default"]["format"][field] = value
+    with pytest.raises(ConfigError, match=rf"data\.components\.default\.format\.{field} .*{message}"):
+        _load(tmp_path, raw)

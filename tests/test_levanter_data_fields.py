@@ -17,6 +17,7 @@ import pytest
 from levanter_core.data.cache import _Job, open_cache, tokenize_shard
 from levanter_core.data.config import CacheOptions, validate_data_section
 from levanter_core.data.dataset import eval_batches
+from levanter_core.data.dataset.sequences import held_out_count
 from levanter_core.data.executor import Progress, ShardTask, run_shards, shard_groups
 from levanter_core.data.formats import TextFormat
 from levanter_core.data.pipeline import build_lm_data
@@ -163,6 +164,30 @@ def test_holding_out_every_sequence_is_an_error_naming_the_field(tmp_path, lm_da
     data = lm_data(single(tmp_path, 5, num_validation_sequences={"main": 5}))
     with pytest.raises(DataError, match=r"data\.num_validation_sequences\.main.*last 5.*only 5.*none for training"):
         data.train.batch(0, 2)
+
+
+def test_validation_split_fraction_holds_out_the_last_fraction_of_the_one_trained_source(tmp_path, lm_data):
+    """Levanter's DPO split: the last int(20 x 0.1) = 2 of 20 sequences validate, in place of the
+    source's own 3-document validation split; training reads the other 18."""
+    data = lm_data(single(tmp_path, 20, validation=3, validation_split_fraction=0.1))
+    assert read(data.train, range(9)) == [f"a{i:06d}" for i in [*range(18), *range(18)]]
+    held = [name for batch in eval_batches(data.validation["main"], 2) for name in names(batch)]
+    assert held == ["a000018", "a000019"]
+
+
+@pytest.mark.parametrize(
+    ("n", "fraction", "count"), [(20, 0.1, 2), (5, 0.01, 1), (3, 0.9, 2), (1, 0.5, 0), (9, 0.0, 0)]
+)
+def test_the_held_out_count_is_levanters(n, fraction, count):
+    assert held_out_count(n, fraction) == count
+
+
+def test_validation_split_fraction_holds_out_part_of_one_trained_source_only(tmp_path):
+    with pytest.raises(ValueError, match=r"one source trained on, but 2 are \(a, b\)"):
+        validate_data_section(mixture(tmp_path, {"a": 4, "b": 4}, validation_split_fraction=0.1))
+    # a mixture whose other sources only validate is fine
+    section = mixture(tmp_path, {"a": 4, "b": 4}, train_weights={"a": 1, "b": 0}, validation_split_fraction=0.1)
+    assert validate_data_section(section).held_out() == {"a": 0.1}
 
 
 # -- where the stream ends ----------------------------------------------------------------------

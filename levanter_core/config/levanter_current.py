@@ -36,7 +36,7 @@ BLOCK_SHUFFLE_DEFAULT = {"io_block_size": 256, "window_blocks": 512}
 """Levanter's default ``data.shuffle`` in its current schema."""
 
 _COMPONENT_FIELDS = {"type", "source", "format", "cache_dir", "tags", "pack", "split"}
-_PACKED_FORMATS = {"chat", "supervised", "preference_chat"}
+_PACKED_FORMATS = {"chat", "supervised"}
 """Formats whose examples are packed whole into rows here (with a target mask), as Levanter
 packs them when ``pack`` is left unset."""
 
@@ -128,8 +128,46 @@ class _Components(ProgramTranslation):
             if key in section:
                 ours[key] = section[key]
                 self.written[("data", "configs", name, key)] = (*at, key)
+        if isinstance(ours.get("format"), dict) and ours["format"].get("type") == "preference_chat":
+            ours["format"] = self.preference_chat(name, ours["format"])
         self.check_pack(name, section.get("pack"), ours.get("format"))
         self.written.setdefault(("data", "configs", name), at)
+        return ours
+
+    def preference_chat(self, name: str, fmt: dict) -> dict:
+        """Levanter's ``preference_chat`` format (a chosen and a rejected conversation per
+        record) as the ``preference`` format of levanter-preference, which scores the assistant
+        messages where the two conversations part, as Levanter's ``mask_user_turns`` does."""
+        at = ("data", "components", name, "format")
+        known = {
+            "type", "chosen_field", "rejected_field", "chat_template", "system_prompt", "chat_template_kwargs",
+            "pack", "mask_user_turns", "slice_strategy",
+        }  # fmt: skip
+        unknown = sorted(set(fmt) - known)
+        if unknown:
+            self.fail((*at, unknown[0]), "not a field of the preference_chat format")
+        refused = {
+            "system_prompt": (None, "a system prompt taken from a record's field is not available; remove it"),
+            "chat_template_kwargs": (
+                "chat_template_kwargs",
+                "template arguments from a record's field are not available",
+            ),
+            "pack": (False, "Packed preference_chat datasets are not supported"),
+            "mask_user_turns": (True, "training on the user's turns of a preference pair is not available"),
+            "slice_strategy": ("raise", "preference_chat slice_strategy must be 'raise' for now"),
+        }
+        for key, (allowed, why) in refused.items():
+            if key in fmt and fmt[key] != allowed:
+                self.fail((*at, key), why)
+        ours = {"type": "preference"}
+        for theirs, mine in (
+            ("chosen_field", "chosen_key"),
+            ("rejected_field", "rejected_key"),
+            ("chat_template", "chat_template"),
+        ):
+            if theirs in fmt:
+                ours[mine] = fmt[theirs]
+                self.written[("data", "configs", name, "format", mine)] = (*at, theirs)
         return ours
 
     def check_pack(self, name: str, pack: Any, fmt: Any) -> None:
@@ -138,6 +176,8 @@ class _Components(ProgramTranslation):
         kind = fmt.get("type", "text") if isinstance(fmt, dict) else "text"
         if pack is None:
             return
+        if kind == "preference" and pack is not False:
+            self.fail(("data", "components", name, "pack"), "Packed preference_chat datasets are not supported")
         packed = kind in _PACKED_FORMATS
         if pack is packed:
             return
@@ -165,3 +205,149 @@ class _Components(ProgramTranslation):
             self.fail(at, f"io_block_size and window_blocks must be positive integers, got {value!r}")
         self.written[at] = at
         return int(block) * int(window)  # type: ignore[arg-type]  # checked just above
+
+
+# -- Levanter's train_dpo, lora_dpo and train_simpo programs -------------------------------------
+
+DPO_FIELDS = {
+    "beta", "reference", "adapter", "validation_split_fraction", "reference_eval_cache", "lm_validation_data",
+    "lm_validation_prefix", "scheduled_eval_steps", "run_initial_eval", "hf_generation_eos_token_ids",
+    "reference_model_path", "reference_is_hf", "gamma_beta_ratio",
+}  # fmt: skip
+"""Top-level fields of Levanter's preference programs that a training config does not have."""
+
+DPO_VALIDATION_SPLIT = 0.1
+"""``validation_split_fraction`` of Levanter's DPO and SimPO programs when a config leaves it out."""
+
+
+def is_preference_program(raw: Any) -> bool:
+    """Whether ``raw`` is written for Levanter's ``train_dpo``, ``lora_dpo`` or ``train_simpo``:
+    it has one of their own top-level fields and no ``objective`` section of ours."""
+    return isinstance(raw, dict) and "objective" not in raw and bool(DPO_FIELDS & set(raw))
+
+
+def translate_preference_program(raw: dict, sources: Sources) -> tuple[dict, Sources]:
+    """``raw`` (see :func:`is_preference_program`) as a training config with a ``dpo`` (or
+    ``simpo``) objective: ``beta``, the reference model, the LoRA adapter and the held-out split
+    become the objective, ``lora`` and ``data.validation_split_fraction``. Raises
+    :class:`~levanter_core.errors.ConfigError` naming the field for what has no meaning here."""
+    return _Preference(raw, sources).run()
+
+
+class _Preference(ProgramTranslation):
+    def run(self) -> tuple[dict, Sources]:
+        raw = dict(self.raw)
+        simpo = "gamma_beta_ratio" in raw
+        self.program = "train_simpo" if simpo else "lora_dpo" if "lora" in raw else "train_dpo"
+        for name in ("lm_validation_data", "scheduled_eval_steps", "hf_generation_eos_token_ids"):
+            if raw.pop(name, None) is not None:
+                self.fail((name,), f"{name} is not available here; remove it (or set it to null)")
+        if raw.pop("run_initial_eval", False):
+            self.fail(("run_initial_eval",), "an evaluation before the first step is not available; remove it")
+        raw.pop("lm_validation_prefix", None)
+        self.reference_eval_cache(raw.pop("reference_eval_cache", None))
+        objective: dict[str, Any] = {"type": "simpo" if simpo else "dpo"}
+        if "beta" in raw:
+            objective["beta"] = raw.pop("beta")
+            self.written[("objective", "beta")] = ("beta",)
+        if simpo:
+            objective["gamma_beta_ratio"] = raw.pop("gamma_beta_ratio")
+            self.written[("objective", "gamma_beta_ratio")] = ("gamma_beta_ratio",)
+        raw["objective"] = objective
+        adapter = raw.pop("adapter", None)
+        if adapter is not None:
+            self.adapter(raw, adapter)
+        reference = self.reference(raw)
+        if not simpo:
+            self.check_reference(raw, reference)
+        fraction = raw.pop("validation_split_fraction", DPO_VALIDATION_SPLIT)
+        if fraction is not None:
+            if not isinstance(raw.get("data"), dict):
+                self.fail(("data",), "expected a data section")
+            raw["data"] = {**raw["data"], "validation_split_fraction": fraction}
+            self.written[("data", "validation_split_fraction")] = ("validation_split_fraction",)
+        written = dict(self.sources.written) if isinstance(self.sources, TranslatedSources) else {}
+        written.update(self.written)
+        return raw, TranslatedSources(self.sources.main_file, self.sources.places, written)
+
+    def reference_eval_cache(self, section: Any) -> None:
+        """A cache of the reference model's log-probabilities of the validation pairs: an
+        optimization that changes no number, accepted either way."""
+        if section is None:
+            return
+        if not isinstance(section, dict) or section.get("mode", "disabled") not in ("disabled", "build_or_load"):
+            self.fail(("reference_eval_cache",), f"expected {{mode: disabled or build_or_load}}, got {section!r}")
+
+    def adapter(self, raw: dict, adapter: Any) -> None:
+        """``adapter: {type: lora, ...}`` is a ``lora`` section; ``{type: none}`` nothing."""
+        at = ("adapter",)
+        if not isinstance(adapter, dict) or adapter.get("type", "none") not in ("none", "lora"):
+            self.fail(at, f"expected {{type: none}} or {{type: lora, r, alpha, ...}}, got {adapter!r}")
+        if adapter.get("type", "none") == "none":
+            return
+        if "lora" in raw:
+            self.fail(at, "adapter and lora both describe the adapters; keep one")
+        lora = {k: v for k, v in adapter.items() if k not in ("type", "zero_init_b", "a_init_mode", "exclude_modules")}
+        for key in lora:
+            self.written[("lora", key)] = (*at, key)
+        excluded = adapter.get("exclude_modules")
+        if excluded not in (None, ["lm_head"]):
+            self.fail(
+                (*at, "exclude_modules"), "only the output head can be left out of the adapters here (the default)"
+            )
+        zero_b, a_mode = adapter.get("zero_init_b", False), adapter.get("a_init_mode", "zero")
+        if bool(zero_b) == (a_mode == "zero"):
+            self.fail(
+                (*at, "zero_init_b"),
+                "adapter.type=lora with reference.type=adapter_base requires zero adapter delta at init with exactly "
+                "one zero LoRA factor: set either zero_init_b=true or a_init_mode='zero', but not both",
+            )
+        raw["lora"] = lora
+
+    def reference(self, raw: dict) -> dict:
+        """The ``reference`` section, from the older ``reference_model_path`` / ``reference_is_hf``
+        too; ``lora_dpo``'s reference is the adapters' base."""
+        old = {k: raw.pop(k) for k in ("reference_model_path", "reference_is_hf") if k in raw}
+        section = raw.pop("reference", None)
+        if section is not None and old:
+            self.fail(("reference",), f"reference and {sorted(old)[0]} both name the reference model; keep reference")
+        if old:
+            return {
+                "type": "separate",
+                "model_path": old.get("reference_model_path", ""),
+                "is_hf": old.get("reference_is_hf", True),
+            }
+        if section is None:
+            return {"type": "adapter_base"} if "lora" in raw else {"type": "separate", "model_path": "", "is_hf": True}
+        if not isinstance(section, dict) or section.get("type", "separate") not in ("separate", "adapter_base"):
+            self.fail(
+                ("reference",),
+                f"expected {{type: separate, model_path, is_hf}} or {{type: adapter_base}}, got {section!r}",
+            )
+        return {"type": "separate", **section}
+
+    def check_reference(self, raw: dict, reference: dict) -> None:
+        """The reference here is the model as training starts (with LoRA: without its adapters),
+        kept frozen beside the one trained: Levanter's reference must be that model."""
+        if reference["type"] == "adapter_base":
+            if raw.get("lora") is None:
+                self.fail(("reference", "type"), "reference.type=adapter_base requires a non-none adapter.")
+            return
+        path = reference.get("model_path", "")
+        at = ("reference", "model_path") if "reference" in self.raw else ("reference_model_path",)
+        if not path:
+            self.fail(at, "reference.model_path must be provided for reference.type=separate.")
+        start = (
+            raw.get("initialize_from_hf")
+            if reference.get("is_hf", True)
+            else (raw.get("trainer") or {}).get("initialize_from")
+        )
+        if start is True:  # the model's own reference checkpoint
+            start = (raw.get("model") or {}).get("reference_checkpoint")
+        if path != start:
+            where = "initialize_from_hf" if reference.get("is_hf", True) else "trainer.initialize_from"
+            self.fail(
+                at,
+                f"the reference model here is the model training starts from ({where}: {start!r}), kept frozen; a "
+                f"different reference ({path!r}) is not available yet. Start from {path!r}, or set {where} to it",
+            )

@@ -17,7 +17,12 @@ from pydantic import (
 )
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, _tagged, typed_field_kind, validate_section
-from levanter_core.config.levanter_current import has_components, translate_components
+from levanter_core.config.levanter_current import (
+    has_components,
+    is_preference_program,
+    translate_components,
+    translate_preference_program,
+)
 from levanter_core.config.levanter_examples import is_levanter_example, translate_levanter_example
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, translate_levanter_sft
@@ -414,6 +419,8 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
         raw, sources = translate_levanter_example(raw, sources)
     if is_levanter_sft(raw):  # Levanter's sft / sft_mixture programs' config
         raw, sources = translate_levanter_sft(raw, sources)
+    if is_preference_program(raw):  # Levanter's train_dpo / lora_dpo / train_simpo programs' config
+        raw, sources = translate_preference_program(raw, sources)
     if has_components(raw):  # Levanter's current data schema: data.components
         raw, sources = translate_components(raw, sources)
     raw = _model_from_hf(raw, sources)  # reads a config.json: part of loading, not of validation

@@ -155,6 +155,14 @@ class DataConfig(ConfigModel):
     """Per source: hold out the last N sequences of its training data for validation (in place of
     any validation data it has); training uses the rest."""
 
+    validation_split_fraction: float | None = Field(None, ge=0, lt=1)
+    """Hold out the last fraction of the training data of the one source trained on, as its
+    validation set (in place of any validation data it has): ``int(n x fraction)`` of its ``n``
+    sequences (rows: pairs, for preference data), at least 1 and at most ``n - 1``; none when
+    ``n`` is 1 or the fraction 0. Training waits for that source's cache to be complete, since
+    the split needs its size. Levanter's DPO and SimPO programs' ``validation_split_fraction``;
+    a mixture with more than one trained source uses ``num_validation_sequences`` instead."""
+
     configs: dict[str, Typed("data_source", "url")] = Field(default_factory=dict)  # type: ignore[valid-type]
     """Named sources to mix, each a data source section (``type``, default ``url``). Leave
     empty and write the source's fields directly under ``data:`` for a single source."""
@@ -215,6 +223,18 @@ class DataConfig(ConfigModel):
                 "simulated epoching (target_budget, experiment_budget) cannot be combined with max_train_batches "
                 "or num_validation_sequences, as in Levanter"
             )
+        if self.validation_split_fraction:
+            trained = [name for name in self.configs if any(w[name] > 0 for _, w in self.weight_stages())]
+            if len(trained) != 1:
+                raise ValueError(
+                    f"validation_split_fraction holds out part of the one source trained on, but {len(trained)} "
+                    f"are ({', '.join(trained)}); give each a held-out count with num_validation_sequences instead"
+                )
+            if trained[0] in (self.num_validation_sequences or {}):
+                raise ValueError(
+                    f"validation_split_fraction and num_validation_sequences.{trained[0]} both hold out part of "
+                    f"{trained[0]!r}; keep one"
+                )
         for field in ("max_train_batches", "num_validation_sequences"):
             unknown = set(getattr(self, field) or {}) - set(self.configs)
             if unknown:
@@ -259,6 +279,16 @@ class DataConfig(ConfigModel):
         if steps[0] != 0 or steps != sorted(set(steps)):
             raise ValueError(f"train_weights stages must start at step 0 and increase (got steps {steps})")
         return self
+
+    def held_out(self) -> dict[str, int | float]:
+        """The sources validated on the tail of their own training data: ``name -> count`` (of
+        ``num_validation_sequences``) or ``name -> fraction`` (``validation_split_fraction``)."""
+        found: dict[str, int | float] = dict(self.num_validation_sequences or {})
+        if self.validation_split_fraction:
+            stages = self.weight_stages()
+            trained = next(name for name in self.configs if any(w[name] > 0 for _, w in stages))
+            found[trained] = float(self.validation_split_fraction)
+        return found
 
     def field_of(self, name: str) -> str:
         """The dotted config field of source ``name``, for messages."""

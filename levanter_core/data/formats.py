@@ -30,6 +30,9 @@ import string
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import Field, field_validator
@@ -276,11 +279,26 @@ BUILTIN_CHAT_TEMPLATE = (
 """The chat template used when neither the format nor the tokenizer has one."""
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: the blocks with which Hugging Face's (and
+    Levanter's) templates mark what the assistant writes, rendered as their content. What a
+    format trains on is found here by rendering the conversation up to each message, not from
+    these marks, so they need no meaning of their own."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox, with the settings and the ``raise_exception``
-    helper that Hugging Face's templates expect."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    helper that Hugging Face's templates expect (and their ``generation`` blocks)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlocks]
+    )
     env.globals["raise_exception"] = _raise_from_template
     try:
         return env.from_string(source)

@@ -92,10 +92,14 @@ def _open(
         raise DataError(f"{config.field_of(name)} ({split}): {e}{hint}") from None
 
 
+def _held_out_field(count: int | float) -> str:
+    return f"data.validation_split_fraction: {count}" if isinstance(count, float) else f"the last {count}"
+
+
 def needed_caches(config: DataConfig) -> Iterator[tuple[str, str]]:
     """``(source name, split)`` of every cache a run needs, training first."""
     stages = config.weight_stages()
-    held = config.num_validation_sequences or {}
+    held = config.held_out()
     for name, source in config.configs.items():
         trained = any(weights[name] > 0 for _, weights in stages)
         if trained or name in held:
@@ -110,10 +114,10 @@ def needed_caches(config: DataConfig) -> Iterator[tuple[str, str]]:
         if name in held:
             if source.has_split("validation"):
                 logger.info(
-                    "source %s: validating on the last %d sequences of its training data "
-                    "(data.num_validation_sequences) instead of its validation split",
+                    "source %s: validating on the held-out tail of its training data (%s) instead of its "
+                    "validation split",
                     name,
-                    held[name],
+                    _held_out_field(held[name]),
                 )
         elif source.has_split("validation"):
             yield name, "validation"
@@ -165,7 +169,7 @@ def build_lm_data(
         )
     train = {name: ds for (name, split), ds in datasets.items() if split == "train"}
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
-    for name, count in (config.num_validation_sequences or {}).items():
+    for name, count in config.held_out().items():
         validation[name] = held_out(train[name], name, count)[1]
     for key, cache in caches.items():
         if not cache.complete:

@@ -398,15 +398,47 @@ class SlicedSequences(SequenceDataset):
         return self.base.rows(indices + first)
 
 
-def held_out(dataset: SequenceDataset, name: str, count: int) -> tuple[SlicedSequences, SlicedSequences]:
-    """``data.num_validation_sequences``: source ``name``'s training sequences split into what
-    training reads (all but the last ``count``) and the validation set (the last ``count``)."""
+def held_out(dataset: SequenceDataset, name: str, count: int | float) -> tuple[SlicedSequences, SlicedSequences]:
+    """Source ``name``'s training sequences split into what training reads and the validation
+    set: the last ``count`` (an int: ``data.num_validation_sequences``), or the last fraction
+    ``count`` of them (a float: ``data.validation_split_fraction``, see :func:`held_out_count`)."""
+    if isinstance(count, float):
+        empty = (
+            f"data.validation_split_fraction ({count}) holds out part of source {name!r}, but its training data "
+            f"has only {{n}} sequence(s) of seq_len {dataset.seq_len}, too few to split; add data or set "
+            "validation_split_fraction to null"
+        )
+        return _FractionSlice(dataset, count, False, empty=empty), _FractionSlice(dataset, count, True, empty=empty)
     empty = (
         f"data.num_validation_sequences.{name} holds out the last {count} sequences of source {name!r} for "
         f"validation, but its training data has only {{n}} sequences of seq_len {dataset.seq_len}, which leaves "
         "none for training; lower it or add data"
     )
     return SlicedSequences(dataset, 0, -count, empty=empty), SlicedSequences(dataset, -count, None, empty=empty)
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of ``n`` sequences ``validation_split_fraction`` holds out, as Levanter counts
+    them: ``int(n x fraction)``, at least 1 and at most ``n - 1``; 0 for ``n <= 1`` or no fraction."""
+    if n <= 1 or fraction <= 0:
+        return 0
+    return min(max(int(n * fraction), 1), n - 1)
+
+
+class _FractionSlice(SlicedSequences):
+    """The training part (``validation`` false) or the held-out tail of ``base`` split by a
+    fraction of its size: known once the cache is complete, so both wait for that."""
+
+    def __init__(self, base: SequenceDataset, fraction: float, validation: bool, *, empty: str):
+        super().__init__(base, -1, None, empty=empty)  # from the end: waits for the complete cache
+        self.fraction, self.validation = fraction, validation
+
+    def _bounds(self, n: int) -> tuple[int, int]:
+        k = held_out_count(n, self.fraction)
+        start, stop = (n - k, n) if self.validation else (0, n - k)
+        if stop <= start:
+            raise DataError(self._empty.format(n=n))
+        return start, stop
 
 
 def eval_batches(

@@ -125,10 +125,11 @@ class TrainStream:
         schedule. ``data.num_validation_sequences`` holds the last sequences of those sources
         out of ``datasets`` here; :func:`held_out` gives the validation part."""
         datasets = dict(datasets)
-        for name, count in (config.num_validation_sequences or {}).items():
+        for name, count in config.held_out().items():
             if name in datasets:
                 datasets[name] = held_out(datasets[name], name, count)[0]
-                logger.info("source %s: its last %d training sequences are held out for validation", name, count)
+                what = f"a fraction {count} of" if isinstance(count, float) else f"the last {count}"
+                logger.info("source %s: %s its training sequences are held out for validation", name, what)
         limits = {}
         if config.max_train_batches:
             if initial_batch_size is None:

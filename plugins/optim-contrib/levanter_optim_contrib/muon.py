@@ -17,6 +17,7 @@ its own matrix.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,14 +34,14 @@ class ScaleByMuonState(NamedTuple):
     momentum: PyTree  # B_t, the running sum of gradients (not an average)
 
 
-def scale_by_muon(
-    momentum: float = 0.95, nesterov: bool = True, steps: int = 5, eps: float = 1e-8, kimi: bool = False
+def scale_by_matrix_momentum(
+    normalize: Callable[[jax.Array], jax.Array], momentum: float = 0.95, nesterov: bool = True
 ) -> optax.GradientTransformation:
-    """Muon's direction for trees whose arrays are all weight matrices (as
-    :func:`~levanter_optim_contrib.orthogonalize.map_matrices` finds them): the (Nesterov)
-    momentum of the gradients, orthogonalized by ``steps`` Newton-Schulz iterations and scaled
-    for the matrix's shape. The learning rate and weight decay are applied after it."""
-    orthogonalize = orthogonalized(steps, eps, kimi)
+    """The direction of a momentum-then-normalize optimizer (Muon, RMNP) for trees whose arrays
+    are all weight matrices: the (Nesterov) momentum of the gradients, each matrix then passed
+    through ``normalize`` as a ``(..., d_out, d_in)`` array (see
+    :func:`~levanter_optim_contrib.orthogonalize.map_matrices`). The learning rate and weight
+    decay are applied after it."""
 
     def init(params):
         return ScaleByMuonState(optax.tree.zeros_like(params))
@@ -49,9 +50,53 @@ def scale_by_muon(
         del params
         buf = jax.tree.map(lambda b, g: momentum * b + g, state.momentum, grads)
         direction = jax.tree.map(lambda b, g: momentum * b + g, buf, grads) if nesterov else buf
-        return map_matrices(orthogonalize, direction), ScaleByMuonState(buf)
+        return map_matrices(normalize, direction), ScaleByMuonState(buf)
 
     return optax.GradientTransformation(init, update)
+
+
+def scale_by_muon(
+    momentum: float = 0.95, nesterov: bool = True, steps: int = 5, eps: float = 1e-8, kimi: bool = False
+) -> optax.GradientTransformation:
+    """Muon's direction: the (Nesterov) momentum of each weight matrix's gradients,
+    orthogonalized by ``steps`` Newton-Schulz iterations and scaled for the matrix's shape."""
+    return scale_by_matrix_momentum(orthogonalized(steps, eps, kimi), momentum, nesterov)
+
+
+def matrices_and_adamw(
+    config: OptimizerConfig,
+    direction: optax.GradientTransformation,
+    num_train_steps: int,
+    *,
+    label: str,
+    adam_lr: float,
+    adam_weight_decay: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    max_grad_norm: float | None,
+) -> optax.GradientTransformation:
+    """``direction`` (then decoupled weight decay and the schedule of ``learning_rate``) on the
+    hidden weight matrices, AdamW (clipped to ``max_grad_norm``, its peak ``adam_lr`` on a
+    schedule of the same shape) on the other parameters, split as Levanter splits them. ``label``
+    names the matrices' part in the optimizer's state (``muon``, ``rmnp``), as checkpoints hold it."""
+    decay_mask = config.build_weight_decay_mask()
+    weight_decay = float(getattr(config, "weight_decay", 0.0))
+    matrices = [direction]
+    if weight_decay > 0:
+        matrices.append(optax.add_decayed_weights(weight_decay, decay_mask))
+    matrices.append(optax.scale_by_learning_rate(config.lr_scheduler(num_train_steps)))
+    adam = []
+    if max_grad_norm is not None:
+        adam.append(optax.clip_by_global_norm(max_grad_norm))
+    adam.append(optax.scale_by_adam(beta1, beta2, epsilon))
+    if adam_weight_decay > 0:
+        adam.append(optax.add_decayed_weights(adam_weight_decay, decay_mask))
+    adam.append(optax.scale_by_learning_rate(config.lr_scheduler(num_train_steps, learning_rate=adam_lr)))
+    return optax.partition(
+        {label: optax.chain(*matrices), "adamw": optax.chain(*adam)},
+        lambda params: label_matrices(params, label, "adamw"),
+    )
 
 
 class MuonConfig(OptimizerConfig):
@@ -119,24 +164,8 @@ class MuonConfig(OptimizerConfig):
 
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         """Muon on the hidden weight matrices, AdamW on the rest (``optax.partition``)."""
-        decay_mask = self.build_weight_decay_mask()
-
-        muon = [
-            scale_by_muon(self.momentum, self.nesterov, self.backend_steps, self.muon_epsilon, self.use_kimi_scaling)
-        ]
-        if self.weight_decay > 0:
-            muon.append(optax.add_decayed_weights(self.weight_decay, decay_mask))
-        muon.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
-
-        adam = []
-        if self.max_grad_norm is not None:
-            adam.append(optax.clip_by_global_norm(self.max_grad_norm))
-        adam.append(optax.scale_by_adam(self.beta1, self.beta2, self.epsilon))
-        if self.weight_decay > 0:
-            adam.append(optax.add_decayed_weights(self.weight_decay, decay_mask))
-        adam.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps, learning_rate=self.adam_lr)))
-
-        return optax.partition(
-            {"muon": optax.chain(*muon), "adamw": optax.chain(*adam)},
-            lambda params: label_matrices(params, "muon", "adamw"),
-        )
+        muon = scale_by_muon(self.momentum, self.nesterov, self.backend_steps, self.muon_epsilon, self.use_kimi_scaling)
+        return matrices_and_adamw(
+            self, muon, num_train_steps, label="muon", adam_lr=self.adam_lr, adam_weight_decay=self.weight_decay,
+            beta1=self.beta1, beta2=self.beta2, epsilon=self.epsilon, max_grad_norm=self.max_grad_norm,
+        )  # fmt: skip

@@ -15,6 +15,7 @@ OPTIMIZERS = {
     "kron": "levanter_optim_contrib.kron:KronConfig",
     "mars": "levanter_optim_contrib.mars:MarsConfig",
     "mini": "levanter_optim_contrib.adam_mini:MiniConfig",
+    "rmnp": "levanter_optim_contrib.rmnp:RmnpConfig",
 }
 """``type:`` name -> config class. The names are Levanter's."""
 

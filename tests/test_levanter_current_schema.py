@@ -314,3 +314,18 @@ def test_preference_chat_settings_without_meaning_here_are_refused(tmp_path, fie
     raw["data"]["components"]["default"]["format"][field] = value
     with pytest.raises(ConfigError, match=rf"data\.components\.default\.format\.{field} .*{message}"):
         _load(tmp_path, raw)
+
+
+def test_a_chat_component_is_the_chat_format_packed_whole(tmp_path):
+    """Supervised fine-tuning in Levanter's current schema: train_lm with a chat component."""
+    data = _components(tmp_path)
+    data["components"]["web"]["format"] = {
+        "type": "chat", "messages_field": "conversation", "pack": True, "mask_user_turns": True,
+        "chat_template_kwargs": "chat_template_kwargs",
+    }  # fmt: skip
+    config, _ = load_train_config(_with_data(tmp_path, data, "chat"))
+    fmt = config.data.configs["web"].format
+    assert (fmt.type, fmt.messages_field, fmt.mask_user_turns, fmt.packed) == ("chat", "conversation", True, True)
+    data["components"]["web"]["format"]["pack"] = False
+    with pytest.raises(ConfigError, match=r"data\.components\.web\.format\.pack .*packed whole"):
+        load_train_config(_with_data(tmp_path, data, "chat"))

@@ -130,9 +130,25 @@ class _Components(ProgramTranslation):
                 self.written[("data", "configs", name, key)] = (*at, key)
         if isinstance(ours.get("format"), dict) and ours["format"].get("type") == "preference_chat":
             ours["format"] = self.preference_chat(name, ours["format"])
+        elif isinstance(ours.get("format"), dict) and ours["format"].get("type") == "chat":
+            ours["format"] = self.chat(name, ours["format"])
         self.check_pack(name, section.get("pack"), ours.get("format"))
         self.written.setdefault(("data", "configs", name), at)
         return ours
+
+    def chat(self, name: str, fmt: dict) -> dict:
+        """Levanter's ``chat`` format: ours, less the settings it has no use for. Conversations
+        are packed whole here (Levanter's default, ``pack`` unset or true)."""
+        at = ("data", "components", name, "format")
+        fmt = dict(fmt)
+        pack = fmt.pop("pack", None)
+        if pack not in (None, True):
+            self.fail((*at, "pack"), "chat examples are packed whole here (pack: true, the default); remove pack")
+        if fmt.pop("system_prompt", None) is not None:
+            self.fail((*at, "system_prompt"), "a system prompt taken from a record's field is not available; remove it")
+        if fmt.pop("chat_template_kwargs", "chat_template_kwargs") != "chat_template_kwargs":
+            self.fail((*at, "chat_template_kwargs"), "template arguments from a record's field are not available")
+        return fmt
 
     def preference_chat(self, name: str, fmt: dict) -> dict:
         """Levanter's ``preference_chat`` format (a chosen and a rejected conversation per

@@ -20,9 +20,15 @@ the step, under ``stop_gradient``. Chosen and rejected sequences go through each
 forward pass (stacked on a ``side`` axis); the log-probabilities come from the hidden states
 block by block, each block's logits recomputed in the backward pass rather than kept, so no
 more than one block of logits is held at a time, as in the core's language-modelling loss.
+
+What every preference objective shares (the batch, the metrics, evaluation) is
+:class:`PairObjective`; SimPO, IPO and ORPO, in :mod:`levanter_preference.variants`, differ from
+DPO only in how they score a pair (:meth:`PairObjective.scores`).
 """
 
 from __future__ import annotations
+
+import abc
 
 import equinox as eqx
 import haliax as hax
@@ -66,14 +72,15 @@ class PreferenceExample(eqx.Module):
 
 
 class PairScores(eqx.Module):
-    """What DPO computes for each pair of a batch, ``(batch,)`` each."""
+    """What a preference objective computes for each pair of a batch, ``(batch,)`` each."""
 
     losses: NamedArray
     """The pair's loss."""
     rewards_chosen: NamedArray
-    """``beta * (log pi(chosen) - log ref(chosen))``."""
+    """The chosen answer's reward, as the objective defines it (DPO: ``beta * (log pi(chosen) -
+    log ref(chosen))``)."""
     rewards_rejected: NamedArray
-    """``beta * (log pi(rejected) - log ref(rejected))``."""
+    """The rejected answer's reward, likewise."""
     logps_chosen: NamedArray
     """The policy's summed log-probability of the chosen answer."""
     logps_rejected: NamedArray
@@ -81,23 +88,34 @@ class PairScores(eqx.Module):
     counted: NamedArray
     """1.0 for a pair that has a scored token on both sides, else 0.0 (an answer cut off by
     ``seq_len``): such a pair compares nothing and is left out of every mean."""
+    rounding: NamedArray
+    """How far apart the two rewards may be and still be equal but for rounding: a margin no
+    larger is a tie (see :func:`ranked_right`)."""
+    extra: dict[str, NamedArray] = eqx.field(default_factory=dict)
+    """Further per-pair quantities the objective logs (as ``<name>/<key>``, means over the pairs)."""
 
 
-class DpoObjective(Objective):
-    """The ``dpo`` objective: preference pairs scored against a frozen reference model."""
+class PairObjective(Objective):
+    """What every preference objective shares: a batch row is a pair of a chosen and a rejected
+    sequence (the ``preference`` format's), the loss the mean of :meth:`scores`' per-pair losses
+    over the pairs with something scored on both sides, and the same metrics, logged under
+    DPO's names whichever the objective (so that runs of each compare on one chart): every step
+    ``dpo/rewards_chosen``, ``dpo/rewards_rejected``, ``dpo/margin`` (chosen's reward less
+    rejected's), ``dpo/accuracy`` (the share of pairs whose chosen answer has the higher
+    reward, a tie up to rounding not counted: :func:`ranked_right`), ``dpo/logps_chosen`` and
+    ``dpo/logps_rejected`` (the policy's summed log-probabilities), with the objective's own
+    (``PairScores.extra``) as ``<name>/<key>``; each evaluation ``eval/loss`` (per pair),
+    ``eval/dpo_accuracy`` and ``eval/dpo_margin``. A subclass says how a pair is scored."""
 
-    name = "dpo"
     default_format = {"type": "preference"}
     eval_counts = {1: "pairs"}
-    keeps_reference = True
-    options = DpoOptions
     sequences_per_row = 2  # a pair: the chosen and the rejected sequence
-    flops_scale = 4 / 3  # the policy's forward and backward, and the reference's forward
 
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0):
-        settings = DpoOptions(beta=beta, label_smoothing=label_smoothing)
-        self.beta = settings.beta
-        self.label_smoothing = settings.label_smoothing
+    @abc.abstractmethod
+    def scores(self, model, example: PreferenceExample, reference, *, key=None) -> PairScores:
+        """Each pair's loss, rewards and log-probabilities under ``model`` (the policy, which the
+        gradient flows through) and ``reference`` (the frozen reference model for objectives
+        that keep one, which it does not; else None)."""
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -106,8 +124,8 @@ class DpoObjective(Objective):
         for name, source in config.data.configs.items():
             if not set(FIELDS) <= set(source.format.document_fields()):
                 raise ValueError(
-                    f"{config.data.field_of(name)}.format: the dpo objective reads preference pairs (a chosen and a "
-                    f"rejected answer per record), but this source's format is {source.format.type!r}; set "
+                    f"{config.data.field_of(name)}.format: the {cls.name} objective reads preference pairs (a chosen "
+                    f"and a rejected answer per record), but this source's format is {source.format.type!r}; set "
                     "format: {type: preference} (or leave the format out, which means preference for this objective)"
                 )
 
@@ -128,28 +146,9 @@ class DpoObjective(Objective):
     def example(self, arrays) -> PreferenceExample:
         return PreferenceExample(arrays["chosen"], arrays["chosen_mask"], arrays["rejected"], arrays["rejected_mask"])
 
-    # -- the loss ------------------------------------------------------------------------------
-    def scores(self, model, example: PreferenceExample, reference, *, key=None) -> PairScores:
-        """Each pair's loss, rewards and log-probabilities under ``model`` (the policy, which the
-        gradient flows through) and ``reference`` (which it does not)."""
-        if reference is None:
-            raise ValueError("the dpo objective compares the model with a reference model: pass reference=")
-        tokens, masks = _stacked(example)
-        policy = sequence_log_probs(model, tokens, masks, key=key)
-        ref = jax.lax.stop_gradient(sequence_log_probs(reference, tokens, masks))
-        rewards = self.beta * (policy - ref)
-        margin = rewards[SIDE, 0] - rewards[SIDE, 1]  # beta * m
-        ls = self.label_smoothing
-        losses = -(1 - ls) * hax.nn.log_sigmoid(margin) - ls * hax.nn.log_sigmoid(-margin)
-        counted = _comparable(tokens, masks)
-        return PairScores(losses, rewards[SIDE, 0], rewards[SIDE, 1], policy[SIDE, 0], policy[SIDE, 1], counted)
-
     def loss(self, model, example: PreferenceExample, *, key, reference=None) -> tuple[jax.Array, dict]:
-        """The mean DPO loss of the batch's pairs, and ``dpo/`` metrics (means over the pairs):
-        ``rewards_chosen``, ``rewards_rejected``, ``margin`` (chosen's reward less rejected's),
-        ``accuracy`` (the share of pairs whose chosen answer has the higher reward, a tie up to
-        rounding not counted: see :func:`ranked_right`),
-        ``logps_chosen`` and ``logps_rejected`` (the policy's log-probabilities)."""
+        """The mean loss of the batch's pairs, and the metrics of the class docstring (means over
+        the pairs)."""
         s = self.scores(model, example, reference, key=key)
 
         def mean(x):
@@ -159,15 +158,16 @@ class DpoObjective(Objective):
             "dpo/rewards_chosen": mean(s.rewards_chosen),
             "dpo/rewards_rejected": mean(s.rewards_rejected),
             "dpo/margin": mean(s.rewards_chosen - s.rewards_rejected),
-            "dpo/accuracy": mean(ranked_right(s, self.beta)),
+            "dpo/accuracy": mean(ranked_right(s)),
             "dpo/logps_chosen": mean(s.logps_chosen),
             "dpo/logps_rejected": mean(s.logps_rejected),
+            **{f"{self.name}/{name}": mean(value) for name, value in s.extra.items()},
         }
         return mean(s.losses), jax.lax.stop_gradient(metrics)
 
     def data_points(self, example: PreferenceExample) -> jax.Array:
         """The pairs the loss averages over (those with a scored token on both sides)."""
-        return hax.sum(_comparable(*_stacked(example))).scalar()
+        return hax.sum(comparable_pairs(*stacked_sides(example))).scalar()
 
     # -- evaluation ----------------------------------------------------------------------------
     def eval_loss(self, model, example: PreferenceExample, *, reference=None) -> jax.Array:
@@ -177,9 +177,8 @@ class DpoObjective(Objective):
         """``[summed loss, pairs, pairs whose chosen answer has the higher reward, summed
         margins]``, float32."""
         s = self.scores(model, example, reference)
-        correct = ranked_right(s, self.beta)
         margins = s.rewards_chosen - s.rewards_rejected
-        return jnp.stack([hax.sum(x * s.counted).scalar() for x in (s.losses, s.counted, correct, margins)])
+        return jnp.stack([hax.sum(x * s.counted).scalar() for x in (s.losses, s.counted, ranked_right(s), margins)])
 
     def eval_metrics(self, totals, tags, *, per_set: bool) -> dict[str, float]:
         """The loss of :func:`~levanter_core.trainer.evaluators.eval_metrics` (per pair), and
@@ -196,6 +195,54 @@ class DpoObjective(Objective):
                 metrics[f"{prefix}/dpo_accuracy"] = sum(totals[n][2] for n in names) / pairs
                 metrics[f"{prefix}/dpo_margin"] = sum(totals[n][3] for n in names) / pairs
         return metrics
+
+
+class DpoObjective(PairObjective):
+    """The ``dpo`` objective: preference pairs scored against a frozen reference model, with the
+    loss of the module docstring; rewards ``beta * (log pi - log ref)`` of the summed
+    log-probabilities. Logs what :class:`PairObjective` says."""
+
+    name = "dpo"
+    keeps_reference = True
+    options = DpoOptions
+    flops_scale = 4 / 3  # the policy's forward and backward, and the reference's forward
+
+    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0):
+        settings = DpoOptions(beta=beta, label_smoothing=label_smoothing)
+        self.beta = settings.beta
+        self.label_smoothing = settings.label_smoothing
+
+    def scores(self, model, example: PreferenceExample, reference, *, key=None) -> PairScores:
+        tokens, masks = stacked_sides(example)
+        policy, ref = policy_and_reference(self.name, model, reference, tokens, masks, key=key)
+        rewards = self.beta * (policy - ref)
+        margin = rewards[SIDE, 0] - rewards[SIDE, 1]  # beta * m
+        return PairScores(
+            losses=smoothed_sigmoid_loss(margin, self.label_smoothing),
+            rewards_chosen=rewards[SIDE, 0],
+            rewards_rejected=rewards[SIDE, 1],
+            logps_chosen=policy[SIDE, 0],
+            logps_rejected=policy[SIDE, 1],
+            counted=comparable_pairs(tokens, masks),
+            rounding=self.beta * ROUNDING * hax.sum(hax.abs(policy) + hax.abs(ref), SIDE),
+        )
+
+
+def smoothed_sigmoid_loss(z: NamedArray, label_smoothing: float) -> NamedArray:
+    """``-(1 - ls) log sigmoid(z) - ls log sigmoid(-z)``: the sigmoid loss of a pair whose
+    preference is the wrong way round with probability ``ls`` (cDPO's label smoothing)."""
+    return -(1 - label_smoothing) * hax.nn.log_sigmoid(z) - label_smoothing * hax.nn.log_sigmoid(-z)
+
+
+def policy_and_reference(
+    objective: str, model, reference, tokens: NamedArray, masks: NamedArray, *, key=None
+) -> tuple[NamedArray, NamedArray]:
+    """The summed log-probabilities (:func:`sequence_log_probs`) of ``tokens`` under the policy
+    ``model`` and under ``reference``, which the gradient does not reach."""
+    if reference is None:
+        raise ValueError(f"the {objective} objective compares the model with a reference model: pass reference=")
+    policy = sequence_log_probs(model, tokens, masks, key=key)
+    return policy, jax.lax.stop_gradient(sequence_log_probs(reference, tokens, masks))
 
 
 # -- log-probabilities of sequences ------------------------------------------------------------
@@ -251,20 +298,21 @@ ROUNDING = 1e-6
 rewards may round (float32 sums of many tokens' log-probabilities, in two passes)."""
 
 
-def ranked_right(s: PairScores, beta: float) -> NamedArray:
+def ranked_right(s: PairScores) -> NamedArray:
     """1.0 for each pair whose chosen answer has the higher reward, strictly: by more than the
-    rounding of the log-probabilities the rewards come from; else 0.0. A policy equal to its
-    reference (the first step) ties on every pair, though its forward pass and the reference's
-    may round differently, and a tie is not a win."""
-    margin = s.rewards_chosen - s.rewards_rejected
-    reference_sum = hax.abs(s.logps_chosen - s.rewards_chosen / beta) + hax.abs(
-        s.logps_rejected - s.rewards_rejected / beta
-    )
-    scale = hax.abs(s.logps_chosen) + hax.abs(s.logps_rejected) + reference_sum
-    return (margin > beta * ROUNDING * scale).astype(jnp.float32)
+    rounding of the log-probabilities the rewards come from (``s.rounding``); else 0.0. A policy
+    equal to its reference (DPO's first step) ties on every pair, though its forward pass and
+    the reference's may round differently, and a tie is not a win."""
+    return (s.rewards_chosen - s.rewards_rejected > s.rounding).astype(jnp.float32)
 
 
-def _stacked(example: PreferenceExample) -> tuple[NamedArray, NamedArray]:
+def scored_tokens(tokens: NamedArray, masks: NamedArray) -> NamedArray:
+    """How many tokens of each sequence are scored (float32, the position axis dropped): the
+    mask's, less the last position, which predicts nothing."""
+    return hax.sum(masks * _not_last(tokens), "position")
+
+
+def stacked_sides(example: PreferenceExample) -> tuple[NamedArray, NamedArray]:
     """The example's chosen and rejected token ids, and their masks (float32), stacked on a
     ``side`` axis that comes after the batch axis: flattened into the rows of the blockwise
     log-probabilities, each device's rows stay its own (a pair's two sides side by side)."""
@@ -273,11 +321,10 @@ def _stacked(example: PreferenceExample) -> tuple[NamedArray, NamedArray]:
     return tokens, masks.astype(jnp.float32)
 
 
-def _comparable(tokens: NamedArray, masks: NamedArray) -> NamedArray:
+def comparable_pairs(tokens: NamedArray, masks: NamedArray) -> NamedArray:
     """1.0 for each pair with a scored token on both sides (float32, the side and position axes
     dropped), else 0.0."""
-    scored = hax.sum(masks * _not_last(tokens), "position") > 0
-    return hax.all(scored, axis=SIDE).astype(jnp.float32)
+    return hax.all(scored_tokens(tokens, masks) > 0, axis=SIDE).astype(jnp.float32)
 
 
 def _not_last(tokens: NamedArray) -> NamedArray:

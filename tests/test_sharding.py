@@ -28,6 +28,8 @@ SETTINGS = {
         {"mlp": "model", "heads": "model"},
     ),
     "fsdp-and-tp": (["--trainer.model_axis_size", "2", *TP], {"embed": "data", "mlp": "model", "heads": "model"}),
+    # the same in Levanter's spelling, whose defaults split mlp and heads over model and embed over data
+    "mesh-fsdp-and-tp": (["--trainer.mesh", "{axes: {model: 2}}"], {"embed": "data", "mlp": "model", "heads": "model"}),
     "replica-fsdp-tp": (
         ["--trainer.replica_ici_axis_size", "2", "--trainer.model_axis_size", "2", *TP],
         {"embed": "data", "mlp": "model", "heads": "model"},
@@ -96,6 +98,7 @@ def test_sharded_runs_match_one_device_and_store_parameters_split(config, one_de
         path: a["piece"] for path, a in eight["fsdp-and-tp"]["arrays"].items() if path.endswith("mlp.c_fc.weight")
     }
     assert len(pieces) == 3 and set(map(tuple, pieces.values())) == {(2, 128, 16)}
+    assert eight["mesh-fsdp-and-tp"]["arrays"] == eight["fsdp-and-tp"]["arrays"]  # one code path
 
 
 @pytest.mark.slow

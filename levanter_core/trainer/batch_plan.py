@@ -10,6 +10,7 @@ from haliax import Axis
 
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.config import TrainerConfig
+from levanter_core.trainer.mesh_config import MODEL_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class BatchPlan:
         if batch % data_size and not config.allow_nondivisible_batch_size:
             raise ConfigError(
                 f"trainer.train_batch_size ({batch}) must be a multiple of the {data_size} data-parallel device(s) "
-                "(devices / trainer.model_axis_size); choose a multiple, or set "
+                f"(devices / {config.resolved_mesh.size_field(MODEL_AXIS)}); choose a multiple, or set "
                 "trainer.allow_nondivisible_batch_size: true to split it unevenly (at the cost of a copy of each "
                 "batch on every device)"
             )

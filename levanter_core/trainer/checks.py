@@ -11,6 +11,7 @@ from levanter_core.data.pipeline import needed_caches
 from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import ConfigError, DataError
 from levanter_core.trainer.config import TrainerConfig
+from levanter_core.trainer.mesh_config import REPLICA_AXIS, REPLICA_DCN_AXIS
 from levanter_core.trainer.trainer import BatchPlan
 
 
@@ -41,20 +42,23 @@ def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) 
     over ``data_parallel`` devices and the microbatches of ``per_device_parallelism`` as the
     trainer splits it (:meth:`~levanter_core.trainer.trainer.BatchPlan.from_config`). Without
     ``data_parallel`` (before the devices are known), what holds on any number of devices: the
-    data-parallel size is a multiple of ``replica_dcn_axis_size x replica_ici_axis_size``."""
+    data-parallel size is a multiple of the replicas' sizes (``replica_dcn x replica``, from
+    ``trainer.mesh`` or ``replica_dcn_axis_size x replica_ici_axis_size``)."""
     if trainer.train_batch_size == -1:
         return  # per_device_parallelism x the devices: divides by construction
     if data_parallel is not None:
         for size in trainer.batch_schedule.sizes:
             BatchPlan.from_config(trainer, data_parallel, size)
         return
-    replicas = trainer.replica_dcn_axis_size * trainer.replica_ici_axis_size
+    mesh = trainer.resolved_mesh
+    replicas = mesh.replicas()
+    replica_fields = f"{mesh.size_field(REPLICA_DCN_AXIS)} x {mesh.size_field(REPLICA_AXIS)}"
     field = "trainer.train_batch_size" + ("" if isinstance(trainer.train_batch_size, int) else " (a stage)")
     for size in trainer.batch_schedule.sizes:
         if size % replicas and not trainer.allow_nondivisible_batch_size:
             raise ConfigError(
-                f"{field}: {size} sequences do not split over trainer.replica_dcn_axis_size x "
-                f"trainer.replica_ici_axis_size = {replicas} data-parallel replicas; choose a multiple of "
+                f"{field}: {size} sequences do not split over {replica_fields} = {replicas} data-parallel "
+                f"replicas; choose a multiple of "
                 f"{replicas}, or set trainer.allow_nondivisible_batch_size: true"
             )
         if trainer.per_device_parallelism != -1:

@@ -7,30 +7,39 @@ import warnings
 from typing import Any
 
 from haliax.quantization import QuantizationConfig as HaliaxQuantization
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_only_as
 from levanter_core.config.types import MpPolicy, Seed
 from levanter_core.fileio import require_filesystem
 from levanter_core.optim.model_averaging import ModelAveragingConfig
+from levanter_core.trainer.mesh_config import DATA_AXIS, MODEL_AXIS, MeshConfig
+from levanter_core.trainer.mesh_config import DATA_PARALLEL_AXES as DATA_PARALLEL_AXES  # public here too
+from levanter_core.trainer.mesh_config import MESH_AXES as MESH_AXES
+from levanter_core.trainer.mesh_config import REPLICA_AXIS as REPLICA_AXIS
+from levanter_core.trainer.mesh_config import REPLICA_DCN_AXIS as REPLICA_DCN_AXIS
 from levanter_core.trainer.samples import TrainingSamplesConfig
 from levanter_core.trainer.viz import VizConfig
 from levanter_core.trainer.watch import WatchConfig
 
 JsonAtom = str | int | float | bool | None
 
-REPLICA_DCN_AXIS = "replica_dcn"
-"""Mesh axis of the replicas across processes or slices (``trainer.replica_dcn_axis_size``)."""
-REPLICA_AXIS = "replica"
-"""Mesh axis of the replicas within a process group or slice (``trainer.replica_ici_axis_size``)."""
-FSDP_AXIS = "data"
+FSDP_AXIS = DATA_AXIS
 """Mesh axis that splits the batch and, with FSDP, the parameters (the devices left over)."""
-MODEL_AXIS = "model"
-"""Mesh axis of tensor parallelism (``trainer.model_axis_size``)."""
-MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, FSDP_AXIS, MODEL_AXIS)
-"""The device mesh's axes, outermost first."""
-DATA_PARALLEL_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, FSDP_AXIS)
-"""The mesh axes the batch is split over."""
+
+_MESH_FIELDS = {
+    "batch_axis": "batch_axis_name",
+    "fsdp_axis": "param_mapping",
+    "tensor_parallel_axes": "shared_mapping",
+    "model_axis_size": "axes",
+    "replica_ici_axis_size": "axes",
+    "replica_dcn_axis_size": "dcn_axes",
+    "axis_resources": "shared_mapping",
+    "parameter_axis_resources": "param_mapping",
+    "compute_axis_resources": "compute_mapping",
+}
+"""The trainer's own parallelism fields, and the field of ``trainer.mesh`` that says the same."""
 
 
 class DistributedConfig(ConfigModel):
@@ -247,6 +256,11 @@ class TrainerConfig(ConfigModel):
     compute_axis_resources: dict[str, str | list[str]] = Field(default_factory=dict)
     """Advanced: logical -> mesh axis mapping while computing only (activations, and the
     parameters as gathered for compute)."""
+    mesh: MeshConfig | None = None
+    """The device mesh and the axis mappings in Levanter's spelling (``axes``, ``dcn_axes``,
+    ``batch_axis_name``, ``shared_mapping``, ``compute_mapping``, ``param_mapping``), in place of
+    the fields above (``batch_axis`` to ``compute_axis_resources``), which are translated into it:
+    one code path either way. Giving both is an error. None: the fields above decide."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.
@@ -371,6 +385,32 @@ class TrainerConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _one_mesh(self) -> TrainerConfig:
+        if self.mesh is None:
+            self._translated_mesh()  # what the run will use: built once here, so that it builds
+            return self
+        fields = type(self).model_fields
+        for name in _MESH_FIELDS:
+            value = getattr(self, name)
+            if value == fields[name].get_default(call_default_factory=True):
+                continue
+            if name == "batch_axis" and value == self.mesh.batch_axis_name:
+                continue  # what trainer.mesh says already (a resolved config, loaded again)
+            raise ValidationError.from_exception_data(
+                "trainer",
+                [
+                    {
+                        "type": PydanticCustomError("mesh_twice", "{message}", {"message": _twice(name, value)}),
+                        "loc": ("mesh",),
+                        "input": self.mesh,
+                    }
+                ],
+            )
+        # The training step names the batch with batch_axis: it is trainer.mesh's.
+        object.__setattr__(self, "batch_axis", self.mesh.batch_axis_name)
+        return self
+
+    @model_validator(mode="after")
     def _batch_per_device(self):
         if self.train_batch_size == -1 and self.per_device_parallelism < 1:
             raise ValueError(
@@ -414,39 +454,108 @@ class TrainerConfig(ConfigModel):
             axes.append("kv_heads")
         return axes
 
-    def compute_axis_mapping(self) -> dict[str, Any]:
-        """Logical -> mesh axes while computing: the batch over every data-parallel axis, the
-        tensor-parallel axes over ``model``; then ``axis_resources`` and ``compute_axis_resources``.
-        FSDP axes are absent: parameters are gathered whole along them for compute."""
-        mapping: dict[str, Any] = {self.batch_axis: DATA_PARALLEL_AXES}
+    @property
+    def resolved_mesh(self) -> MeshConfig:
+        """The mesh config in effect: ``mesh`` as written, or the one the fields ``batch_axis``
+        to ``compute_axis_resources`` translate to. Every part of the run reads the mesh's
+        sizes and mappings from it. (``mesh`` itself stays as written, so that a config's run id
+        and its saved ``config.yaml`` are what they were before ``mesh`` existed.)"""
+        return self.mesh if self.mesh is not None else self._translated_mesh()
+
+    def _translated_mesh(self) -> MeshConfig:
+        """``trainer.mesh`` equivalent to the fields ``batch_axis`` to ``compute_axis_resources``:
+        the same sizes and the same resolved mappings, with each entry remembering the field it
+        came from. Levanter's defaults that those fields do not split (``mlp``, ``heads``,
+        ``kv_heads`` over ``model``) are turned off, so nothing new is split."""
+        origins: dict[tuple[str, str], str] = {
+            ("size", "replica_dcn"): "trainer.replica_dcn_axis_size",
+            ("size", "replica"): "trainer.replica_ici_axis_size",
+            ("size", "data"): "the data axis size (devices / (model_axis_size x replica sizes))",
+            ("size", "model"): "trainer.model_axis_size",
+            ("batch", self.batch_axis): "trainer.batch_axis",
+        }
+        shared: dict[str, Any] = {"mlp": [], "heads": [], "kv_heads": []}
+        implied = {("shared", axis) for axis in shared}
+        named = set(self.tensor_parallel_axes or [])
         for axis in self.tensor_parallel_logical_axes():
-            mapping[axis] = MODEL_AXIS
-        mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
-        mapping.update({k: _as_mesh_axes(v) for k, v in self.compute_axis_resources.items()})
-        return mapping
+            shared[axis] = MODEL_AXIS
+            origins["shared", axis] = (
+                "trainer.tensor_parallel_axes"
+                if axis in named
+                else "trainer.tensor_parallel_axes (heads, which splits kv_heads)"
+            )
+            if axis in named:
+                implied.discard(("shared", axis))
+        for axis, value in self.axis_resources.items():
+            shared[axis] = value
+            origins["shared", axis] = f"trainer.axis_resources.{axis}"
+            implied.discard(("shared", axis))
+        # Before, the tensor-parallel axes and axis_resources won over fsdp_axis.
+        params: dict[str, Any] = {}
+        for axis in self.fsdp_axes:
+            if axis in self.tensor_parallel_logical_axes() or axis in self.axis_resources:
+                continue
+            params[axis] = FSDP_AXIS
+            origins["param", axis] = "trainer.fsdp_axis"
+        for axis, value in self.parameter_axis_resources.items():
+            params[axis] = value
+            origins["param", axis] = f"trainer.parameter_axis_resources.{axis}"
+        for axis in self.compute_axis_resources:
+            origins["compute", axis] = f"trainer.compute_axis_resources.{axis}"
+        mesh = MeshConfig(
+            axes={"replica": self.replica_ici_axis_size, "data": -1, "model": self.model_axis_size},
+            dcn_axes={"replica_dcn": self.replica_dcn_axis_size},
+            batch_axis_name=self.batch_axis,
+            shared_mapping=shared,
+            compute_mapping=dict(self.compute_axis_resources),
+            param_mapping=params,
+        )
+        return mesh.traced(origins, implied)
+
+    def compute_axis_mapping(self) -> dict[str, Any]:
+        """Logical -> mesh axes while computing (:meth:`MeshConfig.compute_axis_mapping` of
+        :attr:`resolved_mesh`). With the basic fields: the batch over every data-parallel axis,
+        the tensor-parallel axes over ``model``; then ``axis_resources`` and
+        ``compute_axis_resources``. FSDP axes are absent: parameters are gathered whole along
+        them for compute."""
+        return self.resolved_mesh.compute_axis_mapping()
 
     def parameter_axis_mapping(self) -> dict[str, Any]:
-        """Logical -> mesh axes at rest (parameters, optimizer state): the FSDP axes over
-        ``data``, the tensor-parallel axes over ``model``; then ``axis_resources`` and
-        ``parameter_axis_resources``. Replicas hold whole copies of the FSDP shards."""
-        mapping: dict[str, Any] = dict.fromkeys(self.fsdp_axes, FSDP_AXIS)
-        for axis in self.tensor_parallel_logical_axes():
-            mapping[axis] = MODEL_AXIS
-        mapping.update({k: _as_mesh_axes(v) for k, v in self.axis_resources.items()})
-        mapping.update({k: _as_mesh_axes(v) for k, v in self.parameter_axis_resources.items()})
-        return mapping
+        """Logical -> mesh axes at rest, parameters and optimizer state
+        (:meth:`MeshConfig.parameter_axis_mapping` of :attr:`resolved_mesh`). With the basic
+        fields: the FSDP axes over ``data``, the tensor-parallel axes over ``model``; then
+        ``axis_resources`` and ``parameter_axis_resources``. Replicas hold whole copies of the
+        FSDP shards."""
+        return self.resolved_mesh.parameter_axis_mapping()
 
     def parameter_axis_field(self, axis: str) -> str:
         """The dotted config field that decides where the parameter mapping puts the logical
         ``axis``: for error messages."""
-        for name in ("parameter_axis_resources", "axis_resources"):
-            if axis in getattr(self, name):
-                return f"trainer.{name}.{axis}"
-        if axis in (self.tensor_parallel_axes or []):
-            return "trainer.tensor_parallel_axes"
-        if axis in self.tensor_parallel_logical_axes():
-            return "trainer.tensor_parallel_axes (heads, which splits kv_heads)"
-        return "trainer.fsdp_axis"
+        return self.resolved_mesh.field_of(axis, "param")
+
+
+def _twice(name: str, value: Any) -> str:
+    """The message for ``trainer.mesh`` given with the trainer's field ``name`` set to ``value``."""
+    return (
+        f"trainer.mesh and trainer.{name} both say how the model's axes map onto the devices; say it once: "
+        f"write {_in_mesh(name, value)} and remove trainer.{name}, or remove trainer.mesh"
+    )
+
+
+def _in_mesh(name: str, value: Any) -> str:
+    """What the trainer's field ``name`` set to ``value`` reads as in ``trainer.mesh``."""
+    field = f"trainer.mesh.{_MESH_FIELDS[name]}"
+    if name in ("model_axis_size", "replica_ici_axis_size", "replica_dcn_axis_size"):
+        axis = {"model_axis_size": MODEL_AXIS, "replica_ici_axis_size": REPLICA_AXIS}.get(name, REPLICA_DCN_AXIS)
+        return f"{field}.{axis}: {value}"
+    if name == "batch_axis":
+        return f"{field}: {value}"
+    if name in ("fsdp_axis", "tensor_parallel_axes"):
+        axes = [] if value is None else [value] if isinstance(value, str) else value
+        mesh_axis = FSDP_AXIS if name == "fsdp_axis" else MODEL_AXIS
+        value = dict.fromkeys(axes, mesh_axis)
+    entries = ", ".join(f"{k}: {v if isinstance(v, str) else '[' + ', '.join(v) + ']'}" for k, v in value.items())
+    return f"{field}: {{{entries}}}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,7 +590,3 @@ class BatchSchedule:
                 break
             offset += size * ((step if end is None else min(step, end)) - start)
         return offset
-
-
-def _as_mesh_axes(value: str | list[str]) -> str | tuple[str, ...]:
-    return value if isinstance(value, str) else tuple(value)

@@ -1,12 +1,14 @@
 """The device mesh, with four axes, outermost first:
 
 * ``replica_dcn``: data-parallel replicas across process groups (TPU slices), over the
-  data-center network (``trainer.replica_dcn_axis_size``);
-* ``replica``: data-parallel replicas within a group (``trainer.replica_ici_axis_size``);
-* ``data``: the batch and, with FSDP, the parameters (the devices left over);
-* ``model``: tensor parallelism (``trainer.model_axis_size``).
+  data-center network (``trainer.mesh.dcn_axes.replica_dcn``, or ``trainer.replica_dcn_axis_size``);
+* ``replica``: data-parallel replicas within a group (``trainer.mesh.axes.replica``, or
+  ``trainer.replica_ici_axis_size``);
+* ``data``: the batch and, with FSDP, the parameters (by default the devices left over);
+* ``model``: tensor parallelism (``trainer.mesh.axes.model``, or ``trainer.model_axis_size``).
 
-The trainer config maps logical axes onto them (``TrainerConfig.compute_axis_mapping``,
+The sizes and the mappings of logical axes onto them come from the trainer config's
+:attr:`~levanter_core.trainer.config.TrainerConfig.resolved_mesh` (``compute_axis_mapping``,
 ``parameter_axis_mapping``). Devices are laid out in process order, so each process's devices
 form a contiguous block of the data-parallel axes, and with them of the batch rows (unless the
 TPU topology asks for another order).
@@ -23,7 +25,15 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from levanter_core.errors import ConfigError
-from levanter_core.trainer.config import DATA_PARALLEL_AXES, MESH_AXES
+from levanter_core.trainer.mesh_config import (
+    DATA_AXIS,
+    DATA_PARALLEL_AXES,
+    MESH_AXES,
+    MODEL_AXIS,
+    REPLICA_AXIS,
+    REPLICA_DCN_AXIS,
+    MeshConfig,
+)
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -33,24 +43,19 @@ if TYPE_CHECKING:
 
 def make_mesh(config: TrainerConfig, devices: list | None = None) -> Mesh:
     """The mesh of ``devices`` (default: all of the run's devices) with the axis sizes
-    ``config`` asks for; a :class:`ConfigError` naming the field when they do not fit."""
+    ``config`` asks for (its :attr:`~levanter_core.trainer.config.TrainerConfig.resolved_mesh`);
+    a :class:`ConfigError` naming the field when they do not fit."""
     devices = list(jax.devices() if devices is None else devices)
-    dcn, replica, model = config.replica_dcn_axis_size, config.replica_ici_axis_size, config.model_axis_size
-    n = len(devices)
-    if n % (dcn * replica * model):
-        sizes = {"model_axis_size": model, "replica_ici_axis_size": replica, "replica_dcn_axis_size": dcn}
-        named = [f"trainer.{name} ({size})" for name, size in sizes.items() if size > 1]
-        what = f"{named[0]} does" if len(named) == 1 else f"{' x '.join(named)} = {dcn * replica * model} does"
-        raise ConfigError(
-            f"{what} not divide the {n} available device(s): the rest of the devices form the data axis; "
-            f"choose sizes whose product divides {n}"
-        )
-    ici_shape = (1, replica, n // (dcn * replica * model), model)
-    groups = _dcn_groups(devices, dcn)
+    mesh_config = config.resolved_mesh
+    granule_of = _granule_key(devices)
+    slices = len({d.slice_index for d in devices}) if granule_of is _slice_index else 1
+    sizes = mesh_config.resolved_sizes(len(devices), slices)
+    ici_shape = (1, sizes[REPLICA_AXIS], sizes[DATA_AXIS], sizes[MODEL_AXIS])
+    groups = _dcn_groups(devices, sizes[REPLICA_DCN_AXIS], mesh_config)
     return Mesh(np.concatenate([_ici_mesh(ici_shape, group) for group in groups]), MESH_AXES)
 
 
-def _dcn_groups(devices: list, dcn: int) -> list[list]:
+def _dcn_groups(devices: list, dcn: int, mesh_config: MeshConfig) -> list[list]:
     """``devices`` cut into ``dcn`` groups of whole granules (TPU slices, else processes), in
     granule order: the replicas across the data-center network."""
     granule_of = _granule_key(devices)
@@ -60,9 +65,9 @@ def _dcn_groups(devices: list, dcn: int) -> list[list]:
     if len(granules) % dcn:
         kind = "TPU slice(s)" if granule_of is _slice_index else "process(es)"
         raise ConfigError(
-            f"trainer.replica_dcn_axis_size is {dcn}, but the run has {len(granules)} {kind}; each replica across "
-            f"the data-center network is a group of whole {kind}, so the size must divide {len(granules)} "
-            "(for replicas within a process, use trainer.replica_ici_axis_size)"
+            f"{mesh_config.size_field(REPLICA_DCN_AXIS)} is {dcn}, but the run has {len(granules)} {kind}; each "
+            f"replica across the data-center network is a group of whole {kind}, so the size must divide "
+            f"{len(granules)} (for replicas within a process, use {mesh_config.size_field(REPLICA_AXIS)})"
         )
     per_group = len(granules) // dcn
     ordered = list(granules.values())

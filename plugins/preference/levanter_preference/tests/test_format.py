@@ -40,7 +40,10 @@ def test_the_plugin_is_found_with_its_format_and_objectives():
     from levanter_core.testing import listed_plugin
 
     ours = listed_plugin("levanter-preference")
-    assert ours["error"] is None and ours["types"] == {"data_format": ["preference"], "objective": ["dpo", "simpo", "ipo", "orpo"]}
+    assert ours["error"] is None and ours["types"] == {
+        "data_format": ["preference"],
+        "objective": ["dpo", "simpo", "ipo", "orpo"],
+    }
 
 
 def test_the_format_is_registered_with_a_row_per_pair():

@@ -138,7 +138,7 @@ def sets_from_config(
     data = config.data
     tokenizer = load_tokenizer(data.tokenizer)
     sets = []
-    held = data.num_validation_sequences or {}
+    held = data.held_out()  # num_validation_sequences, validation_split_fraction
     for name, source in data.configs.items():
         if name in held:
             split = "train"

@@ -14,6 +14,7 @@ import levanter_core.plugins as plugins
 from conftest import code_docs, metrics, run_config, write_jsonl
 from levanter_core.cli import main
 from levanter_core.config.train import load_train_config
+from levanter_core.data.dataset.sequences import held_out_count
 from levanter_core.plugins import hookimpl
 from levanter_core.run import run_training
 from levanter_core.testing import tiny_hf_llama
@@ -238,6 +239,17 @@ def test_levanter_eval_on_a_configs_validation_set_matches_training(trained, cap
     # and the file itself, given with --data, reads the same
     code, out, _ = run_eval(capsys, trained["checkpoint"], "--data", trained["val"], "--json")
     assert json.loads(out)["eval_sets"]["val"]["loss"] == pytest.approx(report["loss"], rel=1e-6)
+
+
+def test_levanter_eval_on_the_held_out_fraction_of_a_configs_training_data(trained, capsys):
+    """``data.validation_split_fraction``: the config's validation set is the last quarter of
+    its training sequences (as training would hold it out), not its validation file."""
+    args = ["--config", trained["config"], "--data.validation_split_fraction", "0.25", "--json"]
+    code, out, err = run_eval(capsys, trained["checkpoint"], *args)
+    assert code == 0, err
+    docs = [json.loads(line)["text"] for line in open(trained["tmp"] / "train.jsonl")]
+    sequences = expected_totals(docs, seq_len=32)[0] // 31  # each predicts 31 tokens
+    assert json.loads(out)["eval_sets"]["main"]["tokens"] == held_out_count(sequences, 0.25) * 31
 
 
 def test_levanter_eval_mistakes(trained, capsys, tmp_path):

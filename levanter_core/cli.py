@@ -201,18 +201,21 @@ def plugins(
 def eval_command(
     ctx: typer.Context,
     source: Annotated[
-        str,
+        str | None,
         typer.Argument(
-            help=SOURCE_HELP,
-            metavar="SOURCE",
+            help=SOURCE_HELP + " Optional with a --config that names the model (Levanter's eval_lm configs: "
+            "checkpoint_path or hf_checkpoint).",
+            metavar="[SOURCE]",
         ),
-    ],
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option(
             "--config",
             help="A training config whose validation sets (and their tags) to evaluate on, tokenized into its "
-            "cache as training would; dotted overrides after it apply (--data.cache_dir DIR).",
+            "cache as training would; dotted overrides after it apply (--data.cache_dir DIR). Levanter's eval_lm "
+            "configs too: their checkpoint_path or hf_checkpoint is the model, max_eval_length the length of "
+            "the evaluated sequences.",
         ),
     ] = None,
     data: Annotated[

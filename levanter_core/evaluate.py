@@ -25,7 +25,9 @@ import numpy as np
 from haliax import Axis
 from tqdm.auto import tqdm
 
-from levanter_core.config.train import load_train_config, objective_class
+from levanter_core.config.levanter_current import EVAL_LM_FIELDS, translate_eval_program
+from levanter_core.config.loader import load_config_dict
+from levanter_core.config.train import TrainConfig, objective_class, train_config_from_raw
 from levanter_core.data.cache import SKIP_BAD_DATA_HINT, open_cache
 from levanter_core.data.dataset import TOO_SHORT_HINT, held_out, sequence_dataset
 from levanter_core.data.formats import MESSAGES_FIELD_HINT, TEXT_KEY_HINT
@@ -128,14 +130,34 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def sets_from_config(
-    path: str, overrides: Sequence[str], seq_len: int, field_lengths: Mapping[str, int], *, progress: bool = True
-):
-    """The validation sets of the training config at ``path`` (its tokenizer, the sets, and
-    each tag's sets), their caches built where that config keeps them. ``field_lengths``: the
-    objective's :meth:`~levanter_core.objective.Objective.row_lengths` (for audio, say)."""
-    config, _ = load_train_config(path, list(overrides))
-    data = config.data
+@dataclasses.dataclass
+class EvalConfig:
+    """A config given to ``levanter eval --config``: a training config (its validation sets), or
+    Levanter's ``eval_lm`` config, which also names the model (``checkpoint_path`` or
+    ``hf_checkpoint``: :attr:`source`) and the length of the evaluated sequences
+    (``max_eval_length``: :attr:`length`)."""
+
+    path: str
+    config: TrainConfig
+    source: str | None = None
+    length: int | None = None
+
+
+def load_eval_config(path: str, overrides: Sequence[str] = ()) -> EvalConfig:
+    """The config at ``path`` with ``overrides``, read as :class:`EvalConfig` says."""
+    raw, sources = load_config_dict(path, list(overrides))
+    source = length = None
+    if isinstance(raw, dict) and any(name in raw for name in EVAL_LM_FIELDS):
+        raw, source, length = translate_eval_program(raw, sources)
+    config, _ = train_config_from_raw(raw, sources)
+    return EvalConfig(path, config, source, length)
+
+
+def sets_from_config(loaded: EvalConfig, seq_len: int, field_lengths: Mapping[str, int], *, progress: bool = True):
+    """The validation sets of a training config (its tokenizer, the sets, and each tag's sets),
+    their caches built where that config keeps them. ``field_lengths``: the objective's
+    :meth:`~levanter_core.objective.Objective.row_lengths` (for audio, say)."""
+    path, data = loaded.path, loaded.config.data
     tokenizer = load_tokenizer(data.tokenizer)
     sets = []
     held = data.held_out()  # num_validation_sequences, validation_split_fraction
@@ -273,7 +295,7 @@ def example_of(objective, batch):
 
 
 def run_eval(
-    source: str,
+    source: str | None,
     *,
     config: str | None = None,
     overrides: Sequence[str] = (),
@@ -285,13 +307,27 @@ def run_eval(
     progress: bool = True,
 ) -> EvalReport:
     """Evaluate the model of ``source`` (a checkpoint, an import, a Hugging Face directory or
-    hub name) on the validation sets of ``config`` and on the ``data`` files, through the
-    model's training objective."""
+    hub name; None: the one ``config`` names, as Levanter's ``eval_lm`` configs do) on the
+    validation sets of ``config`` and on the ``data`` files, through the model's training
+    objective."""
     if not config and not data:
         raise UserError("nothing to evaluate on: give --config CONFIG (its validation sets) or --data FILE")
+    evaluated = load_eval_config(config, overrides) if config else None
+    source = source or (evaluated.source if evaluated else None)
+    if source is None:
+        raise UserError(
+            "which model? give SOURCE (a checkpoint, an import or a Hugging Face model), or name it in the "
+            "config (Levanter's checkpoint_path or hf_checkpoint)"
+        )
     loaded = load_model_source(source, tokenizer=tokenizer)
     model = loaded.model
     seq_len = model.config.seq_len
+    if evaluated is not None and evaluated.length is not None:
+        if evaluated.length > seq_len:
+            raise UserError(
+                f"{config}: max_eval_length ({evaluated.length}) exceeds the model's context ({seq_len} tokens)"
+            )
+        seq_len = evaluated.length
     kind = cast("type[Objective]", objective_class(model.config))  # (a registered objective's class)
     field_lengths = kind.row_lengths(model.config)
     sets, totals = [], {}
@@ -315,7 +351,8 @@ def run_eval(
         )
 
     if config:
-        config_tokenizer, found = sets_from_config(config, overrides, seq_len, field_lengths, progress=progress)
+        assert evaluated is not None
+        config_tokenizer, found = sets_from_config(evaluated, seq_len, field_lengths, progress=progress)
         evaluate(found, config_tokenizer)
     if data:
         if loaded.tokenizer is None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from pydantic import Field
 
 import levanter_core.plugins as plugins
@@ -310,3 +311,27 @@ def test_levanter_eval_of_a_hugging_face_model_reads_the_same_on_two_devices(tmp
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads(two.stdout)["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert one["eval_sets"]["prose"]["tokens"] > 256  # more than one sequence of the model's context
+
+
+def test_a_levanter_eval_lm_config_names_the_model_and_the_length(trained, capsys, tmp_path):
+    """Levanter's eval_lm config (checkpoint_path, max_eval_length, the data and model of a
+    training config) evaluates with ``levanter eval --config`` alone: its validation set, its
+    sequences max_eval_length tokens long."""
+    raw = yaml.safe_load(open(trained["config"]))
+    raw.update(checkpoint_path=trained["checkpoint"], max_eval_length=16, eval_on_train=False)
+    path = tmp_path / "eval_lm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code, out, err = run_eval(capsys, "--config", str(path), "--json")
+    assert code == 0, err
+    docs = [json.loads(line)["text"] for line in open(trained["val"])]
+    assert json.loads(out)["eval_sets"]["main"]["tokens"] == expected_totals(docs, seq_len=16)[0]
+
+    raw.update(hf_checkpoint="org/model")
+    path.write_text(yaml.safe_dump(raw))
+    code, _, err = run_eval(capsys, "--config", str(path))
+    assert code == 2 and "hf_checkpoint" in err and "not both" in err
+    raw.pop("hf_checkpoint")
+    raw.update(max_eval_length=64)  # the model's context is 32
+    path.write_text(yaml.safe_dump(raw))
+    code, _, err = run_eval(capsys, "--config", str(path))
+    assert code == 2 and "max_eval_length (64) exceeds the model's context (32" in err

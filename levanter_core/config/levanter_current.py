@@ -367,3 +367,38 @@ class _Preference(ProgramTranslation):
                 f"the reference model here is the model training starts from ({where}: {start!r}), kept frozen; a "
                 f"different reference ({path!r}) is not available yet. Start from {path!r}, or set {where} to it",
             )
+
+
+# -- Levanter's eval_lm program ----------------------------------------------------------------
+
+EVAL_LM_FIELDS = (
+    "checkpoint_path",
+    "hf_checkpoint",
+    "max_eval_length",
+    "eval_on_train",
+    "log_top2_gap",
+    "log_param_stats",
+)
+"""Top-level fields of Levanter's ``eval_lm`` config that a training config does not have."""
+
+
+def translate_eval_program(raw: dict, sources: Sources) -> tuple[dict, str | None, int | None]:
+    """Levanter's ``eval_lm`` fields taken out of ``raw`` (a config given to ``levanter eval
+    --config``): the rest is a training config whose validation sets are evaluated; also the
+    model to evaluate (``checkpoint_path`` or ``hf_checkpoint``, None when the config names
+    neither) and the evaluation length (``max_eval_length``, None when not given)."""
+    translation = ProgramTranslation(raw, sources)
+    translation.program = "eval_lm"
+    raw = dict(raw)
+    found = {name: raw.pop(name) for name in EVAL_LM_FIELDS if name in raw}
+    for name in ("eval_on_train", "log_top2_gap", "log_param_stats"):
+        if found.get(name):
+            translation.fail((name,), f"{name} is not available in levanter eval; remove it (or set it to false)")
+    given = [name for name in ("checkpoint_path", "hf_checkpoint") if found.get(name)]
+    if len(given) == 2:
+        translation.fail(("hf_checkpoint",), "Must specify either checkpoint_path or hf_checkpoint, not both")
+    source = found[given[0]] if given else None
+    length = found.get("max_eval_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        translation.fail(("max_eval_length",), f"expected a positive number of tokens, got {length!r}")
+    return raw, source, length

@@ -414,7 +414,12 @@ def load_train_config(path: str, overrides: list[str] | None = None) -> tuple[Tr
 
     Raises :class:`ConfigError` with one message for people on any problem.
     """
-    raw, sources = load_config_dict(path, overrides)
+    return train_config_from_raw(*load_config_dict(path, overrides))
+
+
+def train_config_from_raw(raw: dict, sources: Sources) -> tuple[TrainConfig, dict]:
+    """:func:`load_train_config` from a config's merged dict and where each key came from
+    (:func:`~levanter_core.config.loader.load_config_dict`)."""
     if is_levanter_example(raw):  # Levanter's alpaca / alpaca_lora / gsm8k_lora examples' config
         raw, sources = translate_levanter_example(raw, sources)
     if is_levanter_sft(raw):  # Levanter's sft / sft_mixture programs' config

@@ -329,3 +329,27 @@ def test_a_chat_component_is_the_chat_format_packed_whole(tmp_path):
     data["components"]["web"]["format"]["pack"] = False
     with pytest.raises(ConfigError, match=r"data\.components\.web\.format\.pack .*packed whole"):
         load_train_config(_with_data(tmp_path, data, "chat"))
+
+
+# -- sample_lm ---------------------------------------------------------------------------------
+
+
+def test_a_current_sample_lm_config_loads(tmp_path):
+    from levanter_core.inference.sample import load_sample_config
+
+    raw = {
+        "hf_checkpoint": "org/model",
+        "model": {"type": "llama", "max_seq_len": 4096},
+        "trainer": {"mesh": {"axes": {"model": 1}}, "mp": "p=f32,c=bfloat16"},
+        "engine": {"max_seqs": 4, "page_size": 8, "max_pages_per_seq": 4},
+        "prompts": ["Four score and seven years ago, our"],
+        "max_new_tokens": 16,
+        "log_kernel_jaxprs_path": None,
+    }
+    path = tmp_path / "sample.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_sample_config(str(path))
+    assert (config.source, config.engine.max_seq_len(4096), config.max_new_tokens) == ("org/model", 32, 16)
+    path.write_text(yaml.safe_dump({**raw, "log_kernel_jaxprs_path": "jaxprs/"}))
+    with pytest.raises(ConfigError, match="log_kernel_jaxprs_path"):
+        load_sample_config(str(path))

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 
-from levanter_core.config.base import ConfigModel
+from levanter_core.config.base import ConfigModel, accepted_only_as
 from levanter_core.config.loader import load_config_dict
 from levanter_core.config.train import format_validation_error
 from levanter_core.data.formats import render_chat_prompt
@@ -99,6 +99,8 @@ class SampleConfig(ConfigModel):
     """Generate everything this many times (the later rounds time the compiled engine)."""
     profile: bool = False
     """Levanter writes a profiler trace; accepted here, with no effect."""
+    log_kernel_jaxprs_path: str | None = None
+    """Levanter's current sampler writes the jaxprs of its kernels there; only null is accepted."""
     engine: EngineConfig = EngineConfig()
     """The inference engine."""
     trainer: TrainerConfig = TrainerConfig()
@@ -106,6 +108,10 @@ class SampleConfig(ConfigModel):
     model: dict[str, Any] | None = None
     """Levanter builds the model for ``checkpoint_path`` from this; our checkpoints record their
     own model config, so it is accepted and not needed."""
+
+    _no_jaxpr_log = accepted_only_as(
+        None, "log_kernel_jaxprs_path", why="writing the kernels' jaxprs is not available here; remove it"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -171,7 +171,7 @@ def sets_from_config(loaded: EvalConfig, seq_len: int, field_lengths: Mapping[st
         cache = _open(data, name, split, tokenizer, ray=None, background=False, progress=progress, build=True)
         dataset = sequence_dataset(cache, seq_len, layout=source.format.layout, field_lengths=field_lengths)
         if name in held:
-            dataset = held_out(dataset, name, held[name])[1]
+            dataset = held_out(dataset, name, held[name], shuffled=data.shuffles_split(held[name]))[1]
         tags = tuple(t for t in (source.tags or []) if t != name)
         sets.append(EvalSet(name, dataset, tags, f"{path}: {data.field_of(name)}"))
     if not sets:

@@ -166,6 +166,22 @@ def test_holding_out_every_sequence_is_an_error_naming_the_field(tmp_path, lm_da
         data.train.batch(0, 2)
 
 
+def test_shuffle_before_trainval_split_holds_out_a_random_subset_the_same_for_every_seed(tmp_path):
+    section = single(tmp_path, 20, num_validation_sequences={"main": 5}, shuffle_before_trainval_split=True)
+    every = {f"a{i:06d}" for i in range(20)}
+    held = []
+    for seed in (0, 1):
+        data = build_lm_data(validate_data_section(section), seq_len=SEQ, seed=seed, progress=False)
+        try:
+            held.append([name for batch in eval_batches(data.validation["main"], 5) for name in names(batch)])
+            trained = set(read(data.train, range(5)))  # 20 positions: more than the 15 kept
+        finally:
+            data.close()
+        assert len(set(held[-1])) == 5 and trained | set(held[-1]) == every and not trained & set(held[-1])
+    assert held[0] == held[1]  # one fixed order, whatever the seed
+    assert held[0] != [f"a{i:06d}" for i in range(15, 20)]  # not the tail
+
+
 def test_validation_split_fraction_holds_out_the_last_fraction_of_the_one_trained_source(tmp_path, lm_data):
     """Levanter's DPO split: the last int(20 x 0.1) = 2 of 20 sequences validate, in place of the
     source's own 3-document validation split; training reads the other 18."""

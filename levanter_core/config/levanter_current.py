@@ -22,7 +22,9 @@ the field as the file wrote it, and its line.
 Levanter's shuffle is now a block shuffle by default (``{io_block_size: 256, window_blocks:
 512}``: blocks of sequences permuted within windows of blocks); here the nearest is the era
 shuffle over windows of the same number of sequences (``shuffle: io_block_size x
-window_blocks``), which a config in this schema gets when it says nothing.
+window_blocks``), which a config in this schema gets when it says nothing; and its held-out
+sequences (``num_validation_sequences``) are a random subset unless
+``shuffle_before_trainval_split: false``.
 """
 
 from __future__ import annotations
@@ -71,21 +73,7 @@ class _Components(ProgramTranslation):
         data["configs"] = {str(name): self.component(str(name), section) for name, section in components.items()}
         shuffle = data.get("shuffle", BLOCK_SHUFFLE_DEFAULT)
         data["shuffle"] = self.shuffle(shuffle)
-        if "shuffle_before_trainval_split" in data:
-            data.pop("shuffle_before_trainval_split")
-            if data.get("num_validation_sequences") and self.raw["data"]["shuffle_before_trainval_split"] is not False:
-                self.fail(
-                    ("data", "shuffle_before_trainval_split"),
-                    "a random held-out subset is not available yet: num_validation_sequences holds out the last N "
-                    "sequences of each source; set shuffle_before_trainval_split: false for that",
-                )
-        elif data.get("num_validation_sequences"):
-            self.fail(
-                ("data", "num_validation_sequences"),
-                "Levanter's current schema holds out a random subset (shuffle_before_trainval_split defaults to "
-                "true), which is not available yet; set data.shuffle_before_trainval_split: false to hold out the "
-                "last N sequences of each source",
-            )
+        data.setdefault("shuffle_before_trainval_split", True)  # Levanter's current default
         written = dict(self.sources.written) if isinstance(self.sources, TranslatedSources) else {}
         written.update(self.written)
         places = TranslatedSources(self.sources.main_file, self.sources.places, written)

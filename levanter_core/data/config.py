@@ -155,6 +155,13 @@ class DataConfig(ConfigModel):
     """Per source: hold out the last N sequences of its training data for validation (in place of
     any validation data it has); training uses the rest."""
 
+    shuffle_before_trainval_split: bool = False
+    """With ``num_validation_sequences``: hold out a random subset of each source's training
+    sequences (the tail of one fixed keyed order, the same for every seed) rather than its last
+    N; training then waits for that source's cache to be complete. Levanter's current schema
+    defaults to true (its configs with ``components`` get that default); ``false`` is its
+    release's behaviour and the default here."""
+
     validation_split_fraction: float | None = Field(None, ge=0, lt=1)
     """Hold out the last fraction of the training data of the one source trained on, as its
     validation set (in place of any validation data it has): ``int(n x fraction)`` of its ``n``
@@ -289,6 +296,12 @@ class DataConfig(ConfigModel):
             trained = next(name for name in self.configs if any(w[name] > 0 for _, w in stages))
             found[trained] = float(self.validation_split_fraction)
         return found
+
+    def shuffles_split(self, count: int | float) -> bool:
+        """Whether the hold-out ``count`` (of :meth:`held_out`) is a random subset: counts of
+        ``num_validation_sequences`` with ``shuffle_before_trainval_split``; a fraction
+        (``validation_split_fraction``, Levanter's DPO split) is always the tail."""
+        return self.shuffle_before_trainval_split and not isinstance(count, float)
 
     def field_of(self, name: str) -> str:
         """The dotted config field of source ``name``, for messages."""

@@ -170,7 +170,7 @@ def build_lm_data(
     train = {name: ds for (name, split), ds in datasets.items() if split == "train"}
     validation = {name: ds for (name, split), ds in datasets.items() if split == "validation"}
     for name, count in config.held_out().items():
-        validation[name] = held_out(train[name], name, count)[1]
+        validation[name] = held_out(train[name], name, count, shuffled=config.shuffles_split(count))[1]
     for key, cache in caches.items():
         if not cache.complete:
             builder = "in the background" if build else "by process 0"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from levanter_core.data.permutation import Permutation, derive_key
 from levanter_core.errors import DataError
 
 TOO_SHORT_HINT = "add data or shorten the sequences"
@@ -398,10 +399,16 @@ class SlicedSequences(SequenceDataset):
         return self.base.rows(indices + first)
 
 
-def held_out(dataset: SequenceDataset, name: str, count: int | float) -> tuple[SlicedSequences, SlicedSequences]:
+def held_out(
+    dataset: SequenceDataset, name: str, count: int | float, *, shuffled: bool = False
+) -> tuple[SlicedSequences, SlicedSequences]:
     """Source ``name``'s training sequences split into what training reads and the validation
     set: the last ``count`` (an int: ``data.num_validation_sequences``), or the last fraction
-    ``count`` of them (a float: ``data.validation_split_fraction``, see :func:`held_out_count`)."""
+    ``count`` of them (a float: ``data.validation_split_fraction``, see :func:`held_out_count`).
+    ``shuffled``: of the sequences in a fixed keyed order (:class:`SplitOrder`), so that the
+    validation set is a random subset (``data.shuffle_before_trainval_split``)."""
+    if shuffled:
+        dataset = SplitOrder(dataset)
     if isinstance(count, float):
         empty = (
             f"data.validation_split_fraction ({count}) holds out part of source {name!r}, but its training data "
@@ -415,6 +422,41 @@ def held_out(dataset: SequenceDataset, name: str, count: int | float) -> tuple[S
         "none for training; lower it or add data"
     )
     return SlicedSequences(dataset, 0, -count, empty=empty), SlicedSequences(dataset, -count, None, empty=empty)
+
+
+class SplitOrder(SequenceDataset):
+    """``base``'s sequences in one fixed keyed order, the same for every run and seed (Levanter's
+    ``shuffle_before_trainval_split``: the split takes its tail, a random subset, for validation,
+    and training shuffles the rest as it shuffles anything). The order needs the number of
+    sequences, so nothing is available before the cache is complete."""
+
+    KEY = derive_key("train/validation split")
+
+    def __init__(self, base: SequenceDataset):
+        super().__init__(base.cache, base.seq_len)
+        self.base = base
+        self.packed = base.packed
+        self.field_shapes = base.field_shapes
+        self._order: Permutation | None = None
+
+    def available(self) -> int:
+        return self.base.final_length() or 0
+
+    def final_length(self) -> int | None:
+        return self.base.final_length()
+
+    def wait_for(self, n: int) -> None:
+        self.base.wait_complete()
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        indices = np.asarray(indices, np.int64)
+        n = self.available()
+        self._check_available(indices, n)
+        if not len(indices):
+            return self.base.rows(indices)
+        if self._order is None or self._order.n != n:
+            self._order = Permutation(n, self.KEY)
+        return self.base.rows(np.asarray(self._order(indices), np.int64))
 
 
 def held_out_count(n: int, fraction: float) -> int:

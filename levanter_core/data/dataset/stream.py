@@ -127,7 +127,7 @@ class TrainStream:
         datasets = dict(datasets)
         for name, count in config.held_out().items():
             if name in datasets:
-                datasets[name] = held_out(datasets[name], name, count)[0]
+                datasets[name] = held_out(datasets[name], name, count, shuffled=config.shuffles_split(count))[0]
                 what = f"a fraction {count} of" if isinstance(count, float) else f"the last {count}"
                 logger.info("source %s: %s its training sequences are held out for validation", name, what)
         limits = {}

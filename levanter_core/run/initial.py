@@ -22,7 +22,10 @@ from levanter_core.models.token_rows import reinitialize_rows, token_ids
 
 
 def row_lengths(model_config, config: TrainConfig | None = None) -> dict[str, int]:
-    """What one batch row holds of a format's own arrays for this model (the objective's)."""
+    """What one batch row holds of a format's own arrays for this model (the objective's), at
+    the run's training length (``train_seq_len``, when it is shorter than the model's context)."""
+    if config is not None and config.train_seq_len is not None:
+        model_config = model_config.model_copy(update={"seq_len": config.train_seq_len})
     return objective_class(model_config, config).row_lengths(model_config)
 
 

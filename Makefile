@@ -6,7 +6,7 @@ PLUGINS := plugins/models-gpt2 plugins/models-llama plugins/models-gemma plugins
            plugins/models-mixtral plugins/models-olmo plugins/models-gpt-oss \
            plugins/models-deepseek plugins/models-whisper plugins/data-hf \
            plugins/tracker-wandb plugins/tracker-tensorboard plugins/serve plugins/eval-harness \
-           plugins/audio plugins/optim-contrib plugins/preference
+           plugins/audio plugins/optim-contrib plugins/preference plugins/distill
 
 .PHONY: setup setup-test train train-whisper speech-data test test-fast clean
 

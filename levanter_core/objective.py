@@ -65,7 +65,8 @@ class Objective(abc.ABC):
     the starting weights in :class:`~levanter_core.trainer.state.TrainerState`, checkpointed
     with it; for a model with LoRA adapters, the model without them, which costs nothing) and
     passes it as the keyword ``reference`` to :meth:`loss`, :meth:`eval_loss` and
-    :meth:`eval_totals`."""
+    :meth:`eval_totals`. An objective whose reference is another model (a distillation
+    teacher) also sets it, and returns that model from :meth:`frozen_model`."""
 
     sequences_per_row: ClassVar[int] = 1
     """How many sequences of ``seq_len`` tokens one batch row holds (a preference pair's chosen
@@ -115,6 +116,19 @@ class Objective(abc.ABC):
         section (``config.objective_options``, an instance of :attr:`options`) as keywords."""
         settings = getattr(config, "objective_options", None)
         return cls() if settings is None else cls(**dict(settings))
+
+    def frozen_model(self, Vocab: Any) -> Any | None:
+        """A model of its own to keep frozen beside the trained one (a distillation teacher),
+        loaded from the objective's options when the run starts; None (the default): none.
+        ``Vocab`` is the trained model's vocabulary axis: a model of another vocabulary should be
+        refused here (``ConfigError`` naming the option). An objective that returns one sets
+        :attr:`keeps_reference`: the trainer then keeps this model, cast to the compute precision
+        and placed with the parameter sharding, in the state's ``reference`` slot (in place of a
+        copy of the starting weights), passes it as the keyword ``reference`` to :meth:`loss`,
+        :meth:`eval_loss` and :meth:`eval_totals` (an argument of the compiled step, not a
+        constant of it), and leaves it out of checkpoints: it is loaded again at every start,
+        a resumed run's included."""
+        return None
 
     @abc.abstractmethod
     def fields(self, batch: Any) -> dict[str, BatchField]:

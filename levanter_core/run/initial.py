@@ -5,7 +5,9 @@ adapters, and the first state: this run's newest checkpoint, ``trainer.initializ
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -132,6 +134,23 @@ def say_adapters(model, base: dict | None) -> None:
         f"LoRA: training {trained:,} adapter parameters of {total:,} ({trained / total:.2%}); checkpoints {where}",
         flush=True,
     )
+
+
+class FrozenAside:
+    """The checkpointer of a run whose objective keeps a frozen model of its own (a distillation
+    teacher, :meth:`~levanter_core.objective.Objective.frozen_model`): it saves the state without
+    that model, which every start loads again from the objective's options. What it loads lacks it
+    too (the trainer's templates do), and the run puts it back (``Trainer.with_frozen``).
+    Everything else is the checkpointer's own."""
+
+    def __init__(self, checkpointer: Any):
+        self._inner = checkpointer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def on_step(self, state: Any, step: int, *, force: bool = False) -> bool:
+        return self._inner.on_step(dataclasses.replace(state, reference=None), step, force=force)
 
 
 def with_run_settings(hf_model, model):

@@ -29,6 +29,7 @@ from levanter_core.fileio import is_local
 from levanter_core.plugins import get_manager
 from levanter_core.run.export import HfExporter
 from levanter_core.run.initial import (
+    FrozenAside,
     adapter_surgery,
     build_objective,
     check_model_takes_packed_data,
@@ -188,9 +189,14 @@ def _train(config: TrainConfig, run: RunFiles, data, progress: bool) -> RunResul
             lambda: initial_state(trainer, trainer_cfg, None, model_init, key, load_hf=load_hf, adapt=adapt)[0],
             base,
         )
+    frozen = trainer.load_frozen(Vocab)  # the objective's own frozen model (a teacher), never checkpointed
+    if frozen is not None:
+        checkpointer = FrozenAside(checkpointer)
     state, resumed_from = initial_state(
         trainer, trainer_cfg, checkpointer, model_init, key, load_hf=load_hf, trunk=trunk, adapt=adapt
     )
+    if frozen is not None:
+        state = trainer.with_frozen(state, frozen)
     if config.lora is not None:
         say_adapters(state.model, base)
     check_model_takes_packed_data(state.model, config)

@@ -30,4 +30,6 @@ class TrainerState(eqx.Module, Generic[M]):
     reference: M | None = None
     """The model as training started, frozen, for objectives that compare with it
     (:attr:`~levanter_core.objective.Objective.keeps_reference`, preference optimization);
-    None otherwise, and for a model with LoRA adapters, whose base is that model."""
+    None otherwise, and for a model with LoRA adapters, whose base is that model. An objective's
+    own frozen model (:meth:`~levanter_core.objective.Objective.frozen_model`, a distillation
+    teacher) is held here too, but not checkpointed: it is put in after each start."""

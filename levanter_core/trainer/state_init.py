@@ -4,6 +4,7 @@ mappings fit it, and the model of a state to evaluate."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +24,36 @@ from levanter_core.trainer.trainable import is_quantized, trainable
 class StateInit(TrainerBase):
     """The state-making part of the Trainer."""
 
+    frozen_aside: bool = False
+    """Whether the objective keeps a frozen model of its own (:meth:`load_frozen`): states are
+    then made, saved and loaded without it, and :meth:`with_frozen` puts it in."""
+
+    def load_frozen(self, Vocab) -> Any | None:
+        """The objective's own frozen model (:meth:`~levanter_core.objective.Objective.frozen_model`)
+        for a trained model of vocabulary ``Vocab``, cast to the compute precision and placed with
+        the parameter sharding; None when it keeps none."""
+        frozen = self.objective.frozen_model(Vocab)
+        if frozen is None:
+            return None
+        if not self.objective.keeps_reference:
+            raise TypeError(
+                f"{type(self.objective).__name__}.frozen_model returns a model, so it must set keeps_reference"
+            )
+        self.frozen_aside = True
+        with hax.partitioning.set_mesh(self.mesh):
+            return hax.named_jit(self.mp.cast_to_compute, axis_resources=self.parameter_mapping)(frozen)
+
+    def with_frozen(self, state: TrainerState, frozen) -> TrainerState:
+        """``state`` (made or loaded without it) holding the objective's frozen model as its reference."""
+        return dataclasses.replace(state, reference=frozen)
+
     def _fresh_state(self, model, training_key: jax.Array) -> TrainerState:
         """Step 0 around ``model``: parameter precision, a fresh optimizer state, and an
         average that starts at the model when averaging is on."""
         model = self.quantize(self.mp.cast_to_param(model))
         averaging = self.config.model_averaging
         reference = None
-        if self.objective.keeps_reference and not lora.has_adapters(model):
+        if self.objective.keeps_reference and not self.frozen_aside and not lora.has_adapters(model):
             reference = jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_array))  # buffers of its own
             reference = eqx.combine(reference, model)
         return TrainerState(

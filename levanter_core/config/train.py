@@ -23,6 +23,7 @@ from levanter_core.config.levanter_current import (
     translate_components,
     translate_preference_program,
 )
+from levanter_core.config.levanter_distill import is_levanter_distill, translate_levanter_distill
 from levanter_core.config.levanter_examples import is_levanter_example, translate_levanter_example
 from levanter_core.config.loader import Sources, load_config_dict
 from levanter_core.config.sft import SpecialTokensConfig, is_levanter_sft, translate_levanter_sft
@@ -426,6 +427,8 @@ def train_config_from_raw(raw: dict, sources: Sources) -> tuple[TrainConfig, dic
         raw, sources = translate_levanter_sft(raw, sources)
     if is_preference_program(raw):  # Levanter's train_dpo / lora_dpo / train_simpo programs' config
         raw, sources = translate_preference_program(raw, sources)
+    if is_levanter_distill(raw):  # Levanter's distill_lm program's config
+        raw, sources = translate_levanter_distill(raw, sources)
     if has_components(raw):  # Levanter's current data schema: data.components
         raw, sources = translate_components(raw, sources)
     raw = _model_from_hf(raw, sources)  # reads a config.json: part of loading, not of validation

@@ -94,6 +94,29 @@ class PairScores(eqx.Module):
     extra: dict[str, NamedArray] = eqx.field(default_factory=dict)
     """Further per-pair quantities the objective logs (as ``<name>/<key>``, means over the pairs)."""
 
+    @classmethod
+    def of_sides(
+        cls,
+        losses: NamedArray,
+        rewards: NamedArray,
+        policy: NamedArray,
+        counted: NamedArray,
+        rounding: NamedArray,
+        extra: dict[str, NamedArray] | None = None,
+    ) -> PairScores:
+        """The scores from ``rewards`` and ``policy`` (the summed log-probabilities) as they come,
+        ``(side, batch)`` with the chosen answers at side 0 and the rejected at side 1."""
+        return cls(
+            losses=losses,
+            rewards_chosen=rewards[SIDE, 0],
+            rewards_rejected=rewards[SIDE, 1],
+            logps_chosen=policy[SIDE, 0],
+            logps_rejected=policy[SIDE, 1],
+            counted=counted,
+            rounding=rounding,
+            extra=extra or {},
+        )
+
 
 class PairObjective(Objective):
     """What every preference objective shares: a batch row is a pair of a chosen and a rejected
@@ -217,12 +240,10 @@ class DpoObjective(PairObjective):
         policy, ref = policy_and_reference(self.name, model, reference, tokens, masks, key=key)
         rewards = self.beta * (policy - ref)
         margin = rewards[SIDE, 0] - rewards[SIDE, 1]  # beta * m
-        return PairScores(
+        return PairScores.of_sides(
             losses=smoothed_sigmoid_loss(margin, self.label_smoothing),
-            rewards_chosen=rewards[SIDE, 0],
-            rewards_rejected=rewards[SIDE, 1],
-            logps_chosen=policy[SIDE, 0],
-            logps_rejected=policy[SIDE, 1],
+            rewards=rewards,
+            policy=policy,
             counted=comparable_pairs(tokens, masks),
             rounding=self.beta * ROUNDING * hax.sum(hax.abs(policy) + hax.abs(ref), SIDE),
         )

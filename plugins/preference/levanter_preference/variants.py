@@ -86,12 +86,10 @@ class SimpoObjective(PairObjective):
         means = mean_log_probs(policy, tokens, masks)
         rewards = self.beta * means
         z = rewards[SIDE, 0] - rewards[SIDE, 1] - self.beta * self.gamma_beta_ratio
-        return PairScores(
+        return PairScores.of_sides(
             losses=smoothed_sigmoid_loss(z, self.label_smoothing),
-            rewards_chosen=rewards[SIDE, 0],
-            rewards_rejected=rewards[SIDE, 1],
-            logps_chosen=policy[SIDE, 0],
-            logps_rejected=policy[SIDE, 1],
+            rewards=rewards,
+            policy=policy,
             counted=comparable_pairs(tokens, masks),
             rounding=self.beta * ROUNDING * hax.sum(hax.abs(means), SIDE),
         )
@@ -136,12 +134,10 @@ class IpoObjective(PairObjective):
         policy, ref = policy_and_reference(self.name, model, reference, tokens, masks, key=key)
         ratios = policy - ref
         h = ratios[SIDE, 0] - ratios[SIDE, 1]
-        return PairScores(
+        return PairScores.of_sides(
             losses=hax.square(h - 1 / (2 * self.beta)),
-            rewards_chosen=self.beta * ratios[SIDE, 0],
-            rewards_rejected=self.beta * ratios[SIDE, 1],
-            logps_chosen=policy[SIDE, 0],
-            logps_rejected=policy[SIDE, 1],
+            rewards=self.beta * ratios,
+            policy=policy,
             counted=comparable_pairs(tokens, masks),
             rounding=self.beta * ROUNDING * hax.sum(hax.abs(policy) + hax.abs(ref), SIDE),
         )
@@ -192,12 +188,10 @@ class OrpoObjective(PairObjective):
         ratio = log_odds[SIDE, 0] - log_odds[SIDE, 1]
         nll = -means[SIDE, 0]
         rewards = self.beta * means
-        return PairScores(
+        return PairScores.of_sides(
             losses=nll - self.beta * hax.nn.log_sigmoid(ratio),
-            rewards_chosen=rewards[SIDE, 0],
-            rewards_rejected=rewards[SIDE, 1],
-            logps_chosen=policy[SIDE, 0],
-            logps_rejected=policy[SIDE, 1],
+            rewards=rewards,
+            policy=policy,
             counted=comparable_pairs(tokens, masks),
             rounding=self.beta * ROUNDING * hax.sum(hax.abs(means), SIDE),
             extra={"nll": nll, "log_odds_ratio": ratio},

@@ -10,6 +10,7 @@ import sys
 import time
 
 from conftest import REPO
+from levanter_core.testing import simulated_devices
 
 CLI = [sys.executable, "-c", "from levanter_core.cli import main; main()"]
 
@@ -37,7 +38,7 @@ def distributed_args(port: int, num_processes: int, process_id: int, heartbeat: 
 def cpu_env(devices: int = 1, **extra: str) -> dict:
     """This environment with ``devices`` simulated CPU devices for JAX."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+    return {**env, **simulated_devices(devices), **extra}
 
 
 class Processes:

@@ -18,7 +18,7 @@ from levanter_core.config.train import load_train_config
 from levanter_core.data.dataset.sequences import held_out_count
 from levanter_core.plugins import hookimpl
 from levanter_core.run import run_training
-from levanter_core.testing import tiny_hf_llama
+from levanter_core.testing import simulated_devices, tiny_hf_llama
 from levanter_core.trainer.evaluators import Evaluator, EvaluatorConfig, eval_metrics
 
 LN2 = math.log(2)
@@ -296,7 +296,7 @@ def test_levanter_eval_of_a_hugging_face_model_reads_the_same_on_two_devices(tmp
     assert code == 0, err
     one = json.loads(out)
     # JAX fixes its device count when it starts: the two devices live in a subprocess
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **simulated_devices(2)}
     command = [
         sys.executable,
         "-c",

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from conftest import REPO
 from levanter_core.config.train import load_train_config
 from levanter_core.errors import ConfigError
+from levanter_core.testing import simulated_devices
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh_config import MeshConfig
 
@@ -88,8 +89,8 @@ def test_levanter_defaults_split_mlp_and_heads_over_model_and_embed_over_data():
     )
     assert mesh.compute_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "batch": DP}
     assert mesh.parameter_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "embed": "data"}
-    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 8, "model": 1}
-    assert mesh.resolved_sizes(8, num_slices=2) == {"replica_dcn": 2, "replica": 1, "data": 4, "model": 1}
+    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 8, "context": 1, "model": 1}
+    assert mesh.resolved_sizes(8, num_slices=2) == {"replica_dcn": 2, "replica": 1, "data": 4, "context": 1, "model": 1}
 
 
 def test_a_model_axis_is_merged_over_the_default_axes_and_takes_mlp_and_heads():
@@ -100,7 +101,7 @@ def test_a_model_axis_is_merged_over_the_default_axes_and_takes_mlp_and_heads():
         ("mlp", "heads", "kv_heads"), "model"
     )
     assert params == {"mlp": "model", "heads": "model", "kv_heads": "model", "embed": "data"}
-    assert config.mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 4, "model": 2}
+    assert config.mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 4, "context": 1, "model": 2}
     # -1 given to another axis: data, not set, becomes 1
     assert trainer(mesh={"axes": {"model": -1}}).mesh.resolved_sizes(8)["model"] == 8
 
@@ -117,10 +118,20 @@ def test_param_mapping_and_shared_mapping_as_levanter_resolves_them():
 
 
 def test_an_axis_of_size_one_levanter_core_lacks_is_dropped_with_what_maps_onto_it():
-    mesh = MeshConfig(axes={"context": 1}, shared_mapping={"position": "context", "key_position": ["context", "data"]})
-    assert "context" not in mesh.axes
-    assert "position" not in mesh.compute_axis_mapping()
-    assert mesh.compute_axis_mapping()["key_position"] == ("data",)
+    mesh = MeshConfig(axes={"expert": 1}, shared_mapping={"experts": "expert", "mlp": ["expert", "model"]})
+    assert "expert" not in mesh.axes
+    assert "experts" not in mesh.compute_axis_mapping()
+    assert mesh.compute_axis_mapping()["mlp"] == ("model",)
+
+
+def test_a_context_axis_splits_the_positions_as_levanter_writes_it():
+    config = trainer(mesh={"axes": {"context": 4}, "shared_mapping": {"position": "context"}})
+    assert config.mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 2, "context": 4, "model": 1}
+    compute, params = mappings(config)
+    assert compute["position"] == "context" and compute["batch"] == DP
+    assert params["position"] == "context"  # learned position embeddings, where a model has them
+    assert config.context_attention == "ring"
+    assert trainer(mesh={"axes": {"context": 2}}, context_attention="all_gather").context_attention == "all_gather"
 
 
 def test_the_same_mesh_either_way():
@@ -147,7 +158,7 @@ def test_the_same_mesh_either_way():
         "pairs = json.loads(sys.argv[1])\n"
         "print(json.dumps({k: [dict(make_mesh(TrainerConfig.model_validate(c)).shape) for c in v] for k, v in pairs.items()}))\n"
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **simulated_devices(8)}
     result = subprocess.run(
         [sys.executable, "-c", script, json.dumps(pairs)],
         env=env,
@@ -158,8 +169,8 @@ def test_the_same_mesh_either_way():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     shapes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert shapes["tensor-parallel"][0] == {"replica_dcn": 1, "replica": 1, "data": 4, "model": 2}
-    assert shapes["replicas"][0] == {"replica_dcn": 1, "replica": 2, "data": 2, "model": 2}
+    assert shapes["tensor-parallel"][0] == {"replica_dcn": 1, "replica": 1, "data": 4, "context": 1, "model": 2}
+    assert shapes["replicas"][0] == {"replica_dcn": 1, "replica": 2, "data": 2, "context": 1, "model": 2}
     for name, (own, levanter) in shapes.items():
         assert own == levanter, name
 
@@ -181,10 +192,7 @@ def load_error(path, *overrides) -> str:
     return str(e.value)
 
 
-def test_a_context_axis_is_refused_by_name(nano):
-    message = load_error(nano, "--trainer.mesh", "{axes: {context: 2}, shared_mapping: {position: context}}")
-    assert "trainer.mesh.axes.context" in message
-    assert "context parallelism" in message and "does not support yet" in message and "size 1" in message
+def test_an_axis_of_parallelism_not_here_yet_is_refused_by_name(nano):
     message = load_error(nano, "--trainer.mesh", "{axes: {expert: 4}}")
     assert "trainer.mesh.axes.expert" in message and "expert parallelism" in message
     with pytest.raises(ValidationError, match="not a mesh axis levanter-core has"):

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO
 from levanter_core.plugins import registry
+from levanter_core.testing import simulated_devices
 
 # What each optimizer needs besides its defaults to show its machinery in 6 steps: the
 # Hessian estimates of Sophia every other step, Kron's preconditioner on every step, SOAP's
@@ -47,7 +48,7 @@ def run_matrix(tmp_path, devices: int) -> dict:
     tmp_path.mkdir()
     sections_path, out_path = tmp_path / "sections.json", tmp_path / "out.json"
     sections_path.write_text(json.dumps(sections()))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, **simulated_devices(devices, quick_compile=True)}
     result = subprocess.run(
         [sys.executable, f"{REPO}/tests/optimizer_matrix.py", str(sections_path), str(out_path), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=1500, check=False,

@@ -22,7 +22,7 @@ import tensorstore as ts
 
 from conftest import REPO
 from levanter_core.checkpoint import COMMIT_MARKER, METADATA_FILE
-from levanter_core.testing import logged
+from levanter_core.testing import logged, simulated_devices
 
 CONFIG = os.path.join(REPO, "config", "gpt2_nano.yaml")
 STEPS = 40
@@ -60,7 +60,7 @@ def command(args: list[str]) -> list[str]:
 
 
 def cpu_env(devices: int) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return {**os.environ, **simulated_devices(devices)}
 
 
 def train(args: list[str], *, devices: int = 1) -> subprocess.CompletedProcess:

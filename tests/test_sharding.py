@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
+from levanter_core.testing import simulated_devices
 
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+EIGHT_DEVICES = simulated_devices(8)
+ONE_DEVICE = simulated_devices(1)
 
 # float32, every dimension the mesh splits divisible by 8
 MODEL = {"type": "gpt2", "hidden_dim": 64, "num_heads": 8, "num_layers": 2, "seq_len": 32}
@@ -30,6 +31,18 @@ SETTINGS = {
     "fsdp-and-tp": (["--trainer.model_axis_size", "2", *TP], {"embed": "data", "mlp": "model", "heads": "model"}),
     # the same in Levanter's spelling, whose defaults split mlp and heads over model and embed over data
     "mesh-fsdp-and-tp": (["--trainer.mesh", "{axes: {model: 2}}"], {"embed": "data", "mlp": "model", "heads": "model"}),
+    # context parallelism: each sequence's 32 positions split 4 ways (ring attention), and 2 ways
+    # beside tensor parallelism (attention from gathered keys and values)
+    "context-parallel": (
+        ["--trainer.mesh", "{axes: {context: 4}, shared_mapping: {position: context}}"],
+        # shared_mapping splits GPT-2's learned position embeddings too
+        {"embed": "data", "mlp": "model", "heads": "model", "position": "context"},
+    ),
+    "context-and-tp": (
+        ["--trainer.mesh", "{axes: {context: 2, model: 2}, shared_mapping: {position: context}}",
+         "--trainer.context_attention", "all_gather"],
+        {"embed": "data", "mlp": "model", "heads": "model", "position": "context"},
+    ),
     "replica-fsdp-tp": (
         ["--trainer.replica_ici_axis_size", "2", "--trainer.model_axis_size", "2", *TP],
         {"embed": "data", "mlp": "model", "heads": "model"},

@@ -36,6 +36,7 @@ from haliax.state_dict import ModuleWithStateDictSerialization, StateDict
 from pydantic import BeforeValidator
 
 from levanter_core.hf.layouts import fuse, unfuse
+from levanter_core.layers.context_parallel import context_mesh_axis, context_parallel_attention
 from levanter_core.layers.mlp import init_linear
 from levanter_core.layers.norm import RmsNorm
 from levanter_core.layers.rotary import RotaryConfig, apply_rotary, rotary_tables
@@ -193,6 +194,20 @@ def dot_product_attention(
         if backend != "reference":
             raise ValueError("values with a head size of their own need attn_backend 'reference' or 'auto'")
     VHead = VHeadSize or HeadSize
+    mesh_axis = context_mesh_axis(Pos)
+    if mesh_axis is not None and mask.query_positions is None and Pos.size == KeyPos.size:
+        if dropout > 0:
+            raise ValueError(
+                "attention dropout is not available with context parallelism (position split over devices)"
+            )
+        if upcast:
+            q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+        out = context_parallel_attention(
+            q, k, v, mesh_axis=mesh_axis, Pos=Pos, KeyPos=KeyPos, HeadSize=HeadSize, VHead=VHead, scale=scale,
+            causal=mask.causal, segment_ids=mask.segment_ids, soft_cap=soft_cap, window=window,
+            sliding=_scalar(sliding) if sliding is not None else None, sinks=sinks,
+        )  # fmt: skip
+        return out.rearrange(tuple(VHead if ax.name == HeadSize.name else ax for ax in q.axes)).astype(v.dtype)
     if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0, sinks=sinks is not None) == "jax":
         return _jax_attention(q, k, v, mask, Pos, KeyPos, HeadSize, scale, window, sliding)
     if upcast:

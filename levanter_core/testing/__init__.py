@@ -31,11 +31,29 @@ from levanter_core.testing.tiny import TINY_HF, tiny_hf_config, tiny_model
 
 __all__ = [
     "MODEL", "TINY_HF", "LocalS3Server", "code_docs", "listed_plugin", "logged", "read_metrics", "run_config",
-    "tiny_hf_config", "tiny_hf_llama", "tiny_model", "train_bpe_tokenizer", "train_briefly", "write_jsonl",
+    "simulated_devices", "tiny_hf_config", "tiny_hf_llama", "tiny_model", "train_bpe_tokenizer", "train_briefly",
+    "write_jsonl",
 ]  # fmt: skip
 
 MODEL = tiny_model()
 """A GPT-2 small enough to train a few steps on CPU in seconds (needs levanter-model-gpt2)."""
+
+
+def simulated_devices(devices: int, *, quick_compile: bool = False) -> dict[str, str]:
+    """Environment entries for a subprocess whose JAX runs on ``devices`` simulated CPU devices:
+    ``JAX_PLATFORMS=cpu``, and this process's ``XLA_FLAGS`` with the device count set.
+
+    ``quick_compile``: also ask XLA's CPU backend for its lowest optimization level
+    (``--xla_backend_optimization_level=0``), which halves the time a subprocess that compiles
+    dozens of tiny programs spends compiling (the optimizer matrix: 30 of them). Only for a
+    subprocess whose results are compared among themselves: code compiled at another level
+    rounds differently (a batch of requests served together no longer gives the bits of each
+    served alone, as the default level does)."""
+    count, level = "--xla_force_host_platform_device_count", "--xla_backend_optimization_level"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+    if quick_compile and not any(f.startswith(level) for f in flags):
+        flags.append(f"{level}=0")
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"])}
 
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> str:

@@ -37,6 +37,32 @@ def check_data_inputs(data) -> None:
             raise
 
 
+def check_context_split(trainer: TrainerConfig, seq_len: int, sizes: dict[str, int] | None = None) -> None:
+    """Where the compute mapping splits ``position`` (context parallelism), it must name one mesh
+    axis, and each sequence of ``seq_len`` positions must cut into two equal chunks per device of
+    that axis (the zigzag layout that balances causal attention). ``sizes``: the mesh axes'
+    sizes on this run's devices; without them, the sizes ``trainer.mesh`` gives (an axis of -1
+    is checked once the devices are known)."""
+    mesh = trainer.resolved_mesh
+    mapped = mesh.compute_axis_mapping().get("position")
+    if mapped is None:
+        return
+    field = mesh.field_of("position", "compute")
+    names = [mapped] if isinstance(mapped, str) else list(mapped)
+    if len(names) > 1:
+        raise ConfigError(
+            f"{field}: the positions are mapped to {names}; context parallelism splits them over one mesh axis "
+            "(context)"
+        )
+    size = sizes[names[0]] if sizes is not None else (mesh.axes | mesh.dcn_axes).get(names[0], 1)
+    if size > 1 and seq_len % (2 * size):
+        raise ConfigError(
+            f"train_seq_len: {seq_len} positions do not cut into {2 * size} equal chunks: {field} splits each "
+            f"sequence over {mesh.size_field(names[0])} = {size} devices, two chunks each (one early, one late, so "
+            f"that causal attention gives every device the same work); train on a multiple of {2 * size} positions"
+        )
+
+
 def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) -> None:
     """Each batch size of ``trainer.train_batch_size`` (every stage of a schedule) must divide
     over ``data_parallel`` devices and the microbatches of ``per_device_parallelism`` as the

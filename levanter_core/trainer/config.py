@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 from haliax.quantization import QuantizationConfig as HaliaxQuantization
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
@@ -261,6 +261,12 @@ class TrainerConfig(ConfigModel):
     ``batch_axis_name``, ``shared_mapping``, ``compute_mapping``, ``param_mapping``), in place of
     the fields above (``batch_axis`` to ``compute_axis_resources``), which are translated into it:
     one code path either way. Giving both is an error. None: the fields above decide."""
+    context_attention: Literal["ring", "all_gather"] = "ring"
+    """How attention runs when ``trainer.mesh`` splits each sequence's positions over the
+    ``context`` axis (``axes: {context: N}``, ``shared_mapping: {position: context}``): ``ring``
+    passes keys and values around the N devices (each holds 1/N of them at a time, N - 1 rounds
+    of communication); ``all_gather`` gathers all of them on every device for its queries (one
+    round, all of a layer's keys and values on each device). See docs/parallelism.md."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.

@@ -1,10 +1,12 @@
-"""The device mesh, with four axes, outermost first:
+"""The device mesh, with five axes, outermost first:
 
 * ``replica_dcn``: data-parallel replicas across process groups (TPU slices), over the
   data-center network (``trainer.mesh.dcn_axes.replica_dcn``, or ``trainer.replica_dcn_axis_size``);
 * ``replica``: data-parallel replicas within a group (``trainer.mesh.axes.replica``, or
   ``trainer.replica_ici_axis_size``);
 * ``data``: the batch and, with FSDP, the parameters (by default the devices left over);
+* ``context``: the positions of each sequence, where ``position`` is mapped onto it (context
+  parallelism; ``trainer.mesh.axes.context``);
 * ``model``: tensor parallelism (``trainer.mesh.axes.model``, or ``trainer.model_axis_size``).
 
 The sizes and the mappings of logical axes onto them come from the trainer config's
@@ -26,6 +28,7 @@ from jax.sharding import Mesh
 
 from levanter_core.errors import ConfigError
 from levanter_core.trainer.mesh_config import (
+    CONTEXT_AXIS,
     DATA_AXIS,
     DATA_PARALLEL_AXES,
     MESH_AXES,
@@ -50,7 +53,7 @@ def make_mesh(config: TrainerConfig, devices: list | None = None) -> Mesh:
     granule_of = _granule_key(devices)
     slices = len({d.slice_index for d in devices}) if granule_of is _slice_index else 1
     sizes = mesh_config.resolved_sizes(len(devices), slices)
-    ici_shape = (1, sizes[REPLICA_AXIS], sizes[DATA_AXIS], sizes[MODEL_AXIS])
+    ici_shape = (1, sizes[REPLICA_AXIS], sizes[DATA_AXIS], sizes[CONTEXT_AXIS], sizes[MODEL_AXIS])
     groups = _dcn_groups(devices, sizes[REPLICA_DCN_AXIS], mesh_config)
     return Mesh(np.concatenate([_ici_mesh(ici_shape, group) for group in groups]), MESH_AXES)
 

@@ -1,9 +1,11 @@
 """``trainer.mesh``: how the device mesh is shaped and how logical axes map onto it, in
 Levanter's spelling (``levanter.utils.mesh.MeshConfig``).
 
-The mesh has four axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
+The mesh has five axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
 of processes, over the data-center network), then, within a slice, ``replica`` (replicas),
-``data`` (the batch, and the parameters under FSDP) and ``model`` (tensor parallelism).
+``data`` (the batch, and the parameters under FSDP), ``context`` (each sequence's positions:
+context parallelism, with ``shared_mapping: {position: context}``) and ``model`` (tensor
+parallelism).
 ``axes`` and ``dcn_axes`` give their sizes; the three mappings say which logical axes of the
 arrays (``embed``, ``mlp``, ``heads``, ``batch``...) are split over which mesh axes:
 
@@ -39,13 +41,16 @@ REPLICA_AXIS = "replica"
 """Mesh axis of the replicas within a slice or process group (``trainer.mesh.axes.replica``)."""
 DATA_AXIS = "data"
 """Mesh axis that splits the batch and, with FSDP, the parameters (``trainer.mesh.axes.data``)."""
+CONTEXT_AXIS = "context"
+"""Mesh axis of context parallelism (``trainer.mesh.axes.context``): the positions of each
+sequence split over devices, when ``position`` is mapped onto it."""
 MODEL_AXIS = "model"
 """Mesh axis of tensor parallelism (``trainer.mesh.axes.model``)."""
-MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS, MODEL_AXIS)
+MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The device mesh's axes, outermost first."""
 DATA_PARALLEL_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS)
 """The mesh axes the batch is split over."""
-ICI_AXES = (REPLICA_AXIS, DATA_AXIS, MODEL_AXIS)
+ICI_AXES = (REPLICA_AXIS, DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The mesh axes within a slice (over the chips' interconnect), in mesh order."""
 DCN_AXES = (REPLICA_DCN_AXIS,)
 """The mesh axes across slices (over the data-center network)."""
@@ -58,7 +63,6 @@ DEFAULT_SHARED_MAPPING = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS}
 """Levanter's mapping under ``shared_mapping``: tensor parallelism over the MLP and the heads."""
 
 UNSUPPORTED_AXES = {
-    "context": "a context axis splits each sequence's positions over devices (context parallelism)",
     "expert": "an expert axis splits a mixture-of-experts layer's experts over devices (expert parallelism)",
     "pipeline": "a pipeline axis splits the layers into stages over devices (pipeline parallelism)",
     "sequence": "a sequence axis splits each sequence's positions over devices (sequence parallelism)",
@@ -128,9 +132,11 @@ class MeshConfig(ConfigModel):
     """Mesh axes within a slice (a TPU slice, or all the devices of a GPU/CPU run) and their
     sizes: ``replica`` (whole copies of the FSDP shards), ``data`` (the batch, and the
     parameters under FSDP), ``model`` (tensor parallelism). -1: the devices left over (at most
-    one axis). Entries are merged over ``{data: -1, replica: 1, model: 1}``; if that leaves two
-    -1 and ``data`` was not given, ``data`` is 1. Axes of parallelism levanter-core does not
-    have yet (``context``, ``expert``...) are accepted only with size 1."""
+    one axis), ``context`` (each sequence's positions, where ``position`` is mapped onto it:
+    context parallelism; 1 when not given). Entries are merged over ``{data: -1, replica: 1,
+    model: 1}``; if that leaves two -1 and ``data`` was not given, ``data`` is 1. Axes of
+    parallelism levanter-core does not have yet (``expert``, ``pipeline``...) are accepted only
+    with size 1."""
     dcn_axes: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_DCN_AXES))
     """Mesh axes across slices (over the data-center network) and their sizes: ``replica_dcn``,
     whole replicas, so that only gradients cross the slow network. -1: the number of TPU slices
@@ -295,15 +301,15 @@ class MeshConfig(ConfigModel):
         return math.prod(size for size in sizes if size != -1)
 
     def resolved_sizes(self, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-        """The size of each of the four mesh axes, outermost first, on ``num_devices`` devices in
+        """The size of each of the five mesh axes, outermost first, on ``num_devices`` devices in
         ``num_slices`` slices (TPU slices; 1 elsewhere); a :class:`ConfigError` naming the
         fields when they do not fit."""
         dcn = self.dcn_axes[REPLICA_DCN_AXIS]
         dcn = num_slices if dcn == -1 else dcn
-        ici = {axis: self.axes[axis] for axis in ICI_AXES}
+        ici = {axis: self.axes.get(axis, 1) for axis in ICI_AXES}
         fixed = math.prod(size for size in ici.values() if size != -1)
         if num_devices % (dcn * fixed):
-            sizes = [(axis, ici[axis]) for axis in (MODEL_AXIS, REPLICA_AXIS, DATA_AXIS)]
+            sizes = [(axis, ici[axis]) for axis in (MODEL_AXIS, CONTEXT_AXIS, REPLICA_AXIS, DATA_AXIS)]
             if self.dcn_axes[REPLICA_DCN_AXIS] != -1:
                 sizes.append((REPLICA_DCN_AXIS, dcn))
             named = [f"{self.size_field(axis)} ({size})" for axis, size in sizes if size > 1]

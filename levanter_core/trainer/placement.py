@@ -21,9 +21,9 @@ class BatchPlacement(TrainerBase):
         """The rows of a global batch that this process's devices hold, in order: all of them in
         a single-process run; in a multi-process run, the only rows this process reads."""
         if Batch.size not in self._local_rows:
-            sharding = self._sharding((Batch, Axis("position", 1)))
+            sharding = self._sharding((Batch,))
             rows: set[int] = set()
-            for index in sharding.addressable_devices_indices_map((Batch.size, 1)).values():
+            for index in sharding.addressable_devices_indices_map((Batch.size,)).values():
                 rows.update(range(*index[0].indices(Batch.size)))
             self._local_rows[Batch.size] = np.array(sorted(rows), np.int64)
         return self._local_rows[Batch.size]

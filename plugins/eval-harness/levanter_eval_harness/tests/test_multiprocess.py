@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from levanter_core.cli import main
+from levanter_core.testing import simulated_devices
 
 pytestmark = pytest.mark.slow  # two processes start JAX, compile and exchange every batch: ~1.5 min
 
@@ -33,8 +34,7 @@ def _samples(out_dir, task: str) -> dict[int, dict]:
 def _run_together(tmp_path, commands: list[list[str]], timeout: float = 400) -> None:
     """Run one command per process (each given its process id already) until all exit 0."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")  # fmt: skip
+    env.update(simulated_devices(1), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     procs, logs = [], []
     for rank, command in enumerate(commands):
         log = open(tmp_path / f"process-{rank}.log", "w")

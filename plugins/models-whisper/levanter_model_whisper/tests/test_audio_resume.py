@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from levanter_core.testing import logged
+from levanter_core.testing import logged, simulated_devices
 
 UTTERANCES = 240
 """Synthesized utterances (about two seconds each) shared by both tests."""
@@ -329,7 +329,7 @@ def train_command(config: str, run_id: str, data_cache: Path) -> list[str]:
 
 
 def cpu_env() -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return {**os.environ, **simulated_devices(1)}
 
 
 def logged_losses(workdir: Path, run_id: str) -> dict[int, float]:

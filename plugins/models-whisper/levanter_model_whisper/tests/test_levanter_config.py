@@ -155,3 +155,28 @@ def test_without_the_tokenizer_in_the_cache_the_run_stops_saying_what_to_fetch(t
     with pytest.raises(DataError) as error:
         preflight(load_librispeech())
     assert f"hf download {TOKENIZER} vocab.json tokenizer_config.json special_tokens_map.json" in str(error.value)
+
+
+@needs_reference
+def test_a_current_schema_train_asr_config_loads_with_its_mesh(tmp_path, offline_hub, no_network):
+    """Levanter's ``train_asr`` today reads the same audio data section as the release (a
+    ``configs:`` mixture with ``train_weights``; its audio data never moved to ``components``),
+    and the trainer's mesh is now written as ``trainer.mesh``; the decoder's length stays
+    ``model.max_length``. Such a config loads, and its mesh means what Levanter's does."""
+    import yaml
+
+    from levanter_core.config.train import load_train_config
+
+    raw = yaml.safe_load(LIBRISPEECH.read_text())
+    raw["trainer"].pop("model_axis_size", None)
+    raw["trainer"]["mesh"] = {"axes": {"model": 2}, "param_mapping": {"embed": "data"}}
+    raw["model"]["max_length"] = 224
+    path = tmp_path / "whisper_current.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_train_config(str(path))[0]
+    assert config.model.type == "whisper" and config.model.seq_len == 224
+    assert list(config.data.configs) == ["librispeech"] and config.data.configs["librispeech"].format.type == "audio"
+    mesh = config.trainer.resolved_mesh
+    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 4, "context": 1, "model": 2}
+    assert config.trainer.parameter_axis_mapping()["embed"] == "data"
+    assert config.trainer.compute_axis_mapping()["mlp"] == "model"

@@ -119,15 +119,20 @@ def test_the_packaged_nano_config_trains_by_name(llama_alone, tmp_path):
     assert (tmp_path / "logs" / "wheel" / "metrics.jsonl").is_file()
 
 
+SHIPPED = "discovered or refused or llama-gqa or phi3-fused or mistral-no_sliding or legacy_rope"
+"""Of the tests the wheel ships, each kind once and each of its three families (the suite runs
+every one of them from the source tree): discovery, the 3 refusals, a Hugging Face parity test
+of llama, phi3 and mistral, and the 2 legacy rope keys."""
+
+
 @pytest.mark.slow
 def test_the_tests_it_ships_pass(llama_alone, tmp_path):
     python, _ = llama_alone
     ran = _run(
-        python, "-m", "pytest", "--pyargs", "levanter_model_llama.tests", "-q", "-x", "-m", "not slow",
+        python, "-m", "pytest", "--pyargs", "levanter_model_llama.tests", "-q", "-x", "-m", "not slow", "-k", SHIPPED,
         "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestUnknownMarkWarning",
         cwd=str(tmp_path), timeout=900,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-2000:]
     passed = re.search(r"(\d+) passed", ran.stdout)
-    # every parity variant of llama, mistral and phi3 (the nano trainings are the slow ones)
-    assert passed and int(passed.group(1)) >= 25, ran.stdout[-2000:]
+    assert passed and int(passed.group(1)) == 9, ran.stdout[-2000:]

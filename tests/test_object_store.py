@@ -242,7 +242,7 @@ def test_sigkill_during_saves_to_the_bucket_then_resume_matches_the_uninterrupte
 
     args = train_args(workdir, checkpoints, "killed", steps)
     kills, resumed = [], []
-    targets = sorted(random.Random(0).sample(range(2, 20), 6))
+    targets = sorted(random.Random(0).sample(range(2, 20), 4))
     for target in targets:
         code, killed_in, said = run_killed_in_a_save(args, f"{checkpoints}/killed", target)
         assert code == -signal.SIGKILL, f"the attempt aiming at step {target} was not killed (exit {code})"
@@ -254,8 +254,8 @@ def test_sigkill_during_saves_to_the_bucket_then_resume_matches_the_uninterrupte
     resumed += [(line.split()[2], True) for line in final.stdout.splitlines() if line.startswith("resumed from ")]
     print(f"\nkilled inside the saves of {kills}; resumed from {[path.rsplit('/', 1)[1] for path, _ in resumed]}")
 
-    assert len(kills) == 6 and all(kills)
-    assert len(resumed) >= 5
+    assert len(kills) == 4 and all(kills)
+    assert len(resumed) >= 3
     for path, marked in resumed:
         assert marked, f"resumed from {path}, which had no {COMMIT_MARKER} marker"
     losses = logged_losses(workdir, "killed")

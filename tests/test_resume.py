@@ -110,18 +110,17 @@ class Kill:
 
 
 def kill_plan(rng: random.Random) -> list[Kill]:
-    """Seven kills in random order: three inside checkpoint writes, two shortly after a
-    checkpoint completes, two at a random time from start. Target steps grow from kill to
+    """Five kills in random order: three inside checkpoint writes, one shortly after a
+    checkpoint completes, one at a random time from start. Target steps grow from kill to
     kill and stay well before the end, so every kill lands before the run can finish."""
-    targets = sorted(rng.sample(range(2, 29), 5))
-    kinds = ["on_write"] * 3 + ["after_commit"] * 2
+    targets = sorted(rng.sample(range(2, 29), 4))
+    kinds = ["on_write"] * 3 + ["after_commit"]
     rng.shuffle(kinds)
     plan = [
         Kill(kind, target, rng.uniform(0.0, 0.15) if kind == "after_commit" else 0.0)
         for kind, target in zip(kinds, targets)
     ]
-    for _ in range(2):
-        plan.insert(rng.randrange(len(plan) + 1), Kill("after_start", delay=rng.uniform(0.2, 3.0)))
+    plan.insert(rng.randrange(len(plan) + 1), Kill("after_start", delay=rng.uniform(0.2, 3.0)))
     return plan
 
 

@@ -6,7 +6,8 @@ Two parts, each in its own process (JAX fixes the device count when it starts):
   and with the positions split over ``N`` devices (ring and all-gather attention); per device, the
   temporary memory XLA's memory analysis reports and the bytes of each collective read from the
   compiled HLO, beside the formulas of docs/parallelism.md. With ``--run`` the split step also
-  runs (one training step of the 32,768-token sequence: it fits where one device's would not).
+  runs (one training step of the 32,768-token sequence: it fits where one device's would not);
+  the all-gather step is compiled only (see :func:`memory`).
 * ``families``: every family's loss and gradients on 2 x 4 devices (data x context) against one
   device's, with packed documents, for both attention strategies
   (tests/context_parallel_families.py).
@@ -161,7 +162,9 @@ def memory(args) -> dict:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         }
         command = [sys.executable, __file__, "memory-child", "--seq-len", str(args.seq_len), "--strategy", strategy]
-        if args.run and devices > 1:
+        if args.run and devices > 1 and strategy == "ring":
+            # all-gather's step holds 1/2 x S x S/N scores per head at once: at 32k positions, 8 GB
+            # on each of the 8 simulated devices of this one machine. Compiled, not run.
             command.append("--run")
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode:

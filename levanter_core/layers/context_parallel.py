@@ -272,21 +272,23 @@ def _local_attention(
         V = hax.named(jax.lax.all_gather(v, mesh_axis, axis=dim_v, tiled=True), v_names)
         KSeg = hax.named(jax.lax.all_gather(seg, mesh_axis, axis=dim_seg, tiled=True), kseg_names)
         KPos = hax.arange(Axis(key_pos, local * n))
-        if causal:
-            # chunk i (i < n) sees only the first half of the sequence; chunk 2n - 1 - i all of it
-            first = slice(0, local * n // 2)
-            low = block(
-                halves(carry, 0),
-                halves(queries, 0),
-                K[key_pos, first],
-                V[key_pos, first],
-                KPos[key_pos, first],
-                KSeg[key_pos, first],
-            )
-            high = block(halves(carry, 1), halves(queries, 1), K, V, KPos, KSeg)
-            carry = joined(low, high)
-        else:
-            carry = block(carry, queries, K, V, KPos, KSeg)
+        # Block by block over the gathered keys (each device's S/N of them), so that a block of
+        # scores is S/N x S/N, as in the ring. Block j holds chunks 2j and 2j + 1: our early chunk
+        # i sees them only when 2j <= i; otherwise only our late chunk is computed.
+        for j in range(n):
+            part = slice(j * local, (j + 1) * local)
+            keys = (K[key_pos, part], V[key_pos, part], KPos[key_pos, part], KSeg[key_pos, part])
+            if not causal:
+                carry = block(carry, queries, *keys)
+                continue
+
+            def both(carry, keys=keys):
+                return block(carry, queries, *keys)
+
+            def late_only(carry, keys=keys):
+                return joined(halves(carry, 0), block(halves(carry, 1), halves(queries, 1), *keys))
+
+            carry = jax.lax.cond(2 * j <= i, both, late_only, carry)
     else:
         k, v, kseg = (
             _zigzag(k, dim_k, mesh_axis, n),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import jmp
 from pydantic import AfterValidator, BeforeValidator, PlainSerializer
@@ -142,3 +142,8 @@ def parse_mp_policy(value: Any) -> str:
 
 
 MpPolicy = Annotated[str, BeforeValidator(parse_mp_policy)]
+
+
+ContextAttention = Literal["ring", "all_gather"]
+"""How attention runs when each sequence's positions are split over devices
+(``trainer.context_attention``; :mod:`levanter_core.layers.context_parallel`)."""

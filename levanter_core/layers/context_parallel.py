@@ -32,7 +32,6 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Iterator
-from typing import Literal
 
 import haliax as hax
 import jax
@@ -41,8 +40,7 @@ import numpy as np
 from haliax import Axis, NamedArray
 from jax.sharding import PartitionSpec
 
-ContextAttention = Literal["ring", "all_gather"]
-"""How attention is computed when positions are split over devices (see the module docstring)."""
+from levanter_core.config.types import ContextAttention
 
 _STRATEGY: contextvars.ContextVar[ContextAttention] = contextvars.ContextVar("context_attention", default="ring")
 _NEG = float(np.finfo(np.float32).min)
@@ -97,7 +95,8 @@ def context_parallel_attention(
     """Attention of ``q`` over ``k``/``v`` (axes as in :mod:`levanter_core.layers.attention`) with
     ``Pos`` and ``KeyPos`` (the same positions) split over ``mesh_axis``. Every query and key sits
     at its index in the sequence; ``segment_ids`` ``(..., position)`` keep packed documents apart.
-    The result has ``q``'s axes with ``VHead`` for ``HeadSize``, in float32."""
+    The result has ``q``'s axes with ``VHead`` for ``HeadSize``, and ``q``'s dtype (the softmax
+    and the sums run in float32)."""
     strategy = strategy or _STRATEGY.get()
     mesh = hax.partitioning._resolve_mesh()
     n = mesh.shape[mesh_axis]
@@ -124,7 +123,7 @@ def context_parallel_attention(
     has_sinks = sinks is not None
     sink_arr = sinks.array if sinks is not None else jnp.zeros(())
     sink_axes = sinks.axes if sinks is not None else ()
-    sliding_arr = jnp.asarray(True if sliding is None else getattr(sliding, "array", sliding))
+    sliding_arr = jnp.asarray(True if sliding is None else sliding)
     names = {
         "q": tuple(ax.name for ax in q.axes),
         "k": tuple(ax.name for ax in k.axes),
@@ -176,13 +175,18 @@ def _spec(axes: tuple[Axis, ...], pos: str | None, mesh_axis: str | None) -> Par
     return PartitionSpec(*(mesh_axis if ax.name == pos else mapping.get(ax.name) for ax in axes))
 
 
+def _zigzag_destinations(n: int) -> list[int]:
+    """Where each of the ``2n`` chunks goes in the zigzag layout: chunk ``j`` (on device ``j // 2``
+    in order) to device ``j`` if ``j < n``, else ``2n - 1 - j``."""
+    return [j if j < n else 2 * n - 1 - j for j in range(2 * n)]
+
+
 def _zigzag(x: jax.Array, dim: int, axis: str, n: int) -> jax.Array:
     """This device's two chunks of a dimension laid out in order (device ``d`` holds chunks
     ``2d`` and ``2d + 1`` of ``2n``) moved to the zigzag layout (device ``i`` holds chunks ``i``
     and ``2n - 1 - i``): two ``ppermute`` s, one per chunk."""
     first, second = jnp.split(x, 2, axis=dim)
-    # chunk j lives on device j // 2 and goes to device j if j < n, else 2n - 1 - j
-    dest = [j if j < n else 2 * n - 1 - j for j in range(2 * n)]
+    dest = _zigzag_destinations(n)
     even = jax.lax.ppermute(first, axis, [(d, dest[2 * d]) for d in range(n)])
     odd = jax.lax.ppermute(second, axis, [(d, dest[2 * d + 1]) for d in range(n)])
     # device i receives chunk i and chunk 2n - 1 - i, of opposite parities
@@ -195,7 +199,7 @@ def _unzigzag(x: jax.Array, dim: int, axis: str, n: int) -> jax.Array:
     low, high = jnp.split(x, 2, axis=dim)  # chunks i and 2n - 1 - i
     i_even = jax.lax.axis_index(axis) % 2 == 0
     even, odd = jnp.where(i_even, low, high), jnp.where(i_even, high, low)
-    dest = [j if j < n else 2 * n - 1 - j for j in range(2 * n)]
+    dest = _zigzag_destinations(n)
     first = jax.lax.ppermute(even, axis, [(dest[2 * d], d) for d in range(n)])
     second = jax.lax.ppermute(odd, axis, [(dest[2 * d + 1], d) for d in range(n)])
     return jnp.concatenate([first, second], axis=dim)
@@ -220,7 +224,8 @@ def _local_attention(
     i = jax.lax.axis_index(mesh_axis)
     qpos = _zigzag_positions(mesh_axis, n, local)
     Q = hax.named(_zigzag(q, dim_q, mesh_axis, n), names["q"]) * jnp.asarray(scale, q.dtype)
-    QSeg = hax.named(_zigzag(seg, dim_seg, mesh_axis, n), names["seg"])
+    zigzag_seg = _zigzag(seg, dim_seg, mesh_axis, n)
+    QSeg = hax.named(zigzag_seg, names["seg"])
     QPos = hax.named(qpos, (pos,))
     k_names, v_names = names["k"], names["v"]
     kseg_names = tuple(key_pos if x == pos else x for x in names["seg"])
@@ -290,12 +295,8 @@ def _local_attention(
 
             carry = jax.lax.cond(2 * j <= i, both, late_only, carry)
     else:
-        k, v, kseg = (
-            _zigzag(k, dim_k, mesh_axis, n),
-            _zigzag(v, dim_v, mesh_axis, n),
-            _zigzag(seg, dim_seg, mesh_axis, n),
-        )
-        kpos = qpos
+        k, v = _zigzag(k, dim_k, mesh_axis, n), _zigzag(v, dim_v, mesh_axis, n)
+        kseg, kpos = zigzag_seg, qpos  # the keys start in the queries' layout
         ring = [(d, (d + 1) % n) for d in range(n)]
         for step in range(n):
             if step:

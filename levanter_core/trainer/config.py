@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 from haliax.quantization import QuantizationConfig as HaliaxQuantization
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from levanter_core.config.base import ConfigModel, Typed, TypedList, accepted_only_as
-from levanter_core.config.types import MpPolicy, Seed
+from levanter_core.config.types import ContextAttention, MpPolicy, Seed
 from levanter_core.fileio import require_filesystem
 from levanter_core.optim.model_averaging import ModelAveragingConfig
 from levanter_core.trainer.mesh_config import DATA_AXIS, MODEL_AXIS, MeshConfig
@@ -261,7 +261,7 @@ class TrainerConfig(ConfigModel):
     ``batch_axis_name``, ``shared_mapping``, ``compute_mapping``, ``param_mapping``), in place of
     the fields above (``batch_axis`` to ``compute_axis_resources``), which are translated into it:
     one code path either way. Giving both is an error. None: the fields above decide."""
-    context_attention: Literal["ring", "all_gather"] = "ring"
+    context_attention: ContextAttention = "ring"
     """How attention runs when ``trainer.mesh`` splits each sequence's positions over the
     ``context`` axis (``axes: {context: N}``, ``shared_mapping: {position: context}``): ``ring``
     passes keys and values around the N devices (each holds 1/N of them at a time, N - 1 rounds

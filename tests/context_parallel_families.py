@@ -1,13 +1,18 @@
-"""Each model family's loss and gradients with the positions of its sequences split over devices
-(context parallelism), beside the same on one device, with packed documents. Run by
-tests/test_context_parallel.py in a subprocess whose environment sets the number of simulated
-CPU devices::
+"""Each model family's loss and gradients with its work split over devices, beside the same on
+one device, with packed documents. Run by tests/test_context_parallel.py and
+tests/test_expert_parallel.py in a subprocess whose environment sets 8 simulated CPU devices::
 
-    python tests/context_parallel_families.py OUT.json STRATEGY CONFIG.yaml...
+    python tests/context_parallel_families.py OUT.json LAYOUT [LAYOUT@]CONFIG.yaml...
 
-Each CONFIG.yaml is a family's nano config (its ``model:`` section is read, with 64 positions).
-The mesh is 2 (data) x N/2 (context). ``OUT.json`` gets, per config: both losses, and the largest
-difference of a gradient from one device's relative to that gradient's largest magnitude.
+LAYOUT (:data:`LAYOUTS`): ``ring`` or ``all_gather`` (context parallelism by that strategy, 2
+data x 4 context), ``expert`` (4 expert x 2 data, the parameters at rest split FSDP-style over
+data and the experts over expert), ``expert_context`` (2 data x 2 expert x 2 context),
+``expert_model`` (2 data x 2 expert x 2 model: tensor parallelism over heads and the experts'
+mlp). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
+family's nano config (its ``model:`` section is read, with 64
+positions). ``OUT.json`` gets, per config: both losses, and the largest difference of a gradient
+from one device's relative to that gradient's largest magnitude (keyed ``LAYOUT@name`` for a
+config given a layout of its own).
 """
 
 from __future__ import annotations
@@ -26,23 +31,43 @@ from haliax import Axis
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from levanter_core.config.base import validate_section
-from levanter_core.layers.context_parallel import context_attention
+from levanter_core.layers.parallel import parallel_settings
 from levanter_core.models.lm import LmExample, lm_loss_and_metrics
 
-SEQ_LEN, ROWS, VOCAB = 64, 2, 128
-MAPPING = {"batch": "data", "position": "context"}
+SEQ_LEN, VOCAB = 64, 128
+CONTEXT = (("data", 2), ("context", 4)), {"batch": "data", "position": "context"}, {}
+LAYOUTS = {
+    # name: (mesh axes and sizes, compute mapping, parameter mapping at rest)
+    "ring": CONTEXT,
+    "all_gather": CONTEXT,
+    "expert": (
+        (("data", 2), ("expert", 4)),
+        {"batch": ("data", "expert"), "experts": "expert"},
+        {"embed": "data", "experts": "expert"},
+    ),
+    "expert_context": (
+        (("data", 2), ("expert", 2), ("context", 2)),
+        {"batch": ("data", "expert"), "experts": "expert", "position": "context"},
+        {"experts": "expert"},
+    ),
+    "expert_model": (
+        (("data", 2), ("expert", 2), ("model", 2)),
+        {"batch": ("data", "expert"), "experts": "expert", "mlp": "model", "heads": "model"},
+        {"experts": "expert", "mlp": "model", "heads": "model"},
+    ),
+}
 
 
-def batch(key) -> tuple[np.ndarray, np.ndarray]:
+def batch(key, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and the segment ids of documents of random lengths packed into each row."""
     k_tokens, k_starts = jax.random.split(key)
-    tokens = np.asarray(jax.random.randint(k_tokens, (ROWS, SEQ_LEN), 0, VOCAB))
-    starts = np.asarray(jax.random.bernoulli(k_starts, 0.06, (ROWS, SEQ_LEN))).astype(np.int32)
+    tokens = np.asarray(jax.random.randint(k_tokens, (rows, SEQ_LEN), 0, VOCAB))
+    starts = np.asarray(jax.random.bernoulli(k_starts, 0.06, (rows, SEQ_LEN))).astype(np.int32)
     return tokens, np.cumsum(starts, axis=1).astype(np.int32)
 
 
 def loss_and_grads(model, tokens, segments):
-    Batch, Pos = Axis("batch", ROWS), Axis("position", SEQ_LEN)
+    Batch, Pos = Axis("batch", tokens.shape[0]), Axis("position", SEQ_LEN)
     packed = None if segments is None else hax.named(segments, (Batch, Pos))
     example = LmExample(hax.named(tokens, (Batch, Pos)), segment_ids=packed)
 
@@ -52,7 +77,9 @@ def loss_and_grads(model, tokens, segments):
     return eqx.filter_value_and_grad(loss)(model)
 
 
-def compare(config_path: str, mesh: Mesh, strategy: str) -> dict:
+def compare(config_path: str, layout: str) -> dict:
+    axes, compute, params = LAYOUTS[layout]
+    mesh = Mesh(np.asarray(jax.devices()).reshape([size for _, size in axes]), tuple(name for name, _ in axes))
     with open(config_path) as f:
         section = dict(yaml.safe_load(f)["model"])
     section["seq_len"] = SEQ_LEN
@@ -60,7 +87,9 @@ def compare(config_path: str, mesh: Mesh, strategy: str) -> dict:
         section.pop(heavy, None)
     config = validate_section("model", section)
     model = config.build(Axis("vocab", VOCAB), key=jax.random.PRNGKey(0))
-    tokens, segments = batch(jax.random.PRNGKey(1))
+    batch_axes = [compute["batch"]] if isinstance(compute["batch"], str) else compute["batch"]
+    rows = int(np.prod([size for name, size in axes if name in batch_axes]))  # one row per batch shard
+    tokens, segments = batch(jax.random.PRNGKey(1), rows)
     try:
         one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
     except ValueError as e:  # a family that cannot read packed documents (Hyena's convolutions)
@@ -69,12 +98,15 @@ def compare(config_path: str, mesh: Mesh, strategy: str) -> dict:
         segments = None
         one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
 
+    strategy = layout if layout in ("ring", "all_gather") else "ring"
+
     def split(model, tokens, segments):
-        with hax.axis_mapping(MAPPING), context_attention(strategy):
+        with hax.axis_mapping(compute), parallel_settings(context_attention_strategy=strategy):
             return loss_and_grads(model, tokens, segments)
 
-    placed = NamedSharding(mesh, PartitionSpec("data", "context"))
+    placed = NamedSharding(mesh, PartitionSpec(compute["batch"], compute.get("position")))
     with jax.set_mesh(mesh):
+        model = hax.shard_with_axis_mapping(model, params, mesh) if params else model
         many_loss, many_grads = eqx.filter_jit(split)(
             model, jax.device_put(tokens, placed), None if segments is None else jax.device_put(segments, placed)
         )
@@ -99,13 +131,14 @@ def compare(config_path: str, mesh: Mesh, strategy: str) -> dict:
     }
 
 
-def main(out_path: str, strategy: str, *configs: str) -> None:
+def main(out_path: str, layout: str, *configs: str) -> None:
     n = jax.device_count()
-    mesh = Mesh(np.asarray(jax.devices()).reshape(2, n // 2), ("data", "context"))
     results = {}
-    for path in configs:
-        results[os.path.basename(path)] = compare(path, mesh, strategy)
-        print(os.path.basename(path), results[os.path.basename(path)], flush=True)
+    for given in configs:
+        own, _, path = given.rpartition("@")
+        name = f"{own}@{os.path.basename(path)}" if own else os.path.basename(path)
+        results[name] = compare(path, own or layout)
+        print(name, results[name], flush=True)
     with open(out_path, "w") as f:
         json.dump({"devices": n, "results": results}, f)
 

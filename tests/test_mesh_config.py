@@ -89,8 +89,15 @@ def test_levanter_defaults_split_mlp_and_heads_over_model_and_embed_over_data():
     )
     assert mesh.compute_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "batch": DP}
     assert mesh.parameter_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "embed": "data"}
-    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 8, "context": 1, "model": 1}
-    assert mesh.resolved_sizes(8, num_slices=2) == {"replica_dcn": 2, "replica": 1, "data": 4, "context": 1, "model": 1}
+    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 8, "expert": 1, "context": 1, "model": 1}
+    assert mesh.resolved_sizes(8, num_slices=2) == {
+        "replica_dcn": 2,
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+    }
 
 
 def test_a_model_axis_is_merged_over_the_default_axes_and_takes_mlp_and_heads():
@@ -101,7 +108,14 @@ def test_a_model_axis_is_merged_over_the_default_axes_and_takes_mlp_and_heads():
         ("mlp", "heads", "kv_heads"), "model"
     )
     assert params == {"mlp": "model", "heads": "model", "kv_heads": "model", "embed": "data"}
-    assert config.mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 4, "context": 1, "model": 2}
+    assert config.mesh.resolved_sizes(8) == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 2,
+    }
     # -1 given to another axis: data, not set, becomes 1
     assert trainer(mesh={"axes": {"model": -1}}).mesh.resolved_sizes(8)["model"] == 8
 
@@ -118,15 +132,39 @@ def test_param_mapping_and_shared_mapping_as_levanter_resolves_them():
 
 
 def test_an_axis_of_size_one_levanter_core_lacks_is_dropped_with_what_maps_onto_it():
-    mesh = MeshConfig(axes={"expert": 1}, shared_mapping={"experts": "expert", "mlp": ["expert", "model"]})
-    assert "expert" not in mesh.axes
-    assert "experts" not in mesh.compute_axis_mapping()
+    mesh = MeshConfig(axes={"pipeline": 1}, shared_mapping={"layers": "pipeline", "mlp": ["pipeline", "model"]})
+    assert "pipeline" not in mesh.axes
+    assert "layers" not in mesh.compute_axis_mapping()
     assert mesh.compute_axis_mapping()["mlp"] == ("model",)
+
+
+def test_an_expert_axis_splits_the_experts_and_the_batch_as_levanter_writes_it():
+    config = trainer(mesh={"axes": {"expert": 4}, "shared_mapping": {"experts": "expert"}})
+    compute, param = mappings(config)
+    assert compute["experts"] == "expert" and param["experts"] == "expert"
+    assert compute["batch"] == ("replica_dcn", "replica", "data", "expert")  # each expert device has its own tokens
+    assert config.mesh.resolved_sizes(8) == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 2,
+        "expert": 4,
+        "context": 1,
+        "model": 1,
+    }
+    # of size 1 (Levanter's default), nothing changes: the batch over the data-parallel axes only
+    assert mappings(trainer(mesh={"axes": {"expert": 1}}))[0]["batch"] == ("replica_dcn", "replica", "data")
 
 
 def test_a_context_axis_splits_the_positions_as_levanter_writes_it():
     config = trainer(mesh={"axes": {"context": 4}, "shared_mapping": {"position": "context"}})
-    assert config.mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 2, "context": 4, "model": 1}
+    assert config.mesh.resolved_sizes(8) == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 2,
+        "expert": 1,
+        "context": 4,
+        "model": 1,
+    }
     compute, params = mappings(config)
     assert compute["position"] == "context" and compute["batch"] == DP
     assert params["position"] == "context"  # learned position embeddings, where a model has them
@@ -169,8 +207,15 @@ def test_the_same_mesh_either_way():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     shapes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert shapes["tensor-parallel"][0] == {"replica_dcn": 1, "replica": 1, "data": 4, "context": 1, "model": 2}
-    assert shapes["replicas"][0] == {"replica_dcn": 1, "replica": 2, "data": 2, "context": 1, "model": 2}
+    assert shapes["tensor-parallel"][0] == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 2,
+    }
+    assert shapes["replicas"][0] == {"replica_dcn": 1, "replica": 2, "data": 2, "expert": 1, "context": 1, "model": 2}
     for name, (own, levanter) in shapes.items():
         assert own == levanter, name
 
@@ -193,8 +238,8 @@ def load_error(path, *overrides) -> str:
 
 
 def test_an_axis_of_parallelism_not_here_yet_is_refused_by_name(nano):
-    message = load_error(nano, "--trainer.mesh", "{axes: {expert: 4}}")
-    assert "trainer.mesh.axes.expert" in message and "expert parallelism" in message
+    message = load_error(nano, "--trainer.mesh", "{axes: {pipeline: 4}}")
+    assert "trainer.mesh.axes.pipeline" in message and "pipeline parallelism" in message
     with pytest.raises(ValidationError, match="not a mesh axis levanter-core has"):
         MeshConfig(dcn_axes={"slices": 2})
 

@@ -146,8 +146,9 @@ def _watch_stdout(stream, lines: list[str], resumed: list) -> None:
             resumed.append((path, step, os.path.isfile(os.path.join(path, COMMIT_MARKER))))
 
 
-def attempt(args: list[str], workdir, run_id: str, kill: Kill | None) -> Attempt:
-    """Start the run, SIGKILL it as ``kill`` says (None: let it finish), and report."""
+def attempt(args: list[str], workdir, run_id: str, kill: Kill | None, *, devices: int = 1) -> Attempt:
+    """Start the run on ``devices`` simulated devices, SIGKILL it as ``kill`` says (None: let it
+    finish), and report."""
     checkpoints = os.path.join(workdir, "ckpt", run_id)
 
     def listing() -> set[str]:
@@ -157,7 +158,7 @@ def attempt(args: list[str], workdir, run_id: str, kill: Kill | None) -> Attempt
     stderr_path = os.path.join(workdir, f"stderr-{time.monotonic_ns()}.txt")
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            command(args), cwd=REPO, env=cpu_env(1), stdout=subprocess.PIPE, stderr=stderr, text=True
+            command(args), cwd=REPO, env=cpu_env(devices), stdout=subprocess.PIPE, stderr=stderr, text=True
         )
     lines: list[str] = []
     resumed: list = []

@@ -48,6 +48,7 @@ from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, with_prefix
 
 from levanter_core.layers.auxiliary import AuxiliaryLoss
+from levanter_core.layers.expert_parallel import expert_mesh_axis, expert_parallel_apply
 from levanter_core.layers.mlp import ACTIVATIONS, GatedMlp
 
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
@@ -178,34 +179,72 @@ class Experts(ModuleWithStateDictSerialization):
         up = hax.clip(up, -c.glu_limit, c.glu_limit)
         return (up + 1) * gate * hnn.sigmoid(gate * c.glu_alpha)
 
-    def __call__(self, x: NamedArray, chosen: NamedArray, weights: NamedArray) -> NamedArray:
-        """``x`` ``(token, embed)``; ``chosen`` (expert indices) and ``weights`` ``(token,
-        top_experts)``. Returns ``sum_j weights[j] * expert[chosen[j]](x)``, ``(token, embed)``."""
+    def _arrays(self) -> dict[str, NamedArray]:
+        """The weights as :meth:`_rows` reads them: projections ``(experts, in, out)``, the
+        gate and up biases ``(experts, mlp)``."""
         c = self.config
-        Token, TopExperts = chosen.axes
-        Embed, Mlp = c.Embed, c.Mlp
+        out = {
+            "gate_proj": self.gate_proj.rearrange(("experts", c.Embed, c.Mlp)),
+            "up_proj": self.up_proj.rearrange(("experts", c.Embed, c.Mlp)),
+            "down_proj": self.down_proj.rearrange(("experts", c.Mlp, c.Embed)),
+        }
+        if self.gate_bias is not None and self.up_bias is not None:
+            out["gate_bias"] = self.gate_bias.rearrange(("experts", c.Mlp))
+            out["up_bias"] = self.up_bias.rearrange(("experts", c.Mlp))
+        return out
+
+    def _rows(self, rows: jax.Array, group_sizes: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+        """The experts on ``rows`` ``(R, embed)`` sorted by expert, ``group_sizes[e]`` of them for
+        expert ``e`` of the weights ``w`` (as :meth:`_arrays` lays them out; a device's share under
+        expert parallelism). Rows past the groups' sum are left out of every expert. Without the
+        down projection's bias."""
+        experts = w["gate_proj"].shape[0]
+        expert_of_row = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows.shape[0])
+        Slot, Mlp = Axis("slot", rows.shape[0]), Axis("mlp", w["gate_proj"].shape[-1])
+
+        def grouped(inputs: jax.Array, name: str, bias: str) -> NamedArray:
+            out = jax.lax.ragged_dot(inputs, w[name], group_sizes)
+            if bias in w:
+                out = out + w[bias][expert_of_row]
+            return hax.named(out, (Slot, Mlp))
+
+        hidden = self._hidden(grouped(rows, "gate_proj", "gate_bias"), grouped(rows, "up_proj", "up_bias"))
+        return jax.lax.ragged_dot(hidden.array, w["down_proj"], group_sizes)
+
+    def __call__(self, x: NamedArray, chosen: NamedArray, weights: NamedArray) -> NamedArray:
+        """``x`` ``(..., embed)``; ``chosen`` (expert indices) and ``weights`` ``(..., top_experts)``
+        with the same leading axes. Returns ``sum_j weights[j] * expert[chosen[j]](x)``, with
+        ``x``'s axes. Where the compute mapping splits ``experts`` over a mesh axis, the experts
+        run where their weights are (:mod:`levanter_core.layers.expert_parallel`)."""
+        c = self.config
+        mesh_axis = expert_mesh_axis(c.Experts)
+        if mesh_axis is not None:
+            return expert_parallel_apply(
+                x, chosen, weights, self._arrays(), Experts=c.Experts, TopExperts=c.TopExperts, Embed=c.Embed,
+                Mlp=c.Mlp, mesh_axis=mesh_axis, expert_fn=self._rows, down_bias=self.down_bias,
+            )  # fmt: skip
+        token_axes = tuple(ax for ax in x.axes if ax.name != c.Embed.name)
+        flat = x.flatten_axes(token_axes, "token") if len(token_axes) != 1 else x
+        Token = flat.resolve_axis(token_axes[0].name if len(token_axes) == 1 else "token")
+        chosen = chosen.flatten_axes(token_axes, Token.name) if len(token_axes) != 1 else chosen
+        weights = weights.flatten_axes(token_axes, Token.name) if len(token_axes) != 1 else weights
+        TopExperts = c.TopExperts
         k = TopExperts.size
         # one row per (token, chosen expert) pair, token-major, then grouped by expert
-        Slot = Axis("slot", Token.size * k)
-        expert_of_slot = chosen.array.reshape(-1)
+        expert_of_slot = chosen.rearrange((Token, TopExperts)).array.reshape(-1)
         order = jnp.argsort(expert_of_slot, stable=True)
-        sorted_experts = expert_of_slot[order]
         group_sizes = jnp.bincount(expert_of_slot, length=c.num_experts).astype(jnp.int32)
-        rows = hax.named(x.rearrange((Token, Embed)).array[order // k], (Slot, Embed))
-
-        def grouped(inputs: NamedArray, w: NamedArray, bias: NamedArray | None, In: Axis, Out: Axis) -> NamedArray:
-            out = jax.lax.ragged_dot(inputs.array, w.rearrange(("experts", In, Out)).array, group_sizes)
-            if bias is not None:
-                out = out + bias.rearrange(("experts", Out)).array[sorted_experts]
-            return hax.named(out, (Slot, Out))
-
-        gate = grouped(rows, self.gate_proj, self.gate_bias, Embed, Mlp)
-        up = grouped(rows, self.up_proj, self.up_bias, Embed, Mlp)
-        out = grouped(self._hidden(gate, up), self.down_proj, self.down_bias, Mlp, Embed)
+        rows = flat.rearrange((Token, c.Embed)).array[order // k]
+        w = {name: a.array for name, a in self._arrays().items()}
+        out = self._rows(rows, group_sizes, w)
+        if self.down_bias is not None:
+            out = out + self.down_bias.rearrange(("experts", c.Embed)).array[expert_of_slot[order]]
         # back to token-major order, then the weighted sum over each token's k experts
-        per_choice = out.array[jnp.argsort(order)].reshape(Token.size, k, Embed.size)
-        per_choice = hax.named(per_choice, (Token, TopExperts, Embed))
-        return hax.dot(per_choice, weights.astype(per_choice.dtype), axis=TopExperts).astype(x.dtype)
+        per_choice = out[jnp.argsort(order)].reshape(Token.size, k, c.Embed.size)
+        per_choice = hax.named(per_choice, (Token, TopExperts, c.Embed))
+        summed = hax.dot(per_choice, weights.rearrange((Token, TopExperts)).astype(per_choice.dtype), axis=TopExperts)
+        summed = summed.astype(x.dtype)
+        return summed.unflatten_axis(Token, token_axes) if len(token_axes) != 1 else summed
 
     # -- Hugging Face layouts -----------------------------------------------------------------
     def to_state_dict(self, prefix: str | None = None) -> StateDict:
@@ -375,7 +414,11 @@ class MoeBlock(eqx.Module):
         Token = tokens.resolve_axis("token")
         logits = self.router.logits(tokens)
         chosen, weights = self.route(logits, Token)
-        out = self.experts(tokens, chosen, weights)
+        if expert_mesh_axis(c.Experts) is None:
+            out = self.experts(tokens, chosen, weights)
+        else:  # the experts' devices get each device's tokens as they are split, (batch, position)
+            split = (chosen.unflatten_axis("token", token_axes), weights.unflatten_axis("token", token_axes))
+            out = self.experts(x, *split).flatten_axes(token_axes, "token")
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         stats = RouterStats(

@@ -267,6 +267,13 @@ class TrainerConfig(ConfigModel):
     passes keys and values around the N devices (each holds 1/N of them at a time, N - 1 rounds
     of communication); ``all_gather`` gathers all of them on every device for its queries (one
     round, all of a layer's keys and values on each device). See docs/parallelism.md."""
+    expert_capacity_factor: float | None = Field(default=None, gt=0)
+    """Where ``trainer.mesh`` splits a mixture of experts' experts over the ``expert`` axis
+    (``axes: {expert: N}``, ``shared_mapping: {experts: expert}``), how many (token, expert)
+    pairs each device may send to each other device, as a multiple of the balanced load
+    (``tokens x top_k / N``); pairs past it are dropped (their expert's output counts as zero).
+    None: dropless (room for every pair, exact, at N times the exchange's memory and bytes).
+    See docs/parallelism.md."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.
@@ -459,6 +466,15 @@ class TrainerConfig(ConfigModel):
         if "heads" in axes and "kv_heads" not in axes and "kv_heads" not in mapped:
             axes.append("kv_heads")
         return axes
+
+    @property
+    def layer_settings(self) -> dict[str, Any]:
+        """The settings of the layers that run split over devices, as
+        :func:`levanter_core.layers.parallel.parallel_settings` takes them."""
+        return {
+            "context_attention_strategy": self.context_attention,
+            "expert_capacity_factor": self.expert_capacity_factor,
+        }
 
     @property
     def resolved_mesh(self) -> MeshConfig:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from levanter_core.layers.context_parallel import context_attention
+from levanter_core.layers.parallel import parallel_settings
 from levanter_core.objective import batch_totals, evaluate_batch
 from levanter_core.trainer.placement import BatchPlacement
 
@@ -50,7 +50,7 @@ class EvalStep(BatchPlacement):
                 )
             step = compiled
         losses = []
-        with hax.partitioning.set_mesh(self.mesh), context_attention(self.config.context_attention):
+        with hax.partitioning.set_mesh(self.mesh), parallel_settings(**self.config.layer_settings):
             for batch in batches:
                 losses.append(step(model, self.to_device(batch, self.EvalBatch)))
         if not losses:
@@ -76,7 +76,7 @@ class EvalStep(BatchPlacement):
             self._totals_step = hax.named_jit(totals, axis_resources=self.compute_mapping)
         reference = self.reference_of(model, reference)
         parts = []
-        with hax.partitioning.set_mesh(self.mesh), context_attention(self.config.context_attention):
+        with hax.partitioning.set_mesh(self.mesh), parallel_settings(**self.config.layer_settings):
             for batch in batches:
                 found, outputs = self._totals_step(model, self.to_device(batch, self.EvalBatch), reference, *constants)
                 parts.append(batch_totals(self.objective, found, outputs))

@@ -1,10 +1,12 @@
-"""The device mesh, with five axes, outermost first:
+"""The device mesh, with six axes, outermost first:
 
 * ``replica_dcn``: data-parallel replicas across process groups (TPU slices), over the
   data-center network (``trainer.mesh.dcn_axes.replica_dcn``, or ``trainer.replica_dcn_axis_size``);
 * ``replica``: data-parallel replicas within a group (``trainer.mesh.axes.replica``, or
   ``trainer.replica_ici_axis_size``);
 * ``data``: the batch and, with FSDP, the parameters (by default the devices left over);
+* ``expert``: a mixture of experts' experts, where ``experts`` is mapped onto it (expert
+  parallelism; ``trainer.mesh.axes.expert``), and the batch;
 * ``context``: the positions of each sequence, where ``position`` is mapped onto it (context
   parallelism; ``trainer.mesh.axes.context``);
 * ``model``: tensor parallelism (``trainer.mesh.axes.model``, or ``trainer.model_axis_size``).
@@ -31,6 +33,7 @@ from levanter_core.trainer.mesh_config import (
     CONTEXT_AXIS,
     DATA_AXIS,
     DATA_PARALLEL_AXES,
+    EXPERT_AXIS,
     MESH_AXES,
     MODEL_AXIS,
     REPLICA_AXIS,
@@ -53,7 +56,7 @@ def make_mesh(config: TrainerConfig, devices: list | None = None) -> Mesh:
     granule_of = _granule_key(devices)
     slices = len({d.slice_index for d in devices}) if granule_of is _slice_index else 1
     sizes = mesh_config.resolved_sizes(len(devices), slices)
-    ici_shape = (1, sizes[REPLICA_AXIS], sizes[DATA_AXIS], sizes[CONTEXT_AXIS], sizes[MODEL_AXIS])
+    ici_shape = (1, *(sizes[axis] for axis in (REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)))
     groups = _dcn_groups(devices, sizes[REPLICA_DCN_AXIS], mesh_config)
     return Mesh(np.concatenate([_ici_mesh(ici_shape, group) for group in groups]), MESH_AXES)
 
@@ -101,5 +104,5 @@ def _ici_mesh(shape: tuple[int, ...], devices: list) -> np.ndarray:
 
 
 def data_axis_size(mesh: Mesh) -> int:
-    """The data-parallel size: how many ways the batch is split (``replica_dcn x replica x data``)."""
-    return math.prod(mesh.shape[axis] for axis in DATA_PARALLEL_AXES)
+    """The data-parallel size: how many ways the batch is split (``replica_dcn x replica x data x expert``)."""
+    return math.prod(mesh.shape[axis] for axis in (*DATA_PARALLEL_AXES, EXPERT_AXIS))

@@ -1,17 +1,18 @@
 """``trainer.mesh``: how the device mesh is shaped and how logical axes map onto it, in
 Levanter's spelling (``levanter.utils.mesh.MeshConfig``).
 
-The mesh has five axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
+The mesh has six axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
 of processes, over the data-center network), then, within a slice, ``replica`` (replicas),
-``data`` (the batch, and the parameters under FSDP), ``context`` (each sequence's positions:
-context parallelism, with ``shared_mapping: {position: context}``) and ``model`` (tensor
-parallelism).
+``data`` (the batch, and the parameters under FSDP), ``expert`` (a mixture of experts' experts,
+with ``shared_mapping: {experts: expert}``: expert parallelism; the batch is split over it too),
+``context`` (each sequence's positions: context parallelism, with ``shared_mapping: {position:
+context}``) and ``model`` (tensor parallelism).
 ``axes`` and ``dcn_axes`` give their sizes; the three mappings say which logical axes of the
 arrays (``embed``, ``mlp``, ``heads``, ``batch``...) are split over which mesh axes:
 
 * the compute mapping (activations, and parameters as gathered for compute) is
   ``mlp -> model, heads -> model``, then ``shared_mapping``, then the batch over
-  ``(replica_dcn, replica, data)`` unless mapped already, then ``compute_mapping``;
+  ``(replica_dcn, replica, data)`` (and ``expert``, when it is split) unless mapped already, then ``compute_mapping``;
 * the parameter mapping (parameters and optimizer state at rest) is
   ``mlp -> model, heads -> model``, then ``shared_mapping``, then ``param_mapping``.
 
@@ -41,16 +42,20 @@ REPLICA_AXIS = "replica"
 """Mesh axis of the replicas within a slice or process group (``trainer.mesh.axes.replica``)."""
 DATA_AXIS = "data"
 """Mesh axis that splits the batch and, with FSDP, the parameters (``trainer.mesh.axes.data``)."""
+EXPERT_AXIS = "expert"
+"""Mesh axis of expert parallelism (``trainer.mesh.axes.expert``): a mixture of experts' experts
+split over devices, when ``experts`` is mapped onto it; the batch is split over it too."""
 CONTEXT_AXIS = "context"
 """Mesh axis of context parallelism (``trainer.mesh.axes.context``): the positions of each
 sequence split over devices, when ``position`` is mapped onto it."""
 MODEL_AXIS = "model"
 """Mesh axis of tensor parallelism (``trainer.mesh.axes.model``)."""
-MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The device mesh's axes, outermost first."""
 DATA_PARALLEL_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS)
-"""The mesh axes the batch is split over."""
-ICI_AXES = (REPLICA_AXIS, DATA_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+"""The mesh axes the batch is split over (unless a mapping says otherwise), and ``expert`` too
+where ``trainer.mesh.axes`` gives it a size other than 1."""
+ICI_AXES = (REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The mesh axes within a slice (over the chips' interconnect), in mesh order."""
 DCN_AXES = (REPLICA_DCN_AXIS,)
 """The mesh axes across slices (over the data-center network)."""
@@ -63,7 +68,6 @@ DEFAULT_SHARED_MAPPING = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS}
 """Levanter's mapping under ``shared_mapping``: tensor parallelism over the MLP and the heads."""
 
 UNSUPPORTED_AXES = {
-    "expert": "an expert axis splits a mixture-of-experts layer's experts over devices (expert parallelism)",
     "pipeline": "a pipeline axis splits the layers into stages over devices (pipeline parallelism)",
     "sequence": "a sequence axis splits each sequence's positions over devices (sequence parallelism)",
 }
@@ -134,9 +138,10 @@ class MeshConfig(ConfigModel):
     parameters under FSDP), ``model`` (tensor parallelism). -1: the devices left over (at most
     one axis), ``context`` (each sequence's positions, where ``position`` is mapped onto it:
     context parallelism; 1 when not given). Entries are merged over ``{data: -1, replica: 1,
-    model: 1}``; if that leaves two -1 and ``data`` was not given, ``data`` is 1. Axes of
-    parallelism levanter-core does not have yet (``expert``, ``pipeline``...) are accepted only
-    with size 1."""
+    model: 1}``; if that leaves two -1 and ``data`` was not given, ``data`` is 1. ``expert`` (a
+    mixture of experts' experts, where ``experts`` is mapped onto it: expert parallelism; the
+    batch is split over it too; 1 when not given). Axes of parallelism levanter-core does not
+    have yet (``pipeline``...) are accepted only with size 1."""
     dcn_axes: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_DCN_AXES))
     """Mesh axes across slices (over the data-center network) and their sizes: ``replica_dcn``,
     whole replicas, so that only gradients cross the slow network. -1: the number of TPU slices
@@ -144,7 +149,7 @@ class MeshConfig(ConfigModel):
     ``{replica_dcn: -1}``."""
     batch_axis_name: str = "batch"
     """The logical axis of the batch. Unless a mapping names it, it is split over
-    ``(replica_dcn, replica, data)`` while computing."""
+    ``(replica_dcn, replica, data)`` (and ``expert``, when it is split) while computing."""
     shared_mapping: dict[str, MeshAxes] = Field(default_factory=dict)
     """Logical axis -> mesh axis (or a list of them) for the parameters at rest and while
     computing, over ``{mlp: model, heads: model}``. ``[]`` or null: not split (``mlp: []``
@@ -205,7 +210,7 @@ class MeshConfig(ConfigModel):
                         f"{', '.join(MESH_AXES)}",
                         value,
                     )
-        # Axes of size 1 beyond the four split nothing: they go, and so do the mappings onto them.
+        # Axes of size 1 beyond the six split nothing: they go, and so do the mappings onto them.
         dropped = known - set(MESH_AXES)
         if dropped:
             object.__setattr__(self, "axes", {k: v for k, v in self.axes.items() if k not in dropped})
@@ -271,7 +276,7 @@ class MeshConfig(ConfigModel):
         mapping: dict[str, Any] = {**DEFAULT_SHARED_MAPPING, **self.shared_mapping}
         if which == "compute":
             if self.batch_axis_name not in mapping:
-                mapping[self.batch_axis_name] = self.compute_mapping.get(self.batch_axis_name, DATA_PARALLEL_AXES)
+                mapping[self.batch_axis_name] = self.compute_mapping.get(self.batch_axis_name, self.batch_axes())
             mapping.update(self.compute_mapping)
         else:
             mapping.update(self.param_mapping)
@@ -279,12 +284,18 @@ class MeshConfig(ConfigModel):
             mapping["kv_heads"] = mapping["heads"]  # grouped-query attention's heads go with the heads
         return mapping
 
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over unless a mapping names it: ``(replica_dcn,
+        replica, data)``, and ``expert`` where ``axes`` gives it a size other than 1 (each
+        expert device then holds its own tokens, and exchanges them with the others)."""
+        return DATA_PARALLEL_AXES + ((EXPERT_AXIS,) if self.axes.get(EXPERT_AXIS, 1) != 1 else ())
+
     def _resolved(self, which: Literal["compute", "param"]) -> dict[str, Any]:
         return {axis: _as_mesh_axes(value) for axis, value in self._merged(which).items() if _names(value)}
 
     def compute_axis_mapping(self) -> dict[str, Any]:
         """Logical -> mesh axes while computing: ``{mlp: model, heads: model}``, then
-        ``shared_mapping``, then the batch over ``(replica_dcn, replica, data)`` (unless mapped),
+        ``shared_mapping``, then the batch over ``(replica_dcn, replica, data)`` (and ``expert`` when split; unless mapped),
         then ``compute_mapping``; entries mapped to nothing left out."""
         return self._resolved("compute")
 
@@ -301,7 +312,7 @@ class MeshConfig(ConfigModel):
         return math.prod(size for size in sizes if size != -1)
 
     def resolved_sizes(self, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-        """The size of each of the five mesh axes, outermost first, on ``num_devices`` devices in
+        """The size of each of the six mesh axes, outermost first, on ``num_devices`` devices in
         ``num_slices`` slices (TPU slices; 1 elsewhere); a :class:`ConfigError` naming the
         fields when they do not fit."""
         dcn = self.dcn_axes[REPLICA_DCN_AXIS]
@@ -309,7 +320,7 @@ class MeshConfig(ConfigModel):
         ici = {axis: self.axes.get(axis, 1) for axis in ICI_AXES}
         fixed = math.prod(size for size in ici.values() if size != -1)
         if num_devices % (dcn * fixed):
-            sizes = [(axis, ici[axis]) for axis in (MODEL_AXIS, CONTEXT_AXIS, REPLICA_AXIS, DATA_AXIS)]
+            sizes = [(axis, ici[axis]) for axis in (MODEL_AXIS, CONTEXT_AXIS, EXPERT_AXIS, REPLICA_AXIS, DATA_AXIS)]
             if self.dcn_axes[REPLICA_DCN_AXIS] != -1:
                 sizes.append((REPLICA_DCN_AXIS, dcn))
             named = [f"{self.size_field(axis)} ({size})" for axis, size in sizes if size > 1]

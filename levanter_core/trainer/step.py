@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter_core import lora
 from levanter_core.errors import ConfigError
-from levanter_core.layers.context_parallel import context_attention
+from levanter_core.layers.parallel import parallel_settings
 from levanter_core.optim.skipstep import skipped_step
 from levanter_core.optim.step import BatchObjective
 from levanter_core.tracker.jit_log import collecting
@@ -213,7 +213,7 @@ class TrainStep(BatchPlacement):
                 return step
 
         def flat_step(leaves, example):
-            with hax.axis_mapping(self.compute_mapping), context_attention(self.config.context_attention):
+            with hax.axis_mapping(self.compute_mapping), parallel_settings(**self.config.layer_settings):
                 state, metrics = self._step(jax.tree.unflatten(structure, leaves), example)
             return jax.tree.leaves(state), metrics
 

@@ -47,13 +47,15 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """Bytes each kind of collective produces per device in one run of the compiled module
-    (summed over its instructions; the output shapes of ``collective-permute``, ``all-gather``,
+    (summed over its instructions, as written: the body of a loop, such as the scan over
+    layers, counts once; the output shapes of ``collective-permute``, ``all-gather``,
     ``all-reduce``, ``reduce-scatter`` and ``all-to-all``)."""
     totals: dict[str, int] = {}
     pattern = re.compile(
         r"=\s*(\(?[^=]*?\)?)\s+(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
     )
     for line in hlo.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ comments inside long tuples
         match = pattern.search(line)
         if not match:
             continue

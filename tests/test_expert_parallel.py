@@ -18,7 +18,7 @@ import sys
 import pytest
 from test_resume import Kill, attempt, final_arrays
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from levanter_core.testing import simulated_devices
 
 PLUGINS = f"{REPO}/plugins"
@@ -51,6 +51,17 @@ def test_a_split_layer_gives_one_devices_results_and_drops_only_past_its_capacit
         tight = results[f"{kind} / 1.0"]  # room for the balanced share only: some pairs are dropped
         assert tight["grad_rel_diff"] > 1e-2, (kind, tight)
     assert "6 experts do not split evenly over the 4 devices of the 'expert' mesh axis" in results["six_experts_error"]
+
+
+def test_experts_that_do_not_divide_over_the_expert_devices_are_refused_before_the_run(tmp_path):
+    mesh = "{axes: {expert: 8}, shared_mapping: {experts: expert}}"  # Mixtral nano: 4 experts
+    cache = str(tmp_path / "cache")
+    result = run_cli(
+        "train", MOE_CONFIGS["mixtral_nano.yaml"], "--dry-run", "--trainer.mesh", mesh, "--data.cache_dir", cache
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "trainer.mesh.axes.expert = 8 devices, but the model has 4 experts per layer" in result.stderr
 
 
 @pytest.mark.slow

@@ -19,7 +19,13 @@ from levanter_core.fileio import is_local, require_filesystem
 from levanter_core.tracker import CompositeTracker, NoopTracker
 from levanter_core.tracker.base import RunInfo
 from levanter_core.trainer import host_memory
-from levanter_core.trainer.checks import check_batch_sizes, check_context_split, check_data_inputs, check_tokenizer
+from levanter_core.trainer.checks import (
+    check_batch_sizes,
+    check_context_split,
+    check_data_inputs,
+    check_expert_split,
+    check_tokenizer,
+)
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
 
 logger = logging.getLogger("levanter_core.trainer.run")
@@ -62,6 +68,7 @@ def preflight(config: TrainConfig) -> None:
     check_data_inputs(config.data)
     check_batch_sizes(config.trainer)
     check_context_split(config.trainer, config.train_length)
+    check_expert_split(config.trainer, config.model)
     trainer = config.trainer
     places = {
         "trainer.checkpointer.base_path": trainer.checkpointer.base_path,

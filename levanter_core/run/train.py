@@ -53,7 +53,7 @@ from levanter_core.run.setup import (
     remove_untrained_run,
 )
 from levanter_core.tracker.base import RunInfo, RunStatus, finish_tracker
-from levanter_core.trainer.checks import check_batch_sizes, check_context_split
+from levanter_core.trainer.checks import check_batch_sizes, check_context_split, check_expert_split
 from levanter_core.trainer.extend import warn_if_restarting
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
 from levanter_core.trainer.run_sync import SYNC_INTERVAL_SECONDS, RunDirectory
@@ -75,6 +75,7 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     mesh = make_mesh(config.trainer)
     check_batch_sizes(config.trainer, data_axis_size(mesh))  # on this run's devices
     check_context_split(config.trainer, config.train_length, dict(mesh.shape))
+    check_expert_split(config.trainer, config.model, dict(mesh.shape))
 
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer

@@ -63,6 +63,32 @@ def check_context_split(trainer: TrainerConfig, seq_len: int, sizes: dict[str, i
         )
 
 
+def check_expert_split(trainer: TrainerConfig, model: object, sizes: dict[str, int] | None = None) -> None:
+    """Where the compute mapping splits ``experts`` (expert parallelism), it must name one mesh
+    axis whose size divides the model's number of experts (each device holds as many). ``model``:
+    the model config; one without ``moe_config()`` (or whose ``moe_config()`` is None) has no
+    experts to split. ``sizes`` as for :func:`check_context_split`."""
+    mesh = trainer.resolved_mesh
+    mapped = mesh.compute_axis_mapping().get("experts")
+    if mapped is None:
+        return
+    field = mesh.field_of("experts", "compute")
+    names = [mapped] if isinstance(mapped, str) else list(mapped)
+    if len(names) > 1:
+        raise ConfigError(
+            f"{field}: the experts are mapped to {names}; expert parallelism splits them over one mesh axis (expert)"
+        )
+    size = sizes[names[0]] if sizes is not None else (mesh.axes | mesh.dcn_axes).get(names[0], 1)
+    moe_config = getattr(model, "moe_config", None)
+    moe = moe_config() if callable(moe_config) else None
+    experts = getattr(moe, "num_experts", None)
+    if size > 1 and isinstance(experts, int) and experts % size:
+        raise ConfigError(
+            f"{field} splits the experts over {mesh.size_field(names[0])} = {size} devices, but the model has "
+            f"{experts} experts per layer, which do not divide evenly; choose a size that divides {experts}"
+        )
+
+
 def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) -> None:
     """Each batch size of ``trainer.train_batch_size`` (every stage of a schedule) must divide
     over ``data_parallel`` devices and the microbatches of ``per_device_parallelism`` as the

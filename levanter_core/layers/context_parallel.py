@@ -57,20 +57,27 @@ def context_attention(strategy: ContextAttention) -> Iterator[None]:
         _STRATEGY.reset(token)
 
 
-def context_mesh_axis(Pos: Axis) -> str | None:
-    """The mesh axis the current compute mapping splits ``Pos`` over, when it splits it over
-    more than one device; None otherwise (attention then runs as on one device)."""
+def split_mesh_axis(name: str, kind: str) -> str | None:
+    """The mesh axis the current compute mapping splits the logical axis ``name`` over, when it
+    splits it over more than one device; None otherwise. ``kind`` (``context parallelism``...)
+    splits over one mesh axis: a mapping onto several is a ``ValueError``."""
     mapping = hax.partitioning.current_thread_local_mapping()
-    physical = mapping.get(Pos.name) if mapping else None
+    physical = mapping.get(name) if mapping else None
     if physical is None:
         return None
     names = [physical] if isinstance(physical, str) else list(physical)
     if len(names) != 1:
-        raise ValueError(f"the position axis is mapped to {names}; context parallelism splits it over one mesh axis")
+        raise ValueError(f"the {name} axis is mapped to {names}; {kind} splits it over one mesh axis")
     mesh = hax.partitioning._resolve_mesh()
     if mesh is None or mesh.shape.get(names[0], 1) == 1:
         return None
     return names[0]
+
+
+def context_mesh_axis(Pos: Axis) -> str | None:
+    """The mesh axis the current compute mapping splits ``Pos`` over, when it splits it over
+    more than one device; None otherwise (attention then runs as on one device)."""
+    return split_mesh_axis(Pos.name, "context parallelism")
 
 
 def context_parallel_attention(
@@ -148,7 +155,7 @@ def context_parallel_attention(
     )
     sink_spec = _spec(sink_axes, None, None) if has_sinks else PartitionSpec()
     out = jax.shard_map(
-        _without_mapping(body),
+        without_mapping(body),
         mesh=mesh,
         in_specs=(spec_q, spec_k, spec_v, spec_seg, sink_spec, PartitionSpec()),
         out_specs=spec_q,
@@ -157,7 +164,7 @@ def context_parallel_attention(
     return hax.named(out, out_axes)
 
 
-def _without_mapping(fn):
+def without_mapping(fn):
     """``fn`` run with no axis mapping: inside ``shard_map`` the arrays are each device's own,
     and the named operations must not ask for shardings of the whole."""
 

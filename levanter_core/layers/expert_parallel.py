@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jax.sharding import PartitionSpec
 
+from levanter_core.layers.context_parallel import split_mesh_axis, without_mapping
+
 _CAPACITY: contextvars.ContextVar[float | None] = contextvars.ContextVar("expert_capacity_factor", default=None)
 
 
@@ -74,20 +76,16 @@ def _mapped(name: str) -> list[str]:
 def expert_mesh_axis(Experts: Axis) -> str | None:
     """The mesh axis the current compute mapping splits ``Experts`` over, when it splits it over
     more than one device; None otherwise (the layer then runs as on one device)."""
-    names = _mapped(Experts.name)
-    if not names:
+    axis = split_mesh_axis(Experts.name, "expert parallelism")
+    if axis is None:
         return None
-    if len(names) != 1:
-        raise ValueError(f"the experts axis is mapped to {names}; expert parallelism splits it over one mesh axis")
-    mesh = hax.partitioning._resolve_mesh()
-    if mesh is None or mesh.shape.get(names[0], 1) == 1:
-        return None
-    if Experts.size % mesh.shape[names[0]]:
+    devices = hax.partitioning._resolve_mesh().shape[axis]
+    if Experts.size % devices:
         raise ValueError(
-            f"{Experts.size} experts do not split evenly over the {mesh.shape[names[0]]} devices of the "
-            f"{names[0]!r} mesh axis; choose an expert axis size that divides the number of experts"
+            f"{Experts.size} experts do not split evenly over the {devices} devices of the "
+            f"{axis!r} mesh axis; choose an expert axis size that divides the number of experts"
         )
-    return names[0]
+    return axis
 
 
 def capacity(pairs: int, devices: int, factor: float | None) -> int:
@@ -160,24 +158,13 @@ def expert_parallel_apply(
     )
     bias = down_bias.rearrange((Experts, Embed)).array if down_bias is not None else jnp.zeros((Experts.size, 0))
     out = jax.shard_map(
-        _without_mapping(body),
+        without_mapping(body),
         mesh=mesh,
         in_specs=(token_spec, spec(chosen.axes), spec(weights.axes), [spec(a.axes) for a in arrays], PartitionSpec()),
         out_specs=token_spec,
         check_vma=False,
     )(x.array, chosen.array, weights.array, [a.array for a in arrays], bias)
     return hax.named(out, x.axes)
-
-
-def _without_mapping(fn):
-    """``fn`` run with no axis mapping: inside ``shard_map`` the arrays are each device's own."""
-
-    @functools.wraps(fn)
-    def wrapped(*args):
-        with hax.axis_mapping({}):
-            return fn(*args)
-
-    return wrapped
 
 
 def _local_experts(

@@ -37,28 +37,41 @@ def check_data_inputs(data) -> None:
             raise
 
 
+def _split_over(
+    trainer: TrainerConfig, logical: str, what: str, kind: str, mesh_axis: str, sizes: dict[str, int] | None
+) -> tuple[str, str, int] | None:
+    """Where the compute mapping splits the logical axis ``logical`` (``what``, for messages), the
+    dotted field that maps it, the one mesh axis it names (``kind`` splits over one, such as
+    ``mesh_axis``; more is a :class:`ConfigError`) and that axis's size (from ``sizes``, else ``trainer.mesh``);
+    None where it is not mapped."""
+    mesh = trainer.resolved_mesh
+    mapped = mesh.compute_axis_mapping().get(logical)
+    if mapped is None:
+        return None
+    field = mesh.field_of(logical, "compute")
+    names = [mapped] if isinstance(mapped, str) else list(mapped)
+    if len(names) > 1:
+        raise ConfigError(
+            f"{field}: the {what} are mapped to {names}; {kind} splits them over one mesh axis ({mesh_axis})"
+        )
+    size = sizes[names[0]] if sizes is not None else (mesh.axes | mesh.dcn_axes).get(names[0], 1)
+    return field, mesh.size_field(names[0]), size
+
+
 def check_context_split(trainer: TrainerConfig, seq_len: int, sizes: dict[str, int] | None = None) -> None:
     """Where the compute mapping splits ``position`` (context parallelism), it must name one mesh
     axis, and each sequence of ``seq_len`` positions must cut into two equal chunks per device of
     that axis (the zigzag layout that balances causal attention). ``sizes``: the mesh axes'
     sizes on this run's devices; without them, the sizes ``trainer.mesh`` gives (an axis of -1
     is checked once the devices are known)."""
-    mesh = trainer.resolved_mesh
-    mapped = mesh.compute_axis_mapping().get("position")
-    if mapped is None:
+    split = _split_over(trainer, "position", "positions", "context parallelism", "context", sizes)
+    if split is None:
         return
-    field = mesh.field_of("position", "compute")
-    names = [mapped] if isinstance(mapped, str) else list(mapped)
-    if len(names) > 1:
-        raise ConfigError(
-            f"{field}: the positions are mapped to {names}; context parallelism splits them over one mesh axis "
-            "(context)"
-        )
-    size = sizes[names[0]] if sizes is not None else (mesh.axes | mesh.dcn_axes).get(names[0], 1)
+    field, size_field, size = split
     if size > 1 and seq_len % (2 * size):
         raise ConfigError(
             f"train_seq_len: {seq_len} positions do not cut into {2 * size} equal chunks: {field} splits each "
-            f"sequence over {mesh.size_field(names[0])} = {size} devices, two chunks each (one early, one late, so "
+            f"sequence over {size_field} = {size} devices, two chunks each (one early, one late, so "
             f"that causal attention gives every device the same work); train on a multiple of {2 * size} positions"
         )
 
@@ -68,23 +81,16 @@ def check_expert_split(trainer: TrainerConfig, model: object, sizes: dict[str, i
     axis whose size divides the model's number of experts (each device holds as many). ``model``:
     the model config; one without ``moe_config()`` (or whose ``moe_config()`` is None) has no
     experts to split. ``sizes`` as for :func:`check_context_split`."""
-    mesh = trainer.resolved_mesh
-    mapped = mesh.compute_axis_mapping().get("experts")
-    if mapped is None:
+    split = _split_over(trainer, "experts", "experts", "expert parallelism", "expert", sizes)
+    if split is None:
         return
-    field = mesh.field_of("experts", "compute")
-    names = [mapped] if isinstance(mapped, str) else list(mapped)
-    if len(names) > 1:
-        raise ConfigError(
-            f"{field}: the experts are mapped to {names}; expert parallelism splits them over one mesh axis (expert)"
-        )
-    size = sizes[names[0]] if sizes is not None else (mesh.axes | mesh.dcn_axes).get(names[0], 1)
+    field, size_field, size = split
     moe_config = getattr(model, "moe_config", None)
     moe = moe_config() if callable(moe_config) else None
     experts = getattr(moe, "num_experts", None)
     if size > 1 and isinstance(experts, int) and experts % size:
         raise ConfigError(
-            f"{field} splits the experts over {mesh.size_field(names[0])} = {size} devices, but the model has "
+            f"{field} splits the experts over {size_field} = {size} devices, but the model has "
             f"{experts} experts per layer, which do not divide evenly; choose a size that divides {experts}"
         )
 

@@ -55,7 +55,15 @@ LAYOUTS = {
         {"batch": ("data", "expert"), "experts": "expert", "mlp": "model", "heads": "model"},
         {"experts": "expert", "mlp": "model", "heads": "model"},
     ),
+    "pipeline": ((("stage", 4),), {"layers": "stage"}, {"layers": "stage"}),
+    "pipeline_fsdp": (
+        (("stage", 2), ("data", 4)),
+        {"batch": "data", "layers": "stage"},
+        {"embed": "data", "layers": "stage"},
+    ),
 }
+ROWS = {"pipeline": 4, "pipeline_fsdp": 4}
+"""Rows per batch shard where a layout needs more than one (a pipeline's microbatches)."""
 
 
 def batch(key, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +87,9 @@ def loss_and_grads(model, tokens, segments):
 
 def compare(config_path: str, layout: str) -> dict:
     axes, compute, params = LAYOUTS[layout]
-    mesh = Mesh(np.asarray(jax.devices()).reshape([size for _, size in axes]), tuple(name for name, _ in axes))
+    sizes = [size for _, size in axes]
+    devices = np.asarray(jax.devices()[: int(np.prod(sizes))]).reshape(sizes)
+    mesh = Mesh(devices, tuple(name for name, _ in axes))
     with open(config_path) as f:
         section = dict(yaml.safe_load(f)["model"])
     section["seq_len"] = SEQ_LEN
@@ -87,8 +97,9 @@ def compare(config_path: str, layout: str) -> dict:
         section.pop(heavy, None)
     config = validate_section("model", section)
     model = config.build(Axis("vocab", VOCAB), key=jax.random.PRNGKey(0))
-    batch_axes = [compute["batch"]] if isinstance(compute["batch"], str) else compute["batch"]
-    rows = int(np.prod([size for name, size in axes if name in batch_axes]))  # one row per batch shard
+    batch_axes = [compute["batch"]] if isinstance(compute.get("batch"), str) else compute.get("batch", [])
+    shards = int(np.prod([size for name, size in axes if name in batch_axes]))
+    rows = shards * ROWS.get(layout, 1)  # one row per batch shard, or as many as the layout needs
     tokens, segments = batch(jax.random.PRNGKey(1), rows)
     try:
         one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
@@ -104,7 +115,7 @@ def compare(config_path: str, layout: str) -> dict:
         with hax.axis_mapping(compute), parallel_settings(context_attention_strategy=strategy):
             return loss_and_grads(model, tokens, segments)
 
-    placed = NamedSharding(mesh, PartitionSpec(compute["batch"], compute.get("position")))
+    placed = NamedSharding(mesh, PartitionSpec(compute.get("batch"), compute.get("position")))
     with jax.set_mesh(mesh):
         model = hax.shard_with_axis_mapping(model, params, mesh) if params else model
         many_loss, many_grads = eqx.filter_jit(split)(

@@ -89,11 +89,20 @@ def test_levanter_defaults_split_mlp_and_heads_over_model_and_embed_over_data():
     )
     assert mesh.compute_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "batch": DP}
     assert mesh.parameter_axis_mapping() == {"mlp": "model", "heads": "model", "kv_heads": "model", "embed": "data"}
-    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 8, "expert": 1, "context": 1, "model": 1}
+    assert mesh.resolved_sizes(8) == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 8,
+        "stage": 1,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+    }
     assert mesh.resolved_sizes(8, num_slices=2) == {
         "replica_dcn": 2,
         "replica": 1,
         "data": 4,
+        "stage": 1,
         "expert": 1,
         "context": 1,
         "model": 1,
@@ -112,6 +121,7 @@ def test_a_model_axis_is_merged_over_the_default_axes_and_takes_mlp_and_heads():
         "replica_dcn": 1,
         "replica": 1,
         "data": 4,
+        "stage": 1,
         "expert": 1,
         "context": 1,
         "model": 2,
@@ -161,6 +171,7 @@ def test_a_context_axis_splits_the_positions_as_levanter_writes_it():
         "replica_dcn": 1,
         "replica": 1,
         "data": 2,
+        "stage": 1,
         "expert": 1,
         "context": 4,
         "model": 1,
@@ -211,11 +222,20 @@ def test_the_same_mesh_either_way():
         "replica_dcn": 1,
         "replica": 1,
         "data": 4,
+        "stage": 1,
         "expert": 1,
         "context": 1,
         "model": 2,
     }
-    assert shapes["replicas"][0] == {"replica_dcn": 1, "replica": 2, "data": 2, "expert": 1, "context": 1, "model": 2}
+    assert shapes["replicas"][0] == {
+        "replica_dcn": 1,
+        "replica": 2,
+        "data": 2,
+        "stage": 1,
+        "expert": 1,
+        "context": 1,
+        "model": 2,
+    }
     for name, (own, levanter) in shapes.items():
         assert own == levanter, name
 
@@ -240,6 +260,7 @@ def load_error(path, *overrides) -> str:
 def test_an_axis_of_parallelism_not_here_yet_is_refused_by_name(nano):
     message = load_error(nano, "--trainer.mesh", "{axes: {pipeline: 4}}")
     assert "trainer.mesh.axes.pipeline" in message and "pipeline parallelism" in message
+    assert "write stage instead" in message  # levanter-core's name for the pipeline's axis
     with pytest.raises(ValidationError, match="not a mesh axis levanter-core has"):
         MeshConfig(dcn_axes={"slices": 2})
 
@@ -288,3 +309,16 @@ def test_errors_name_the_trainers_own_fields_or_trainer_mesh():
     assert levanter.size_field("data").startswith("trainer.mesh.axes.data (-1")
     # what the axis-name check reads: the entries a config wrote, not Levanter's defaults
     assert [(w, axis) for w, axis, _ in levanter.written_entries()] == [("param", "vocab")]
+
+
+def test_a_stage_axis_splits_the_layers_at_rest_and_while_computing_but_not_the_batch():
+    mesh = MeshConfig(axes={"stage": 2})
+    assert mesh.resolved_sizes(8) == {
+        "replica_dcn": 1, "stage": 2, "replica": 1, "data": 4, "expert": 1, "context": 1, "model": 1,
+    }  # fmt: skip
+    compute, params = mesh.compute_axis_mapping(), mesh.parameter_axis_mapping()
+    assert compute["layers"] == params["layers"] == "stage"
+    assert compute["batch"] == ("replica_dcn", "replica", "data")  # every stage sees the whole batch
+    assert "layers" not in MeshConfig(axes={"stage": 1}).compute_axis_mapping()
+    assert "layers" not in MeshConfig(axes={"stage": 2}, shared_mapping={"layers": []}).compute_axis_mapping()
+    assert mesh.field_of("layers", "compute") == "trainer.mesh.axes.stage (which maps layers -> stage)"

@@ -22,6 +22,7 @@ from levanter_core.layers.moe import (
     router_losses,
 )
 from levanter_core.layers.norm import LayerNorm, RmsNorm
+from levanter_core.layers.pipeline import fold_layers
 from levanter_core.layers.rotary import (
     DefaultRotaryConfig,
     DynamicRotaryConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "YarnRotaryConfig",
     "apply_rotary",
     "dot_product_attention",
+    "fold_layers",
     "init_linear",
     "rotary_from_hf",
     "rotary_tables",

@@ -52,6 +52,7 @@ from levanter_core.layers.kv_cache import KvCache
 from levanter_core.layers.mlp import ActivationName, GatedMlp, init_linear
 from levanter_core.layers.moe import MoeBlock, MoeConfig, RouterStats, router_losses
 from levanter_core.layers.norm import RmsNorm
+from levanter_core.layers.pipeline import fold_layers, stage_mesh_axis
 from levanter_core.layers.rotary import DefaultRotaryConfig, RotaryConfig
 from levanter_core.layers.stack import LayerGroups, runs, stack_layers
 from levanter_core.models.flops import lm_flops_per_token
@@ -96,6 +97,8 @@ new activations, a :class:`~levanter_core.layers.moe.MoeBlock` them and its :cla
 class DecoderConfig(LmConfig, HfMapped):
     """The fields every decoder-only family shares, with Llama 2 7B's defaults; a family
     subclasses it (see the module docstring)."""
+
+    pipeline_parallel: ClassVar[bool] = True
 
     hf_keys: ClassVar[dict[str, HfKey]] = {
         **DECODER_HF_KEYS,
@@ -466,10 +469,15 @@ class Decoder(eqx.Module):
         stats: list[RouterStats] = []
         for stack, _start, kind, group_flags in self._groups():
             if kind == "moe":
+                if stage_mesh_axis(stack.Block) is not None:
+                    raise ValueError(
+                        "pipeline parallelism runs dense layers: a mixture-of-experts layer's router statistics "
+                        "are over the whole batch, which a pipeline cuts into microbatches"
+                    )
                 x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
             else:
-                x = stack.fold(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
+                x = fold_layers(stack, x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
         all_stats: RouterStats | None
         if not stats:
             all_stats = None

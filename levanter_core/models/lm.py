@@ -125,6 +125,13 @@ class LmConfig(TypedConfig, abc.ABC):
     directory): what ``initialize_from_hf: true`` loads. None: the family's default
     (``default_hf_checkpoint``), if it has one."""
 
+    pipeline_parallel: ClassVar[bool] = False
+    """Whether the family runs its stack of layers through
+    :func:`levanter_core.layers.fold_layers`, which runs it as a pipeline when
+    ``trainer.mesh.axes.stage`` splits the layers into stages (pipeline parallelism). A run that
+    asks for stages with a family that does not is refused before it starts. The decoder kit's
+    families have it."""
+
     default_hf_checkpoint: ClassVar[str | None] = None
     """The checkpoint ``initialize_from_hf: true`` loads when ``reference_checkpoint`` is unset
     (a plugin sets it on its config class; Levanter's defaults, e.g. ``gpt2``)."""

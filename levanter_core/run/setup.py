@@ -24,6 +24,7 @@ from levanter_core.trainer.checks import (
     check_context_split,
     check_data_inputs,
     check_expert_split,
+    check_pipeline_split,
     check_tokenizer,
 )
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
@@ -69,6 +70,7 @@ def preflight(config: TrainConfig) -> None:
     check_batch_sizes(config.trainer)
     check_context_split(config.trainer, config.train_length)
     check_expert_split(config.trainer, config.model)
+    check_pipeline_split(config.trainer, config.model)
     trainer = config.trainer
     places = {
         "trainer.checkpointer.base_path": trainer.checkpointer.base_path,

@@ -26,6 +26,7 @@ from levanter_core.data.pipeline import build_lm_data
 from levanter_core.distributed.ray_cluster import ray_for_run
 from levanter_core.errors import DataError
 from levanter_core.fileio import is_local
+from levanter_core.layers.pipeline import bubble_fraction, default_microbatches
 from levanter_core.plugins import get_manager
 from levanter_core.run.export import HfExporter
 from levanter_core.run.initial import (
@@ -53,9 +54,16 @@ from levanter_core.run.setup import (
     remove_untrained_run,
 )
 from levanter_core.tracker.base import RunInfo, RunStatus, finish_tracker
-from levanter_core.trainer.checks import check_batch_sizes, check_context_split, check_expert_split
+from levanter_core.trainer.batch_plan import BatchPlan
+from levanter_core.trainer.checks import (
+    check_batch_sizes,
+    check_context_split,
+    check_expert_split,
+    check_pipeline_split,
+)
 from levanter_core.trainer.extend import warn_if_restarting
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
+from levanter_core.trainer.mesh_config import STAGE_AXIS
 from levanter_core.trainer.run_sync import SYNC_INTERVAL_SECONDS, RunDirectory
 from levanter_core.trainer.trainer import Trainer
 
@@ -76,6 +84,8 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
     check_batch_sizes(config.trainer, data_axis_size(mesh))  # on this run's devices
     check_context_split(config.trainer, config.train_length, dict(mesh.shape))
     check_expert_split(config.trainer, config.model, dict(mesh.shape))
+    check_pipeline_split(config.trainer, config.model, dict(mesh.shape), data_axis_size(mesh))
+    describe_pipeline(config, mesh)
 
     wall_start = time.perf_counter()
     trainer_cfg = config.trainer
@@ -254,3 +264,19 @@ def _train(config: TrainConfig, run: RunFiles, data, progress: bool) -> RunResul
     finally:
         finish_tracker(tracker, status)
     return result
+
+
+def describe_pipeline(config: TrainConfig, mesh) -> None:
+    """Log a pipeline's shape and its bubble, where ``trainer.mesh`` splits the layers into stages."""
+    stages = mesh.shape.get(STAGE_AXIS, 1)
+    if stages == 1 or config.trainer.resolved_mesh.compute_axis_mapping().get("layers") != STAGE_AXIS:
+        return
+    data_parallel = data_axis_size(mesh)
+    batch = config.trainer.batch_schedule.sizes[0]
+    rows = BatchPlan.from_config(config.trainer, data_parallel, batch).microbatch_size // data_parallel
+    count = config.trainer.pipeline_microbatches or default_microbatches(stages, rows)
+    logger.info(
+        "pipeline parallelism: %d stages, %d microbatch(es) of %d row(s) per data-parallel group: the stages idle "
+        "%.0f%% of each step (the bubble, (S - 1) / (M + S - 1))",
+        stages, count, rows // count, 100 * bubble_fraction(stages, count),
+    )  # fmt: skip

@@ -95,6 +95,57 @@ def check_expert_split(trainer: TrainerConfig, model: object, sizes: dict[str, i
         )
 
 
+def check_pipeline_split(
+    trainer: TrainerConfig, model: object, sizes: dict[str, int] | None = None, data_parallel: int | None = None
+) -> None:
+    """Where the compute mapping splits ``layers`` (pipeline parallelism), it must name one mesh
+    axis, and the model must be one that runs its layers as a pipeline (its config's
+    ``pipeline_parallel``): one scanned stack of dense layers whose number the stages divide.
+    With ``data_parallel`` (once the devices are known), each data-parallel group's rows of a
+    batch must divide into ``trainer.pipeline_microbatches``. ``sizes`` as for
+    :func:`check_context_split`."""
+    split = _split_over(trainer, "layers", "layers", "pipeline parallelism", "stage", sizes)
+    if split is None:
+        return
+    field, size_field, size = split
+    if size == 1:
+        return
+    kind = getattr(model, "type", type(model).__name__)
+    if not getattr(type(model), "pipeline_parallel", False):
+        raise ConfigError(
+            f"{field} splits the layers into {size} pipeline stages, but model type {kind!r} does not run its "
+            f"layers as a pipeline; give {size_field} size 1"
+        )
+    if getattr(model, "scan_layers", True) is False:
+        raise ConfigError(
+            f"model.scan_layers: pipeline parallelism ({field}) splits a scanned stack of layers into stages; "
+            "set model.scan_layers: true (model.unroll_layers may stay)"
+        )
+    moe_config = getattr(model, "moe_config", None)
+    if callable(moe_config) and moe_config() is not None:
+        raise ConfigError(
+            f"{field}: pipeline parallelism runs dense layers; a mixture of experts' router statistics are over "
+            f"the whole batch, which a pipeline cuts into microbatches: give {size_field} size 1"
+        )
+    layers = getattr(model, "num_layers", None)
+    if isinstance(layers, int) and layers % size:
+        raise ConfigError(
+            f"{size_field}: the model's {layers} layers do not split into {size} equal pipeline stages; choose a "
+            f"number of stages that divides {layers}"
+        )
+    count = trainer.pipeline_microbatches
+    if count is None or data_parallel is None or trainer.train_batch_size == -1:
+        return
+    for batch in trainer.batch_schedule.sizes:
+        rows = BatchPlan.from_config(trainer, data_parallel, batch).microbatch_size // data_parallel
+        if rows % count:
+            raise ConfigError(
+                f"trainer.pipeline_microbatches: each of the {data_parallel} data-parallel device group(s) holds "
+                f"{rows} row(s) of each batch, which do not cut into {count} equal microbatches; choose a number "
+                f"that divides {rows}"
+            )
+
+
 def check_batch_sizes(trainer: TrainerConfig, data_parallel: int | None = None) -> None:
     """Each batch size of ``trainer.train_batch_size`` (every stage of a schedule) must divide
     over ``data_parallel`` devices and the microbatches of ``per_device_parallelism`` as the

@@ -274,6 +274,13 @@ class TrainerConfig(ConfigModel):
     (``tokens x top_k / N``); pairs past it are dropped (their expert's output counts as zero).
     None: dropless (room for every pair, exact, at N times the exchange's memory and bytes).
     See docs/parallelism.md."""
+    pipeline_microbatches: int | None = Field(default=None, ge=1)
+    """Where ``trainer.mesh`` splits the layers into stages (``axes: {stage: S}``: pipeline
+    parallelism), how many microbatches each batch (each microbatch of
+    ``per_device_parallelism``, where it cuts the batch) is fed through the stages in. The
+    stages idle a fraction ``(S - 1) / (M + S - 1)`` of the step (the bubble); more microbatches
+    shrink it, each with fewer rows. Each data-parallel device group's rows must divide into
+    them. None: the most, up to ``4 x S``, that divide those rows. See docs/parallelism.md."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.
@@ -474,6 +481,7 @@ class TrainerConfig(ConfigModel):
         return {
             "context_attention_strategy": self.context_attention,
             "expert_capacity_factor": self.expert_capacity_factor,
+            "pipeline_microbatches": self.pipeline_microbatches,
         }
 
     @property

@@ -1,7 +1,9 @@
-"""The device mesh, with six axes, outermost first:
+"""The device mesh, with seven axes, outermost first:
 
 * ``replica_dcn``: data-parallel replicas across process groups (TPU slices), over the
   data-center network (``trainer.mesh.dcn_axes.replica_dcn``, or ``trainer.replica_dcn_axis_size``);
+* ``stage``: the layers in consecutive stages, where ``layers`` is mapped onto it (pipeline
+  parallelism, by default when its size is not 1; ``trainer.mesh.axes.stage``);
 * ``replica``: data-parallel replicas within a group (``trainer.mesh.axes.replica``, or
   ``trainer.replica_ici_axis_size``);
 * ``data``: the batch and, with FSDP, the parameters (by default the devices left over);
@@ -38,6 +40,7 @@ from levanter_core.trainer.mesh_config import (
     MODEL_AXIS,
     REPLICA_AXIS,
     REPLICA_DCN_AXIS,
+    STAGE_AXIS,
     MeshConfig,
 )
 
@@ -56,7 +59,10 @@ def make_mesh(config: TrainerConfig, devices: list | None = None) -> Mesh:
     granule_of = _granule_key(devices)
     slices = len({d.slice_index for d in devices}) if granule_of is _slice_index else 1
     sizes = mesh_config.resolved_sizes(len(devices), slices)
-    ici_shape = (1, *(sizes[axis] for axis in (REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)))
+    ici_shape = (
+        1,
+        *(sizes[axis] for axis in (STAGE_AXIS, REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)),
+    )
     groups = _dcn_groups(devices, sizes[REPLICA_DCN_AXIS], mesh_config)
     return Mesh(np.concatenate([_ici_mesh(ici_shape, group) for group in groups]), MESH_AXES)
 

@@ -1,8 +1,10 @@
 """``trainer.mesh``: how the device mesh is shaped and how logical axes map onto it, in
 Levanter's spelling (``levanter.utils.mesh.MeshConfig``).
 
-The mesh has six axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
-of processes, over the data-center network), then, within a slice, ``replica`` (replicas),
+The mesh has seven axes, outermost first: ``replica_dcn`` (replicas across TPU slices or groups
+of processes, over the data-center network), then, within a slice, ``stage`` (the layers split
+into consecutive stages: pipeline parallelism; ``layers`` is mapped onto it by default when its
+size is not 1), ``replica`` (replicas),
 ``data`` (the batch, and the parameters under FSDP), ``expert`` (a mixture of experts' experts,
 with ``shared_mapping: {experts: expert}``: expert parallelism; the batch is split over it too),
 ``context`` (each sequence's positions: context parallelism, with ``shared_mapping: {position:
@@ -11,10 +13,10 @@ context}``) and ``model`` (tensor parallelism).
 arrays (``embed``, ``mlp``, ``heads``, ``batch``...) are split over which mesh axes:
 
 * the compute mapping (activations, and parameters as gathered for compute) is
-  ``mlp -> model, heads -> model``, then ``shared_mapping``, then the batch over
+  ``mlp -> model, heads -> model`` (and ``layers -> stage`` when ``stage`` is split), then ``shared_mapping``, then the batch over
   ``(replica_dcn, replica, data)`` (and ``expert``, when it is split) unless mapped already, then ``compute_mapping``;
 * the parameter mapping (parameters and optimizer state at rest) is
-  ``mlp -> model, heads -> model``, then ``shared_mapping``, then ``param_mapping``.
+  ``mlp -> model, heads -> model`` (and ``layers -> stage``), then ``shared_mapping``, then ``param_mapping``.
 
 The trainer's older fields (``model_axis_size``, ``tensor_parallel_axes``, ``fsdp_axis``...)
 are translated into this section (:meth:`TrainerConfig.resolved_mesh
@@ -45,17 +47,20 @@ DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
 """Mesh axis of expert parallelism (``trainer.mesh.axes.expert``): a mixture of experts' experts
 split over devices, when ``experts`` is mapped onto it; the batch is split over it too."""
+STAGE_AXIS = "stage"
+"""Mesh axis of pipeline parallelism (``trainer.mesh.axes.stage``): the layers split into
+consecutive stages over devices (``layers`` is mapped onto it unless a mapping says otherwise)."""
 CONTEXT_AXIS = "context"
 """Mesh axis of context parallelism (``trainer.mesh.axes.context``): the positions of each
 sequence split over devices, when ``position`` is mapped onto it."""
 MODEL_AXIS = "model"
 """Mesh axis of tensor parallelism (``trainer.mesh.axes.model``)."""
-MESH_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+MESH_AXES = (REPLICA_DCN_AXIS, STAGE_AXIS, REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The device mesh's axes, outermost first."""
 DATA_PARALLEL_AXES = (REPLICA_DCN_AXIS, REPLICA_AXIS, DATA_AXIS)
 """The mesh axes the batch is split over (unless a mapping says otherwise), and ``expert`` too
 where ``trainer.mesh.axes`` gives it a size other than 1."""
-ICI_AXES = (REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
+ICI_AXES = (STAGE_AXIS, REPLICA_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, MODEL_AXIS)
 """The mesh axes within a slice (over the chips' interconnect), in mesh order."""
 DCN_AXES = (REPLICA_DCN_AXIS,)
 """The mesh axes across slices (over the data-center network)."""
@@ -68,10 +73,17 @@ DEFAULT_SHARED_MAPPING = {"mlp": MODEL_AXIS, "heads": MODEL_AXIS}
 """Levanter's mapping under ``shared_mapping``: tensor parallelism over the MLP and the heads."""
 
 UNSUPPORTED_AXES = {
-    "pipeline": "a pipeline axis splits the layers into stages over devices (pipeline parallelism)",
-    "sequence": "a sequence axis splits each sequence's positions over devices (sequence parallelism)",
+    "sequence": "a sequence axis splits each sequence's positions over devices (sequence parallelism), "
+    "which levanter-core does not support yet",
+    "pipeline": "a pipeline axis splits the layers into stages over devices (pipeline parallelism), which "
+    "levanter-core's mesh calls stage: write stage instead",
 }
-"""Mesh axes of other kinds of parallelism that Levanter configs may name, and what they do."""
+"""Mesh axes of other kinds of parallelism that Levanter configs may name, what they do, and
+what levanter-core has instead."""
+
+PIPELINE_MAPPING = {"layers": STAGE_AXIS}
+"""The mapping a split ``stage`` axis implies (under ``shared_mapping``): the stacked layers'
+axis over the stages."""
 
 MeshAxes = str | list[str] | None
 """Where a logical axis goes: a mesh axis, a list of them, or nothing (``[]`` or null: not split)."""
@@ -120,7 +132,7 @@ def _checked_sizes(sizes: dict[str, int], own: tuple[str, ...], other: tuple[str
             )
         if name not in own and size != 1:
             if name in UNSUPPORTED_AXES:
-                why = f"{UNSUPPORTED_AXES[name]}, which levanter-core does not support yet"
+                why = UNSUPPORTED_AXES[name]
             else:
                 why = (
                     f"{name!r} is not a mesh axis levanter-core has (within a slice: {', '.join(ICI_AXES)}; "
@@ -140,8 +152,10 @@ class MeshConfig(ConfigModel):
     context parallelism; 1 when not given). Entries are merged over ``{data: -1, replica: 1,
     model: 1}``; if that leaves two -1 and ``data`` was not given, ``data`` is 1. ``expert`` (a
     mixture of experts' experts, where ``experts`` is mapped onto it: expert parallelism; the
-    batch is split over it too; 1 when not given). Axes of parallelism levanter-core does not
-    have yet (``pipeline``...) are accepted only with size 1."""
+    batch is split over it too; 1 when not given). ``stage`` (the layers in consecutive stages:
+    pipeline parallelism, ``layers`` mapped onto it unless a mapping says otherwise; 1 when not
+    given). Axes of parallelism levanter-core does not have (``sequence``; ``pipeline``, which it
+    calls ``stage``) are accepted only with size 1."""
     dcn_axes: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_DCN_AXES))
     """Mesh axes across slices (over the data-center network) and their sizes: ``replica_dcn``,
     whole replicas, so that only gradients cross the slow network. -1: the number of TPU slices
@@ -210,7 +224,7 @@ class MeshConfig(ConfigModel):
                         f"{', '.join(MESH_AXES)}",
                         value,
                     )
-        # Axes of size 1 beyond the six split nothing: they go, and so do the mappings onto them.
+        # Axes of size 1 beyond the seven split nothing: they go, and so do the mappings onto them.
         dropped = known - set(MESH_AXES)
         if dropped:
             object.__setattr__(self, "axes", {k: v for k, v in self.axes.items() if k not in dropped})
@@ -243,6 +257,8 @@ class MeshConfig(ConfigModel):
                 return self._origins.get((source, axis), f"trainer.mesh.{source}_mapping.{axis}")
         if which == "compute" and axis == self.batch_axis_name:
             return self._origins.get(("batch", axis), "trainer.mesh.batch_axis_name")
+        if axis in PIPELINE_MAPPING and self.pipelined():
+            return f"{self.size_field(STAGE_AXIS)} (which maps {axis} -> {PIPELINE_MAPPING[axis]})"
         if axis in DEFAULT_SHARED_MAPPING:
             return f"trainer.mesh.shared_mapping.{axis} (by default {axis} -> {DEFAULT_SHARED_MAPPING[axis]})"
         if axis == "kv_heads":
@@ -272,8 +288,13 @@ class MeshConfig(ConfigModel):
         return entries
 
     # -- resolution ----------------------------------------------------------------------
+    def pipelined(self) -> bool:
+        """Whether ``axes`` gives ``stage`` a size other than 1 (pipeline parallelism)."""
+        return self.axes.get(STAGE_AXIS, 1) != 1
+
     def _merged(self, which: Literal["compute", "param"]) -> dict[str, Any]:
-        mapping: dict[str, Any] = {**DEFAULT_SHARED_MAPPING, **self.shared_mapping}
+        implied = PIPELINE_MAPPING if self.pipelined() else {}
+        mapping: dict[str, Any] = {**DEFAULT_SHARED_MAPPING, **implied, **self.shared_mapping}
         if which == "compute":
             if self.batch_axis_name not in mapping:
                 mapping[self.batch_axis_name] = self.compute_mapping.get(self.batch_axis_name, self.batch_axes())
@@ -312,7 +333,7 @@ class MeshConfig(ConfigModel):
         return math.prod(size for size in sizes if size != -1)
 
     def resolved_sizes(self, num_devices: int, num_slices: int = 1) -> dict[str, int]:
-        """The size of each of the six mesh axes, outermost first, on ``num_devices`` devices in
+        """The size of each of the seven mesh axes, outermost first, on ``num_devices`` devices in
         ``num_slices`` slices (TPU slices; 1 elsewhere); a :class:`ConfigError` naming the
         fields when they do not fit."""
         dcn = self.dcn_axes[REPLICA_DCN_AXIS]
@@ -320,7 +341,10 @@ class MeshConfig(ConfigModel):
         ici = {axis: self.axes.get(axis, 1) for axis in ICI_AXES}
         fixed = math.prod(size for size in ici.values() if size != -1)
         if num_devices % (dcn * fixed):
-            sizes = [(axis, ici[axis]) for axis in (MODEL_AXIS, CONTEXT_AXIS, EXPERT_AXIS, REPLICA_AXIS, DATA_AXIS)]
+            sizes = [
+                (axis, ici[axis])
+                for axis in (MODEL_AXIS, CONTEXT_AXIS, EXPERT_AXIS, STAGE_AXIS, REPLICA_AXIS, DATA_AXIS)
+            ]
             if self.dcn_axes[REPLICA_DCN_AXIS] != -1:
                 sizes.append((REPLICA_DCN_AXIS, dcn))
             named = [f"{self.size_field(axis)} ({size})" for axis, size in sizes if size > 1]

@@ -33,7 +33,7 @@ from haliax.state_dict import ModuleWithStateDictSerialization
 from pydantic import Field, PositiveInt, model_validator
 
 from levanter_core.hf.mapping import HfKey, HfMapped
-from levanter_core.layers import ACTIVATIONS, init_linear, stack_layers
+from levanter_core.layers import ACTIVATIONS, fold_layers, init_linear, stack_layers
 from levanter_core.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
 from levanter_core.layers.kv_cache import KvCache
 from levanter_core.models.lm import GradientCheckpointing, LmConfig
@@ -60,6 +60,8 @@ class Gpt2Config(LmConfig, HfMapped):
 
     Hugging Face's keys: a ``config.json`` that leaves one out gets ``transformers.GPT2Config``'s
     default (dropout 0.1, as GPT-2 was trained), since that is what ``transformers`` would use."""
+
+    pipeline_parallel: ClassVar[bool] = True
 
     type: str = "gpt2"
     """The registered type name; always ``gpt2`` for this config."""
@@ -417,7 +419,9 @@ class Gpt2Transformer(eqx.Module):
     def __call__(self, x: NamedArray, attn_mask=None, *, key=None) -> NamedArray:
         # one key per layer, sliced by the scan; None (no dropout) is passed through as is
         keys = jax.random.split(key, self.config.num_layers) if key is not None else None
-        x = self.blocks.fold(x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers)
+        x = fold_layers(
+            self.blocks, x, hax.arange(self.config.Layers), attn_mask, key=keys, unroll=self.config.unroll_layers
+        )
         return self.ln_f(x)
 
     def decode(self, x: NamedArray, positions: NamedArray, cache: KvCache, *, key_len: int):

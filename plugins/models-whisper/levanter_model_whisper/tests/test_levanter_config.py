@@ -177,6 +177,14 @@ def test_a_current_schema_train_asr_config_loads_with_its_mesh(tmp_path, offline
     assert config.model.type == "whisper" and config.model.seq_len == 224
     assert list(config.data.configs) == ["librispeech"] and config.data.configs["librispeech"].format.type == "audio"
     mesh = config.trainer.resolved_mesh
-    assert mesh.resolved_sizes(8) == {"replica_dcn": 1, "replica": 1, "data": 4, "expert": 1, "context": 1, "model": 2}
+    assert mesh.resolved_sizes(8) == {
+        "replica_dcn": 1,
+        "replica": 1,
+        "data": 4,
+        "stage": 1,
+        "expert": 1,
+        "context": 1,
+        "model": 2,
+    }
     assert config.trainer.parameter_axis_mapping()["embed"] == "data"
     assert config.trainer.compute_axis_mapping()["mlp"] == "model"

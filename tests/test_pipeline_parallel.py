@@ -1,0 +1,136 @@
+"""Pipeline parallelism: the layers split into stages over a ``stage`` mesh axis, the batch fed
+through them in microbatches (levanter_core/layers/pipeline.py).
+
+On simulated CPU devices: GPT-2 (its own stack, with a per-layer argument) over 4 stages, and
+Gemma 3 (the decoder kit, sliding-window flags that differ by layer) over 2 stages with FSDP
+over 4 data devices inside each, give one device's loss and gradients with packed documents;
+runs the pipeline cannot serve are refused before they start; ``levanter train`` trains GPT-2
+over 2 stages, and a checkpoint of it resumes on 2 data devices with no stages with the same
+run's losses up to rounding."""
+
+import os
+import shutil
+
+import pytest
+from test_expert_parallel import run_script
+from test_resume import attempt
+
+from conftest import REPO, run_cli
+from levanter_core.config.train import TrainConfig
+from levanter_core.errors import ConfigError
+from levanter_core.layers.pipeline import bubble_fraction, default_microbatches
+from levanter_core.trainer.checks import check_pipeline_split
+
+PLUGINS = f"{REPO}/plugins"
+GPT2 = f"{PLUGINS}/models-gpt2/levanter_model_gpt2/configs/gpt2_nano.yaml"
+GEMMA3 = f"{PLUGINS}/models-gemma/levanter_model_gemma/configs/gemma3_nano.yaml"
+MIXTRAL = f"{PLUGINS}/models-mixtral/levanter_model_mixtral/configs/mixtral_nano.yaml"
+WHISPER = f"{PLUGINS}/models-whisper/levanter_model_whisper/configs/whisper_nano.yaml"
+
+
+def test_the_bubble_and_the_default_number_of_microbatches():
+    assert bubble_fraction(1, 1) == 0.0
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert default_microbatches(2, 16) == 8  # up to 4 x stages
+    assert default_microbatches(4, 12) == 12
+    assert default_microbatches(4, 18) == 9  # the largest divisor of the rows within 16
+    assert default_microbatches(8, 1) == 1
+
+
+@pytest.mark.slow
+def test_dense_families_give_one_devices_loss_and_gradients_over_stages(tmp_path):
+    out = str(tmp_path / "families.json")
+    results = run_script("context_parallel_families.py", out, "pipeline", GPT2, f"pipeline_fsdp@{GEMMA3}")["results"]
+    assert set(results) == {"gpt2_nano.yaml", "pipeline_fsdp@gemma3_nano.yaml"}
+    for name, run in results.items():
+        assert abs(run["loss_split"] - run["loss_one"]) <= 1e-5 * abs(run["loss_one"]), (name, run)
+        assert run["grad_rel_diff"] <= 1e-5, (name, run)
+        assert run["packed"], name
+
+
+def config_with(path: str, **trainer) -> TrainConfig:
+    from levanter_core.config.train import load_train_config
+
+    overrides = [arg for k, v in trainer.items() for arg in (f"--trainer.{k}", str(v))]
+    return load_train_config(path, overrides)[0]
+
+
+def test_runs_a_pipeline_cannot_serve_are_refused_before_they_start():
+    stages = "{axes: {stage: 2}}"
+    gpt2 = config_with(GPT2, mesh=stages)
+    check_pipeline_split(gpt2.trainer, gpt2.model)  # 4 dense layers, scanned: fine
+    refusals = {
+        "does not run its layers as a pipeline": config_with(WHISPER, mesh=stages),
+        "pipeline parallelism runs dense layers": config_with(MIXTRAL, mesh=stages),
+        "do not split into 3 equal pipeline stages": config_with(GPT2, mesh="{axes: {stage: 3}}"),
+    }
+    for expected, config in refusals.items():
+        with pytest.raises(ConfigError, match=expected):
+            check_pipeline_split(config.trainer, config.model)
+    unscanned = gpt2.model.model_copy(update={"scan_layers": False})
+    with pytest.raises(ConfigError, match=r"^model.scan_layers: .*set model.scan_layers: true"):
+        check_pipeline_split(gpt2.trainer, unscanned)
+    # 16 rows over 2 data devices: 8 each, which 3 microbatches do not cut
+    odd = config_with(GPT2, mesh="{axes: {stage: 2, data: 2}}", pipeline_microbatches=3)
+    check_pipeline_split(odd.trainer, odd.model)  # before the devices are known: not yet checked
+    with pytest.raises(ConfigError, match=r"^trainer.pipeline_microbatches: .* 8 row\(s\) .* 3 equal microbatches"):
+        check_pipeline_split(odd.trainer, odd.model, {"stage": 2, "data": 2}, 2)
+
+
+def test_levanter_train_refuses_a_pipeline_of_a_mixture_of_experts_by_its_fields(tmp_path):
+    result = run_cli(
+        "train", MIXTRAL, "--dry-run", "--trainer.mesh", "{axes: {stage: 2}}",
+        "--data.cache_dir", str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "trainer.mesh.axes.stage (which maps layers -> stage): pipeline parallelism runs dense layers" in (
+        result.stderr
+    )
+
+
+STEPS = 6
+
+
+def gpt2_args(workdir: str, run_id: str, mesh: str) -> list[str]:
+    return [
+        "train", GPT2, "--no-progress",
+        "--model.seq_len", "64", "--model.hidden_dim", "32", "--model.num_heads", "2",
+        "--trainer.id", run_id,
+        "--trainer.mesh", mesh,
+        "--trainer.train_batch_size", "8",
+        "--trainer.num_train_steps", str(STEPS),
+        "--trainer.steps_per_eval", "1000",
+        "--trainer.max_eval_batches", "1",
+        "--trainer.log_dir", os.path.join(workdir, "logs"),
+        "--trainer.checkpointer.base_path", os.path.join(workdir, "ckpt"),
+        "--trainer.checkpointer.keep", "[{every: 3}]",
+        "--trainer.checkpointer.save_interval", "1h",
+        "--trainer.jax_compilation_cache_dir", os.path.join(workdir, "jax-cache"),
+        "--data.cache_dir", os.path.join(workdir, "data-cache"),
+        "--data.max_files", "20",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_levanter_train_over_two_stages_resumes_under_another_layout(tmp_path):
+    workdir = str(tmp_path)
+    staged = attempt(gpt2_args(workdir, "staged", "{axes: {stage: 2}}"), workdir, "staged", None, devices=2)
+    assert staged.returncode == 0 and f"done: step {STEPS}" in staged.stdout, staged.stderr[-4000:]
+    assert "pipeline parallelism: 2 stages, 8 microbatch(es) of 1 row(s)" in staged.stderr
+    assert "the stages idle 11% of each step" in staged.stderr
+    expected = staged.losses
+    assert sorted(expected) == list(range(1, STEPS + 1)) and expected[STEPS] < expected[1]
+
+    # Step 3's checkpoint, moved to 2 data devices and no stages, trains on with the same run's
+    # losses: the parameters are the same arrays, split otherwise; the sums over the batch
+    # add in another order, so within 1e-5 rather than bit for bit.
+    moved = os.path.join(workdir, "ckpt", "moved")
+    os.makedirs(moved)
+    shutil.copytree(os.path.join(workdir, "ckpt", "staged", "step-3"), os.path.join(moved, "step-3"))
+    other = attempt(gpt2_args(workdir, "moved", "{axes: {data: 2}}"), workdir, "moved", None, devices=2)
+    assert other.returncode == 0 and f"resumed from {moved}/step-3 at step 3" in other.stdout, other.stderr[-4000:]
+    assert sorted(other.losses) == list(range(4, STEPS + 1))
+    for step, loss in other.losses.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), (step, loss, expected[step])

@@ -8,7 +8,8 @@ LAYOUT (:data:`LAYOUTS`): ``ring`` or ``all_gather`` (context parallelism by tha
 data x 4 context), ``expert`` (4 expert x 2 data, the parameters at rest split FSDP-style over
 data and the experts over expert), ``expert_context`` (2 data x 2 expert x 2 context),
 ``expert_model`` (2 data x 2 expert x 2 model: tensor parallelism over heads and the experts'
-mlp). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
+mlp), ``fsdp_context_model`` (2 data x 2 context x 2 model, the parameters at rest FSDP over
+data), ``pipeline`` (4 stages) and ``pipeline_fsdp`` (2 stages x 4 data, FSDP within each). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
 family's nano config (its ``model:`` section is read, with 64
 positions). ``OUT.json`` gets, per config: both losses, and the largest difference of a gradient
 from one device's relative to that gradient's largest magnitude (keyed ``LAYOUT@name`` for a
@@ -54,6 +55,11 @@ LAYOUTS = {
         (("data", 2), ("expert", 2), ("model", 2)),
         {"batch": ("data", "expert"), "experts": "expert", "mlp": "model", "heads": "model"},
         {"experts": "expert", "mlp": "model", "heads": "model"},
+    ),
+    "fsdp_context_model": (
+        (("data", 2), ("context", 2), ("model", 2)),
+        {"batch": "data", "position": "context", "mlp": "model", "heads": "model"},
+        {"embed": "data", "mlp": "model", "heads": "model"},
     ),
     "pipeline": ((("stage", 4),), {"layers": "stage"}, {"layers": "stage"}),
     "pipeline_fsdp": (

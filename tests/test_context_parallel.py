@@ -53,13 +53,15 @@ FAMILIES = {
 def test_families_train_on_split_sequences_as_on_one_device(tmp_path):
     out = tmp_path / "families.json"
     configs = [f"{REPO}/plugins/{package}/configs/{name}" for name, package in FAMILIES.items()]
+    # with FSDP and tensor parallelism too: 2 data x 2 context x 2 model
+    configs.append(f"fsdp_context_model@{REPO}/plugins/models-llama/levanter_model_llama/configs/llama_nano.yaml")
     result = subprocess.run(
         [sys.executable, f"{REPO}/tests/context_parallel_families.py", str(out), "ring", *configs],
         env={**os.environ, **simulated_devices(8, quick_compile=True)}, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
-    assert set(results) == set(FAMILIES)
+    assert set(results) == {*FAMILIES, "fsdp_context_model@llama_nano.yaml"}
     for name, run in results.items():
         assert abs(run["loss_split"] - run["loss_one"]) <= 1e-5 * abs(run["loss_one"]), (name, run)
         assert run["grad_rel_diff"] <= 1e-5, (name, run)

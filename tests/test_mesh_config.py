@@ -155,6 +155,7 @@ def test_an_expert_axis_splits_the_experts_and_the_batch_as_levanter_writes_it()
     assert compute["batch"] == ("replica_dcn", "replica", "data", "expert")  # each expert device has its own tokens
     assert config.mesh.resolved_sizes(8) == {
         "replica_dcn": 1,
+        "stage": 1,
         "replica": 1,
         "data": 2,
         "expert": 4,

@@ -5,8 +5,8 @@ On simulated CPU devices: GPT-2 (its own stack, with a per-layer argument) over 
 Gemma 3 (the decoder kit, sliding-window flags that differ by layer) over 2 stages with FSDP
 over 4 data devices inside each, give one device's loss and gradients with packed documents;
 runs the pipeline cannot serve are refused before they start; ``levanter train`` trains GPT-2
-over 2 stages, and a checkpoint of it resumes on 2 data devices with no stages with the same
-run's losses up to rounding."""
+over 2 stages, and a checkpoint of it resumes under context parallelism (no stages, the
+positions over 2 devices) with the same run's losses up to rounding."""
 
 import os
 import shutil
@@ -114,7 +114,7 @@ def gpt2_args(workdir: str, run_id: str, mesh: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_levanter_train_over_two_stages_resumes_under_another_layout(tmp_path):
+def test_levanter_train_over_two_stages_resumes_under_context_parallelism(tmp_path):
     workdir = str(tmp_path)
     staged = attempt(gpt2_args(workdir, "staged", "{axes: {stage: 2}}"), workdir, "staged", None, devices=2)
     assert staged.returncode == 0 and f"done: step {STEPS}" in staged.stdout, staged.stderr[-4000:]
@@ -123,13 +123,14 @@ def test_levanter_train_over_two_stages_resumes_under_another_layout(tmp_path):
     expected = staged.losses
     assert sorted(expected) == list(range(1, STEPS + 1)) and expected[STEPS] < expected[1]
 
-    # Step 3's checkpoint, moved to 2 data devices and no stages, trains on with the same run's
-    # losses: the parameters are the same arrays, split otherwise; the sums over the batch
-    # add in another order, so within 1e-5 rather than bit for bit.
+    # Step 3's checkpoint, moved to another layout (no stages; each sequence's positions split
+    # over 2 context devices) trains on with the same run's losses: the parameters are the same
+    # arrays, split otherwise; the sums add in another order, so within 1e-5, not bit for bit.
     moved = os.path.join(workdir, "ckpt", "moved")
     os.makedirs(moved)
     shutil.copytree(os.path.join(workdir, "ckpt", "staged", "step-3"), os.path.join(moved, "step-3"))
-    other = attempt(gpt2_args(workdir, "moved", "{axes: {data: 2}}"), workdir, "moved", None, devices=2)
+    context = "{axes: {context: 2, data: 1}, shared_mapping: {position: context}}"
+    other = attempt(gpt2_args(workdir, "moved", context), workdir, "moved", None, devices=2)
     assert other.returncode == 0 and f"resumed from {moved}/step-3 at step 3" in other.stdout, other.stderr[-4000:]
     assert sorted(other.losses) == list(range(4, STEPS + 1))
     for step, loss in other.losses.items():

@@ -15,6 +15,7 @@ Two parts, each in its own process (JAX fixes the device count when it starts):
 ::
 
     .venv/bin/python bench/context_parallel.py memory --seq-len 32768 --devices 8 --run --out bench/context-parallel-memory.json
+    .venv/bin/python bench/context_parallel.py memory --seq-len 32768 --counts 2,4,8 --out bench/context-parallel-scaling.json
     .venv/bin/python bench/context_parallel.py families --out bench/context-parallel-families.json
 """
 
@@ -157,7 +158,11 @@ def expected_bytes(seq_len: int, n: int, strategy: str) -> dict[str, int]:
 
 def memory(args) -> dict:
     rows = []
-    for devices, strategy in [(1, "ring"), (args.devices, "ring"), (args.devices, "all_gather")]:
+    if args.counts:  # how the memory falls with the device count: the ring at each, compiled only
+        layouts = [(1, "ring")] + [(int(n), "ring") for n in args.counts.split(",")]
+    else:
+        layouts = [(1, "ring"), (args.devices, "ring"), (args.devices, "all_gather")]
+    for devices, strategy in layouts:
         env = {
             **os.environ,
             "JAX_PLATFORMS": "cpu",
@@ -206,6 +211,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--strategy", default="ring")
     parser.add_argument("--run", action="store_true", help="also run the split step (memory)")
+    parser.add_argument(
+        "--counts", help="memory: the ring on each of these device counts (e.g. 2,4,8) instead of --devices"
+    )
     parser.add_argument("--out", help="write the results here (JSON)")
     args = parser.parse_args()
     if args.part == "memory-child":

@@ -14,6 +14,7 @@ on 4 devices.
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import equinox as eqx
@@ -54,6 +55,20 @@ def worst(a_tree, b_tree) -> float:
     return max(ratios)
 
 
+def expected_dropped(block, x, factor) -> float:
+    """The share of pairs a capacity ``factor`` drops, counted here from one device's routing:
+    the batch's rows in 8 equal parts (one per device, as MAPPING places them), each part's pairs
+    per destination (4 expert devices of 2 experts) past its ``ceil(factor x pairs / 4)`` rows."""
+    if factor is None:
+        return 0.0
+    tokens = x.flatten_axes((Batch, Pos), "token")
+    chosen, _ = block.route(block.router.logits(tokens), tokens.resolve_axis("token"))
+    per_device = np.asarray(chosen.array).reshape(8, -1)  # rows are (batch, position) in order
+    rows = min(per_device.shape[1], max(1, math.ceil(factor * per_device.shape[1] / 4)))
+    dropped = sum(np.maximum(np.bincount(part // 2, minlength=4) - rows, 0).sum() for part in per_device)
+    return float(dropped / per_device.size)
+
+
 def main(out_path: str) -> None:
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "expert"))
     x = hax.random.normal(jax.random.PRNGKey(1), (Batch, Pos, Embed))
@@ -76,9 +91,11 @@ def main(out_path: str) -> None:
                 if factor is None and name == "softmax_topk":
                     jaxpr = str(jax.make_jaxpr(lambda b, x: eqx.filter_grad(loss)(b, x))(block, x))
                     results["all_to_all"] = jaxpr.count("all_to_all")
+                reported = eqx.filter_jit(lambda b, x: b(x)[1].dropped_fraction)(block, hax.named(placed, x.axes))
             results[f"{name} / {factor}"] = {
                 "loss_one": float(one_loss), "loss_split": float(split_loss),
                 "grad_rel_diff": worst(one_grads, split_grads),
+                "dropped_reported": float(reported.array), "dropped_expected": expected_dropped(block, x, factor),
             }  # fmt: skip
     six = MoeBlock.init(MoeConfig(Embed=Embed, num_experts=6, top_k=2, intermediate_dim=12), key=jax.random.PRNGKey(0))
     try:

@@ -40,7 +40,7 @@ def run_script(script: str, *args: str) -> dict:
     return json.loads(open(args[0]).read())
 
 
-def test_a_split_layer_gives_one_devices_results_and_drops_only_past_its_capacity(tmp_path):
+def test_a_split_layer_gives_one_devices_results_and_drops_only_past_its_capacity_and_says_so(tmp_path):
     results = run_script("expert_parallel_layer.py", str(tmp_path / "layer.json"))
     assert results["all_to_all"] == 4  # out and back, in the forward pass and the backward
     for kind in ("softmax_topk", "topk_softmax, biases", "sigmoid_topk, groups, shared"):
@@ -48,8 +48,12 @@ def test_a_split_layer_gives_one_devices_results_and_drops_only_past_its_capacit
             run = results[f"{kind} / {factor}"]
             assert run["loss_split"] == pytest.approx(run["loss_one"], rel=1e-6), (kind, factor, run)
             assert run["grad_rel_diff"] <= 1e-5, (kind, factor, run)
+            assert run["dropped_reported"] == 0.0, (kind, factor, run)
         tight = results[f"{kind} / 1.0"]  # room for the balanced share only: some pairs are dropped
         assert tight["grad_rel_diff"] > 1e-2, (kind, tight)
+        # and the router's statistics say how many (moe/dropped_pairs), as counted from the routing
+        assert tight["dropped_reported"] > 0.05, (kind, tight)
+        assert tight["dropped_reported"] == pytest.approx(tight["dropped_expected"], rel=1e-6), (kind, tight)
     assert "6 experts do not split evenly over the 4 devices of the 'expert' mesh axis" in results["six_experts_error"]
 
 

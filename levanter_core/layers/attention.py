@@ -205,7 +205,7 @@ def dot_product_attention(
         out = context_parallel_attention(
             q, k, v, mesh_axis=mesh_axis, Pos=Pos, KeyPos=KeyPos, HeadSize=HeadSize, VHead=VHead, scale=scale,
             causal=mask.causal, segment_ids=mask.segment_ids, soft_cap=soft_cap, window=window,
-            sliding=_scalar(sliding) if sliding is not None else None, sinks=sinks,
+            sliding=_scalar(sliding) if sliding is not None else None, sinks=sinks, key_block=query_block,
         )  # fmt: skip
         return out.rearrange(tuple(VHead if ax.name == HeadSize.name else ax for ax in q.axes)).astype(v.dtype)
     if resolve_backend(backend, soft_cap=soft_cap, dropout=dropout > 0, sinks=sinks is not None) == "jax":

@@ -57,6 +57,11 @@ def context_attention(strategy: ContextAttention) -> Iterator[None]:
         _STRATEGY.reset(token)
 
 
+KEY_BLOCK = 512
+"""Keys per block of context-parallel attention when the model does not say
+(``flash_attention_block_size``)."""
+
+
 def split_mesh_axis(name: str, kind: str) -> str | None:
     """The mesh axis the current compute mapping splits the logical axis ``name`` over, when it
     splits it over more than one device; None otherwise. ``kind`` (``context parallelism``...)
@@ -98,12 +103,15 @@ def context_parallel_attention(
     sliding: jax.Array | None,
     sinks: NamedArray | None,
     strategy: ContextAttention | None = None,
+    key_block: int | None = None,
 ) -> NamedArray:
     """Attention of ``q`` over ``k``/``v`` (axes as in :mod:`levanter_core.layers.attention`) with
     ``Pos`` and ``KeyPos`` (the same positions) split over ``mesh_axis``. Every query and key sits
     at its index in the sequence; ``segment_ids`` ``(..., position)`` keep packed documents apart.
-    The result has ``q``'s axes with ``VHead`` for ``HeadSize``, and ``q``'s dtype (the softmax
-    and the sums run in float32)."""
+    ``key_block``: a device's queries meet the keys it holds or receives this many at a time
+    (the models' ``flash_attention_block_size``; None: :data:`KEY_BLOCK`), so that its scores
+    take ``S/N x key_block`` at a time, not ``S/N x S/N``. The result has ``q``'s axes with
+    ``VHead`` for ``HeadSize``, and ``q``'s dtype (the softmax and the sums run in float32)."""
     strategy = strategy or _STRATEGY.get()
     mesh = hax.partitioning._resolve_mesh()
     n = mesh.shape[mesh_axis]
@@ -152,6 +160,7 @@ def context_parallel_attention(
         soft_cap=soft_cap,
         window=window,
         has_sinks=has_sinks,
+        key_block=key_block or KEY_BLOCK,
     )
     sink_spec = _spec(sink_axes, None, None) if has_sinks else PartitionSpec()
     out = jax.shard_map(
@@ -221,7 +230,7 @@ def _zigzag_positions(axis: str, n: int, local: int) -> jax.Array:
 
 def _local_attention(
     q, k, v, seg, sinks, sliding, *, names, mesh_axis, n, strategy, pos, key_pos, head, scale, causal, soft_cap,
-    window, has_sinks,
+    window, has_sinks, key_block,
 ):  # fmt: skip
     """One device's part (inside ``shard_map``): its zigzag queries over every key of the sequence."""
     dim_q, dim_seg = names["q"].index(pos), names["seg"].index(pos)
@@ -237,7 +246,7 @@ def _local_attention(
     k_names, v_names = names["k"], names["v"]
     kseg_names = tuple(key_pos if x == pos else x for x in names["seg"])
 
-    def block(carry, queries, K, V, KPos, KSeg):
+    def block_update(carry, queries, K, V, KPos, KSeg):
         """The online-softmax update of ``carry`` (running max, sum of weights, weighted sum of
         values) for ``queries`` (scaled queries, their positions, their segments) over one block
         of keys."""
@@ -260,7 +269,22 @@ def _local_attention(
         acc = acc * correction + hax.dot(p.astype(V.dtype), V, axis=key_pos).astype(jnp.float32)
         return m_new, total, acc
 
-    block = jax.checkpoint(block)  # the backward pass recomputes a block's scores, never stores them
+    one_block = jax.checkpoint(block_update)  # the backward pass recomputes a block's scores, never stores them
+
+    def block(carry, queries, K, V, KPos, KSeg):
+        """``one_block`` over the keys ``key_block`` at a time (a scan), where there are more."""
+        size = KPos.axes[0].size
+        if size <= key_block or size % key_block:
+            return one_block(carry, queries, K, V, KPos, KSeg)
+        Blocks, Keys = Axis("key_block", size // key_block), Axis(key_pos, key_block)
+        split = tuple(hax.unflatten_axis(x, key_pos, (Blocks, Keys)) for x in (K, V, KPos, KSeg))
+
+        def step(carry, keys):
+            return one_block(carry, queries, *keys), None
+
+        carry, _ = hax.scan(step, Blocks)(carry, split)
+        return carry
+
     stat_axes = tuple(ax for ax in Q.axes if ax.name != head)
     VHead = Axis(names["v"][-1], v.shape[-1])
     carry = (

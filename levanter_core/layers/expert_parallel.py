@@ -167,6 +167,36 @@ def expert_parallel_apply(
     return hax.named(out, x.axes)
 
 
+def dropped_fraction(chosen: NamedArray, *, Experts: Axis, TopExperts: Axis, mesh_axis: str) -> NamedArray:
+    """The share of the (token, expert) pairs of ``chosen`` ``(..., top_experts)`` (split over
+    the devices as the tokens are) that :func:`expert_parallel_apply` drops under the capacity
+    factor in effect: on each device, the pairs past ``C`` for a destination device. 0 when
+    dropless. A scalar; the same on every device."""
+    factor = _CAPACITY.get()
+    if factor is None:
+        return hax.named(jnp.zeros((), jnp.float32), ())
+    mesh = hax.partitioning._resolve_mesh()
+    n = mesh.shape[mesh_axis]
+    token_axes = tuple(ax for ax in chosen.axes if ax.name != TopExperts.name)
+    chosen = chosen.rearrange((*token_axes, TopExperts))
+    mapping = dict(hax.partitioning.current_thread_local_mapping() or {})
+    token_spec = PartitionSpec(*(mapping.get(ax.name) for ax in chosen.axes))
+    split_over = tuple(m for part in token_spec if part for m in ([part] if isinstance(part, str) else part))
+    local_pairs = chosen.size // math.prod(mesh.shape[m] for m in split_over)
+    rows = capacity(local_pairs, n, factor)
+    local_experts = Experts.size // n
+
+    def count(local: jax.Array) -> jax.Array:
+        per_destination = jnp.bincount(local.reshape(-1) // local_experts, length=n)
+        dropped = jnp.sum(jnp.maximum(per_destination - rows, 0)).astype(jnp.float32)
+        return jax.lax.psum(dropped, split_over) if split_over else dropped
+
+    total = jax.shard_map(
+        without_mapping(count), mesh=mesh, in_specs=(token_spec,), out_specs=PartitionSpec(), check_vma=False
+    )(chosen.array)
+    return hax.named(total / chosen.size, ())
+
+
 def _local_experts(
     x: jax.Array,
     chosen: jax.Array,
@@ -230,4 +260,4 @@ def _local_rows(bias: jax.Array, mesh_axis: str, local_experts: int) -> jax.Arra
     return jax.lax.dynamic_slice_in_dim(bias, start, local_experts, axis=0)
 
 
-__all__ = ["capacity", "expert_capacity", "expert_mesh_axis", "expert_parallel_apply"]
+__all__ = ["capacity", "dropped_fraction", "expert_capacity", "expert_mesh_axis", "expert_parallel_apply"]

@@ -48,7 +48,7 @@ from haliax import Axis, NamedArray
 from haliax.state_dict import ModuleWithStateDictSerialization, StateDict, with_prefix
 
 from levanter_core.layers.auxiliary import AuxiliaryLoss
-from levanter_core.layers.expert_parallel import expert_mesh_axis, expert_parallel_apply
+from levanter_core.layers.expert_parallel import dropped_fraction, expert_mesh_axis, expert_parallel_apply
 from levanter_core.layers.mlp import ACTIVATIONS, GatedMlp
 
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
@@ -138,6 +138,10 @@ class RouterStats(eqx.Module):
     """``(experts,)``: each expert's softmax probability, averaged over the tokens."""
     z_loss: NamedArray
     """``()``: mean over the tokens of ``logsumexp(router_logits)^2``."""
+    dropped_fraction: NamedArray | None = None
+    """``()``: with the experts split over devices (expert parallelism), the share of the
+    (token, expert) pairs dropped under ``trainer.expert_capacity_factor`` (0 when dropless);
+    None on one device, where nothing is dropped."""
 
 
 class Experts(ModuleWithStateDictSerialization):
@@ -414,11 +418,14 @@ class MoeBlock(eqx.Module):
         Token = tokens.resolve_axis("token")
         logits = self.router.logits(tokens)
         chosen, weights = self.route(logits, Token)
-        if expert_mesh_axis(c.Experts) is None:
+        mesh_axis = expert_mesh_axis(c.Experts)
+        dropped = None
+        if mesh_axis is None:
             out = self.experts(tokens, chosen, weights)
         else:  # the experts' devices get each device's tokens as they are split, (batch, position)
             split = (chosen.unflatten_axis("token", token_axes), weights.unflatten_axis("token", token_axes))
             out = self.experts(x, *split).flatten_axes(token_axes, "token")
+            dropped = dropped_fraction(split[0], Experts=c.Experts, TopExperts=c.TopExperts, mesh_axis=mesh_axis)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         stats = RouterStats(
@@ -426,6 +433,7 @@ class MoeBlock(eqx.Module):
             / Token.size,
             mean_probability=hax.mean(hnn.softmax(logits, axis=c.Experts), Token),
             z_loss=hax.mean(hax.square(hnn.logsumexp(logits, c.Experts)), Token),
+            dropped_fraction=dropped,
         )
         return out.unflatten_axis("token", token_axes), stats
 
@@ -446,7 +454,8 @@ def router_losses(stats: RouterStats, num_experts: int, *, balance_weight: float
     """The load-balancing loss and the router z-loss from the statistics of all layers (stacked
     along ``layers``),
     weighted into one training term; the unweighted values are the metrics
-    (``moe/load_balancing_loss``, ``moe/router_z_loss``). Returns an
+    (``moe/load_balancing_loss``, ``moe/router_z_loss``, and ``moe/dropped_pairs`` where the
+    experts are split over devices). Returns an
     :class:`~levanter_core.layers.auxiliary.AuxiliaryLoss`."""
 
     Layers = stats.z_loss.resolve_axis("layers")
@@ -455,10 +464,10 @@ def router_losses(stats: RouterStats, num_experts: int, *, balance_weight: float
     probability = hax.mean(stats.mean_probability, Layers)
     balance = num_experts * hax.sum(fraction * probability).scalar()
     z_loss = hax.mean(stats.z_loss, Layers).scalar()
-    return AuxiliaryLoss(
-        balance_weight * balance + z_weight * z_loss,
-        {"moe/load_balancing_loss": balance, "moe/router_z_loss": z_loss},
-    )
+    metrics = {"moe/load_balancing_loss": balance, "moe/router_z_loss": z_loss}
+    if stats.dropped_fraction is not None:
+        metrics["moe/dropped_pairs"] = hax.mean(stats.dropped_fraction, Layers).scalar()
+    return AuxiliaryLoss(balance_weight * balance + z_weight * z_loss, metrics)
 
 
 __all__ = [

@@ -118,7 +118,8 @@ class LmConfig(TypedConfig, abc.ABC):
 
     flash_attention_block_size: PositiveInt | None = None
     """Queries per block of blockwise (flash-style) causal attention, where the model's attention
-    runs in blocks. None: the backend's default (128 on CPU)."""
+    runs in blocks, and keys per block of context-parallel attention. None: the backend's default
+    (128 queries on CPU; 512 keys)."""
 
     reference_checkpoint: str | None = None
     """The Hugging Face checkpoint this architecture corresponds to (a hub name or a local

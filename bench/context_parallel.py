@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,18 +47,18 @@ LLAMA = {
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes each kind of collective produces per device in one run of the compiled module
-    (summed over its instructions, as written: the body of a loop, such as the scan over
-    layers, counts once; the output shapes of ``collective-permute``, ``all-gather``,
-    ``all-reduce``, ``reduce-scatter`` and ``all-to-all``)."""
-    totals: dict[str, int] = {}
-    pattern = re.compile(
-        r"=\s*(\(?[^=]*?\)?)\s+(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
-    )
+COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?\)?)\s+(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
+)
+
+
+def collectives(hlo: str) -> Iterator[tuple[str, str, int]]:
+    """Each collective instruction of the compiled module, as written (the body of a loop once):
+    its line, its kind (``collective-permute``, ``all-gather``, ``all-reduce``,
+    ``reduce-scatter``, ``all-to-all``) and the bytes of its output shapes per device."""
     for line in hlo.splitlines():
         line = re.sub(r"/\*.*?\*/", "", line)  # XLA's /*index=5*/ comments inside long tuples
-        match = pattern.search(line)
+        match = COLLECTIVE.search(line)
         if not match:
             continue
         shapes, kind = match.groups()
@@ -68,6 +69,15 @@ def collective_bytes(hlo: str) -> dict[str, int]:
                 if d:
                     count *= int(d)
             size += count * DTYPE_BYTES.get(dtype, 4)
+        yield line, kind, size
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Bytes each kind of collective produces per device in one run of the compiled module
+    (summed over its instructions, as written: the body of a loop, such as the scan over
+    layers, counts once)."""
+    totals: dict[str, int] = {}
+    for _, kind, size in collectives(hlo):
         totals[kind] = totals.get(kind, 0) + size
     return totals
 

@@ -20,17 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from context_parallel import DTYPE_BYTES
-
-COLLECTIVE = re.compile(
-    r"=\s*(\(?[^=]*?\)?)\s+(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\("
-)
+from context_parallel import collectives
 
 
 def pipeline_collectives(hlo: str) -> dict[str, dict[str, int]]:
@@ -38,18 +33,7 @@ def pipeline_collectives(hlo: str) -> dict[str, dict[str, int]]:
     loop (``in_loop``: per step of the loop, as the HLO writes its body once) and the rest
     (``outside``: once per training step)."""
     totals: dict[str, dict[str, int]] = {"in_loop": {}, "outside": {}}
-    for line in hlo.splitlines():
-        match = COLLECTIVE.search(re.sub(r"/\*.*?\*/", "", line))
-        if not match:
-            continue
-        shapes, kind = match.groups()
-        size = 0
-        for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", shapes):
-            count = 1
-            for d in dims.split(","):
-                if d:
-                    count *= int(d)
-            size += count * DTYPE_BYTES.get(dtype, 4)
+    for line, kind, size in collectives(hlo):
         where = "in_loop" if "scan(pipeline_step)" in line and "while/body" in line else "outside"
         totals[where][kind] = totals[where].get(kind, 0) + size
     return totals

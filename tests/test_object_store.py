@@ -8,14 +8,19 @@ single put."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -193,15 +198,102 @@ def step_prefixes(checkpoints: str) -> tuple[set[int], set[int]]:
     return {s for s, marked in found.items() if marked}, {s for s, marked in found.items() if not marked}
 
 
+class WatchedBucket(ThreadingHTTPServer):
+    """A relay on 127.0.0.1 between a training process and the S3 server that passes every
+    request on unchanged and, once it has stored the second object of a save of step
+    ``min_step`` or later (a ``step-N/`` prefix under ``run_prefix``), SIGKILLs ``process``:
+    a kill that lands inside a save on every attempt, however fast the save or slow the
+    machine (watching the bucket from outside raced the small model's quick saves)."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str, run_prefix: str, min_step: int):
+        super().__init__(("127.0.0.1", 0), _Relay)
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.pattern = re.compile(rf"/{re.escape(run_prefix)}/step-(\d+)/(.+)")
+        self.min_step = min_step
+        self.process: subprocess.Popen | None = None
+        self.killed_in = ""
+        self.stored: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # the killed process's broke mid-reply
+            super().handle_error(request, client_address)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stored_object(self, path: str) -> None:
+        match = self.pattern.match(urllib.parse.urlsplit(path).path)
+        if not match or int(match[1]) < self.min_step or match[2] == COMMIT_MARKER:
+            return
+        with self.lock:
+            step = int(match[1])
+            self.stored[step] = self.stored.get(step, 0) + 1
+            if self.stored[step] == 2 and not self.killed_in and self.process is not None:
+                self.process.send_signal(signal.SIGKILL)
+                self.killed_in = f"step-{step}"
+
+
+class _Relay(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: WatchedBucket
+
+    def relay(self) -> None:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        else:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        upstream = http.client.HTTPConnection(self.server.upstream.hostname, self.server.upstream.port, timeout=120)
+        upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+        for name, value in self.headers.items():
+            if name.lower() not in ("expect", "transfer-encoding", "content-length", "connection"):
+                upstream.putheader(name, value)
+        upstream.putheader("Content-Length", str(len(body)))
+        upstream.endheaders(body)
+        response = upstream.getresponse()
+        data = response.read()
+        upstream.close()
+        if self.command == "PUT" and response.status == 200:
+            self.server.stored_object(self.path)
+        self.send_response(response.status, response.reason)
+        for name, value in response.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                self.send_header(name, value)
+        self.send_header(
+            "Content-Length", response.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+        )
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 def run_killed_in_a_save(args: list[str], checkpoints: str, min_step: int) -> tuple[int, str, list[tuple[str, bool]]]:
-    """Start the run and SIGKILL it as soon as a save of step ``min_step`` or later has begun in
-    the bucket (objects of ``step-N`` there, its marker not yet). Returns the exit status, the
-    save it was killed in (or "" when it ended first), and each checkpoint it said it resumed
-    from, with whether that checkpoint's marker was there when it said so."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
-        command(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    """Start the run, its S3 requests through a :class:`WatchedBucket` that SIGKILLs it inside
+    the first save of step ``min_step`` or later. Returns the exit status, the save it was
+    killed in (or "" when it ended first), and each checkpoint it said it resumed from, with
+    whether that checkpoint's marker was there when it said so."""
+    bucket_name, _, run_prefix = checkpoints.removeprefix("s3://").partition("/")
+    relay = WatchedBucket(os.environ["AWS_ENDPOINT_URL"], f"{bucket_name}/{run_prefix}", min_step)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "AWS_ENDPOINT_URL": relay.endpoint}
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    with relay.lock:
+        relay.process = subprocess.Popen(
+            command(args), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+    proc = relay.process
     resumed: list[tuple[str, bool]] = []
 
     def watch():
@@ -212,21 +304,15 @@ def run_killed_in_a_save(args: list[str], checkpoints: str, min_step: int) -> tu
 
     reader = threading.Thread(target=watch)
     reader.start()
-    killed_in = ""
-    started = time.monotonic()
-    _, left_before = step_prefixes(checkpoints)  # what earlier attempts left: this one clears it
-    while proc.poll() is None and time.monotonic() - started < 300:
-        committed, unfinished = step_prefixes(checkpoints)
-        # a save writes a step newer than every committed one (a deletion, an older one)
-        saving = [s for s in unfinished - left_before if s >= min_step and s > max(committed, default=-1)]
-        if saving:
-            proc.send_signal(signal.SIGKILL)
-            killed_in = f"step-{saving[0]}"
-            break
-        time.sleep(0.01)
-    proc.wait()
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     reader.join()
-    return proc.returncode, killed_in, resumed
+    relay.shutdown()
+    relay.server_close()
+    return proc.returncode, relay.killed_in, resumed
 
 
 @pytest.mark.slow

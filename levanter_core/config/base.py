@@ -124,6 +124,7 @@ class ConfigModel(BaseModel):
         use_attribute_docstrings=True,
         arbitrary_types_allowed=True,
         validate_default=True,
+        defer_build=True,
     )
 
     @classmethod

@@ -1,7 +1,7 @@
 import datasets
 import pytest
 
-from levanter_data_hf import source as hf_source
+from levanter_data_hf import loading
 
 
 @pytest.fixture(autouse=True)
@@ -17,6 +17,6 @@ def offline_private_hf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    hf_source._load.cache_clear()
+    loading.load.cache_clear()
     yield
-    hf_source._load.cache_clear()
+    loading.load.cache_clear()

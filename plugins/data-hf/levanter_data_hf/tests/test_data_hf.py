@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import levanter_core.plugins as plugins
+import levanter_data_hf.loading
 import levanter_data_hf.plugin
 from levanter_core.data.cache import open_cache
 from levanter_core.data.config import validate_data_section
@@ -187,11 +188,11 @@ def test_fingerprint_is_stable_and_follows_the_files(jsonl_dir, stream):
     assert set(before["shards"]) == set(source.shards("train"))
     assert before["type"] == "hf" and before["stream"] == stream and before["split"] == "train"
     assert json.loads(json.dumps(before)) == before  # compares equal once stored in a cache ledger
-    levanter_data_hf.source._load.cache_clear()
+    levanter_data_hf.loading.load.cache_clear()
     assert source.fingerprint("train") == before  # the same inputs, loaded again
 
     _rewrite(os.path.join(jsonl_dir, "train-00001-of-00002.jsonl"), _rows("edited", 5))
-    levanter_data_hf.source._load.cache_clear()
+    levanter_data_hf.loading.load.cache_clear()
     after = source.fingerprint("train")
     first, second = source.shards("train")[:2] if stream else (None, source.shards("train")[-1])
     assert after["shards"][second] != before["shards"][second]
@@ -296,6 +297,24 @@ def test_the_entry_point_registers_the_plugin():
         plugins.reset()
 
 
+def test_datasets_is_imported_only_to_read_a_dataset(jsonl_dir):
+    """``datasets`` (with pyarrow and pandas, about a second) loads when a dataset is read, not
+    when a config is validated: every ``levanter`` command validates one, and every data
+    section without a ``type`` asks each source whether it is inferred from its keys."""
+    script = f"""
+import sys
+from levanter_core.data.config import validate_data_section
+assert validate_data_section({{"train_urls": ["x.jsonl"]}}).configs["main"].type == "url"
+source = validate_data_section({{"id": {jsonl_dir!r}}}).configs["main"]
+assert source.type == "hf" and "datasets" not in sys.modules, "validating imported datasets"
+assert source.shards("train") == ["rows[0:12]"] and "datasets" in sys.modules
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("stream, workers", [(False, 2), (True, 1)])
 def test_a_tokenized_cache_builds_from_the_source(jsonl_dir, tmp_path, stream, workers):
     source = HfSourceConfig(id=jsonl_dir, stream=stream, rows_per_shard=5)
@@ -313,7 +332,7 @@ def test_a_tokenized_cache_builds_from_the_source(jsonl_dir, tmp_path, stream, w
     assert build().num_tokens == cache.num_tokens  # reused as it is
 
     _rewrite(os.path.join(jsonl_dir, "train-00000-of-00002.jsonl"), _rows("edited", 7))
-    levanter_data_hf.source._load.cache_clear()
+    levanter_data_hf.loading.load.cache_clear()
     with pytest.raises(DataError, match=r"input (shard\[0/2\]|rows\[0:5\]) changed after it was cached") as refused:
         build()
     if stream:  # only the edited file's shard is stale

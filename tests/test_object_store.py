@@ -218,7 +218,7 @@ class WatchedBucket(ThreadingHTTPServer):
         self.lock = threading.Lock()
 
     def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], ConnectionError):  # the killed process's broke mid-reply
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # the killed run's connections break mid-reply
             super().handle_error(request, client_address)
 
     @property

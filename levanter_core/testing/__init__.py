@@ -48,11 +48,11 @@ def simulated_devices(devices: int, *, quick_compile: bool = False) -> dict[str,
     dozens of tiny programs spends compiling (the optimizer matrix: 30 of them). Only for a
     subprocess whose results are compared among themselves: code compiled at another level
     rounds differently (a batch of requests served together no longer gives the bits of each
-    served alone, as the default level does)."""
+    served alone, as levels 1 and 2 do). It replaces a level this process's flags set."""
     count, level = "--xla_force_host_platform_device_count", "--xla_backend_optimization_level"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
-    if quick_compile and not any(f.startswith(level) for f in flags):
-        flags.append(f"{level}=0")
+    if quick_compile:
+        flags = [*(f for f in flags if not f.startswith(level)), f"{level}=0"]
     return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"])}
 
 

@@ -1,5 +1,5 @@
-"""The tokenized cache: built once by worker processes, reused, refused when stale, readable
-while it grows."""
+"""The tokenized cache: built once (by worker processes, or by threads of this process when the
+input is small), reused, refused when stale, readable while it grows."""
 
 import json
 import logging
@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 
 from levanter_core.data.cache import _storage, open_cache, read_cache
+from levanter_core.data.config import CacheOptions
 from levanter_core.data.formats import TextFormat
 from levanter_core.data.source import UrlSourceConfig
 from levanter_core.data.tokenizer import ByteTokenizer, HfTokenizer
 from levanter_core.errors import DataError
 
 BYTE = ByteTokenizer()
+PROCESSES = CacheOptions(in_process_below=0)
+"""Worker processes however little there is to tokenize."""
 
 
 def write_corpus(directory, files: int, lines: int, key: str = "text") -> list[str]:
@@ -102,10 +105,35 @@ def test_built_once_then_reused(tmp_path, caplog):
 
 
 def test_number_of_workers_does_not_change_the_cache(tmp_path):
+    """One thread of this process (the corpus is under ``in_process_below``), and two worker
+    processes: the same cache."""
     write_corpus(tmp_path / "data", files=4, lines=1200)
     build(tmp_path / "one", source(tmp_path / "data"), num_workers=1)
-    build(tmp_path / "two", source(tmp_path / "data"), num_workers=2)
+    build(tmp_path / "two", source(tmp_path / "data"), num_workers=2, cache_options=PROCESSES)
     assert_same_cache(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_small_input_is_tokenized_in_process_and_a_larger_one_by_worker_processes(tmp_path, caplog):
+    write_corpus(tmp_path / "data", files=2, lines=300)  # about 13 KB
+    said = "in this process"
+    with caplog.at_level(logging.DEBUG, logger="levanter_core.data.cache"):
+        build(tmp_path / "small", source(tmp_path / "data"))
+    assert any(said in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="levanter_core.data.cache"):
+        build(tmp_path / "large", source(tmp_path / "data"), cache_options=CacheOptions(in_process_below="10KB"))
+    assert not any(said in r.message for r in caplog.records)
+    assert_same_cache(tmp_path / "small", tmp_path / "large")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1MB", 1_000_000), (0, 0), ("0", 0), (4096, 4096)])
+def test_in_process_below_reads_a_size_or_zero(value, expected):
+    assert CacheOptions(in_process_below=value).in_process_bytes == expected
+
+
+def test_in_process_below_refuses_a_negative_size():
+    with pytest.raises(ValueError, match="in_process_below"):
+        CacheOptions(in_process_below="-1MB")
 
 
 @pytest.fixture
@@ -184,7 +212,7 @@ def test_a_worker_process_that_dies_fails_the_build_instead_of_hanging(tmp_path)
     dying = DyingUrlSourceConfig(train_urls=[f"{tmp_path}/data/part*.jsonl"])
 
     with pytest.raises(RuntimeError, match=r"a tokenizer worker process died \(exit code 9\)"):
-        build(tmp_path / "cache", dying, num_workers=2)
+        build(tmp_path / "cache", dying, num_workers=2, cache_options=PROCESSES)
     assert not json.loads((tmp_path / "cache" / "ledger.json").read_text())["complete"]
 
 

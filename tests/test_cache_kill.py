@@ -22,7 +22,7 @@ from levanter_core.data.source import UrlSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
 src = UrlSourceConfig(train_urls=[sys.argv[1] + "/part*.jsonl"])
 open_cache(sys.argv[2], src, "train", load_tokenizer("byte"), enforce_eos=True, skip_bad_data=False,
-           num_workers=2, cache_options=CacheOptions(batch_size=100, target_size_per_flush="50KB"), background=False)
+           num_workers=2, cache_options=CacheOptions(batch_size=100, target_size_per_flush="50KB", in_process_below=0), background=False)
 """
 
 

@@ -383,8 +383,10 @@ def ledger_in(url: str) -> dict | None:
 
 def cache_config(tmp_path, data_dir: str, cache_dir: str, run_id: str) -> str:
     """A tiny GPT-2 trained 4 steps on the corpus of ``data_dir``, its cache in ``cache_dir``."""
+    # worker processes, even for this little data: the kills leave them orphaned, and they must stop
+    options = {"batch_size": 100, "target_size_per_flush": "50KB", "in_process_below": 0}
     data = {"train_urls": [f"{data_dir}/part*.jsonl"], "cache_dir": cache_dir, "shuffle": False, "num_workers": 2,
-            "cache_options": {"batch_size": 100, "target_size_per_flush": "50KB"}}  # fmt: skip
+            "cache_options": options}  # fmt: skip
     return run_config(tmp_path, data, run_id=run_id, steps=4)
 
 

@@ -64,15 +64,36 @@ class CacheOptions(ConfigModel):
     as ``512MB``. Smaller values use less memory and write more often. A worker also writes after
     every thousand records or so, so that training can read a large shard as it is tokenized."""
 
+    in_process_below: NonNegativeInt | str = "1MB"
+    """A build whose unfinished input files come to less than this (bytes as a number, or a size
+    such as ``1MB``) is tokenized by threads of the process that builds it instead of
+    ``data.num_workers`` worker processes, each of which takes seconds to start (it imports the
+    framework): longer than tokenizing that much text. 0: always worker processes. Inputs whose
+    size the source does not report (a Hugging Face dataset, the Python standard library) and
+    builds on a Ray cluster (``trainer.ray.address``) are never tokenized in process. (Not in
+    Levanter, which tokenizes on Ray.)"""
+
     @property
     def target_bytes_per_flush(self) -> int:
         return parse_size(self.target_size_per_flush)
+
+    @property
+    def in_process_bytes(self) -> int:
+        """:attr:`in_process_below` in bytes (0: never in process)."""
+        return 0 if self.in_process_below == 0 else parse_size(self.in_process_below)
 
     @field_validator("target_size_per_flush")
     @classmethod
     def _size(cls, value: int | str) -> int | str:
         parse_size(value)
         return value
+
+    @field_validator("in_process_below")
+    @classmethod
+    def _size_or_zero(cls, value: int | str) -> int | str:
+        if value not in (0, "0"):
+            parse_size(value)
+        return 0 if value == "0" else value
 
 
 def _typed_sources(configs: Any) -> Any:
@@ -131,7 +152,8 @@ class DataConfig(ConfigModel):
     consecutive eras of N sequences."""
 
     cache_options: CacheOptions = Field(default_factory=CacheOptions)
-    """How caches are built (``batch_size``, ``num_shard_groups``, ``target_size_per_flush``)."""
+    """How caches are built (``batch_size``, ``num_shard_groups``, ``target_size_per_flush``,
+    ``in_process_below``)."""
 
     stop_strategy: Literal["restart", "first_exhausted", "all_exhausted"] = "restart"
     """What a mixture does when a source's training data runs out: ``restart`` it (another epoch,

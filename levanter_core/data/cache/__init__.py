@@ -129,6 +129,7 @@ def open_cache(
         num_shard_groups=options.num_shard_groups,
         ray=ray,
         progress=progress,
+        in_process_below=options.in_process_bytes,
     )
     connect(ray)  # here, not in the build's thread: Ray's local processes die with the thread that starts them
     if background:

@@ -40,6 +40,7 @@ class _Build:
         num_shard_groups: int | None,
         ray,
         progress: bool,
+        in_process_below: int = 0,
     ):
         self.path = path
         self.condition = threading.Condition()
@@ -53,6 +54,7 @@ class _Build:
         self._num_shard_groups = num_shard_groups
         self._ray = ray
         self._progress = progress
+        self._in_process_below = in_process_below
         self._stop = threading.Event()
         self._last_write = 0.0
         self._thread: threading.Thread | None = None
@@ -93,7 +95,7 @@ class _Build:
                 max_groups=self._num_shard_groups,
                 ray=self._ray,
                 stop=self._stop,
-                processes=self._storage.shared,
+                processes=self._storage.shared and not self._small(tasks),
             )
             with self.condition:
                 if self.ledger["num_documents"] == 0:
@@ -124,6 +126,22 @@ class _Build:
             seconds,
             made / max(seconds, 1e-9),
         )
+
+    def _small(self, tasks: list[ShardTask]) -> bool:
+        """Whether the unfinished shards are files the source sized, together under
+        ``in_process_below`` bytes, and no Ray cluster tokenizes them: then threads here tokenize
+        them, not worker processes that take longer to start than the work takes
+        (``data.cache_options.in_process_below``)."""
+        if self._ray is not None and self._ray.address:
+            return False
+        sizes = [self.ledger["shards"][task.index]["fingerprint"] for task in tasks]
+        if not all(isinstance(fp, dict) and isinstance(fp.get("size"), int) for fp in sizes):
+            return False
+        total = sum(fp["size"] for fp in sizes)
+        small = total < self._in_process_below
+        if small:
+            logger.debug("tokenizing %s (%d bytes) in this process", self.path, total)
+        return small
 
     def _run_in_background(self) -> None:
         try:

@@ -154,7 +154,7 @@ from levanter_core.data.source import UrlSourceConfig
 from levanter_core.data.tokenizer import load_tokenizer
 source = UrlSourceConfig(train_urls=[sys.argv[1]], format=AudioFormat())
 open_cache(sys.argv[2], source, "train", load_tokenizer("byte"), enforce_eos=True, skip_bad_data=False, num_workers=2,
-           cache_options=CacheOptions(batch_size=2, target_size_per_flush="200KB"), background=False)
+           cache_options=CacheOptions(batch_size=2, target_size_per_flush="200KB", in_process_below=0), background=False)
 """
 
 

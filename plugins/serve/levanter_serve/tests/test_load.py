@@ -3,7 +3,8 @@ every class of bad input (numbers out of range, non-finite numbers, lone surroga
 that are not JSON or too large, unknown models and routes, foreign Host names, prompts past the
 context, slow clients), sent concurrently through a real HTTP client to a real uvicorn server
 over the tiny model. Every valid answer must equal the same request sent alone at temperature
-0, no client mistake may be answered 500, and the engine must never stop."""
+0 (its log-probabilities to 1e-4), no client mistake may be answered 500, and the engine must
+never stop."""
 
 from __future__ import annotations
 
@@ -27,6 +28,25 @@ busy machine always makes it (1 s did not, in CI), short enough for the stalled 
 # The test is bounded in time by its client's 60 s timeout per request, not by a wall-clock
 # assertion: how fast the requests go is a benchmark's business (bench/generate.py), and a busy
 # machine must not fail a test of behaviour.
+
+
+LOGPROB_TOLERANCE = 1e-4
+"""How far a log-probability answered under load may be from the same request's alone. Its text
+and tokens must be the same, but its numbers come from a program compiled for the batch it was
+served in (more rows; prompts padded to the batch's longest), whose sums XLA orders differently:
+their last bits can differ (the one request that asks for log-probabilities failed an exact
+comparison in two full runs of the suite on a busy 2-core machine, 2026-11-28 and -29)."""
+
+
+def _same_choices(got, want) -> bool:
+    """``got == want``, but floats (log-probabilities) within :data:`LOGPROB_TOLERANCE`."""
+    if isinstance(want, float) and isinstance(got, float):
+        return abs(got - want) <= LOGPROB_TOLERANCE
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(_same_choices(got[k], want[k]) for k in want)
+    if isinstance(want, list) and isinstance(got, list):
+        return len(got) == len(want) and all(_same_choices(g, w) for g, w in zip(got, want))
+    return type(got) is type(want) and got == want
 
 
 def _valid() -> list[tuple[str, dict]]:
@@ -155,7 +175,7 @@ def test_two_thousand_requests_mixing_valid_and_bad_input(engine, loaded):
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         if kind == "valid":
             assert response.status_code == 200, (valid[i], response.text)
-            assert response.json()["choices"] == alone[i], valid[i]
+            assert _same_choices(response.json()["choices"], alone[i]), (valid[i], response.json(), alone[i])
         else:
             endpoint, body, headers, allowed = bad[i]
             assert response.status_code in allowed, (

@@ -16,13 +16,13 @@ environment has its own; tests of missing credentials remove them from their pro
 Compiling is most of what the suite does: a test's model is tiny, and the XLA programs it
 compiles are rarely run more than a few dozen times. Unless the environment says otherwise, the
 session (and every process it starts, which inherits the setting) asks XLA's CPU backend for
-optimization level 1 instead of 2 (``--xla_backend_optimization_level=1``), which cuts the
-suite's compile time by about a fifth. Results compared among themselves keep their bits (a
+optimization level 1 instead of 2 (``--xla_backend_optimization_level=1``), which cut the whole
+suite's time by about an eighth (``bench/RESULTS.md``, 2026-11-29). Results compared among themselves keep their bits (a
 resumed run is still its uninterrupted run's, a batch of served requests still gives each one's
 answer alone: the tests of those run at this level), and the golden loss curves, recorded at the
-default level, hold within their tolerance (see ``levanter_core.testing.golden``). Programs
-compiled in the test processes go to the compilation cache that ``levanter train`` uses
-(``~/.cache/levanter/jax``), so one compiled again by a later module or test is read back."""
+default level, hold within their tolerance (see ``levanter_core.testing.golden``). The
+persistent compilation cache of the first paragraph is the one ``levanter train`` uses
+(``~/.cache/levanter/jax``), set here for the test processes themselves."""
 
 from __future__ import annotations
 

@@ -421,12 +421,13 @@ def learning_rate_schedule(
 
     pieces = []
     start_lr = 0.0
-    for start, end, ramp, decay_steps in phases:
+    for i, (start, end, ramp, decay_steps) in enumerate(phases):
         length = end - start
         curve = section.curve(learning_rate, min_lr_ratio, decay_steps)
         piece = _cycle(start_lr, learning_rate, ramp, length - decay_steps, decay_steps, curve)
         pieces.append(piece)
-        start_lr = float(piece(length))
+        if i + 1 < len(phases):  # evaluated eagerly (small programs compiled), only where a cycle follows
+            start_lr = float(piece(length))
 
     if len(pieces) == 1:
         return pieces[0]

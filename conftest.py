@@ -33,11 +33,14 @@ import tempfile
 
 import jax
 import pytest
+from _pytest.nodeid import NodeId
 
 XLA_LEVEL = "--xla_backend_optimization_level"
 
 
 def pytest_configure(config):
+    if getattr(config.option, "dist", None) == "loadgroup":
+        config.option.loadscopereorder = False  # see pytest_collection_modifyitems
     flags = os.environ.get("XLA_FLAGS", "")
     if XLA_LEVEL not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {XLA_LEVEL}=1".strip()
@@ -52,6 +55,32 @@ def pytest_configure(config):
             json.dump({"type": "authorized_user", "client_id": "levanter-tests", "client_secret": "unused",
                        "refresh_token": "unused"}, f)  # fmt: skip
         os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = path
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` (``make test``), the tests of one module run on one worker,
+    unless they name a group of their own (``pytest.mark.xdist_group``): a module-scoped fixture
+    (a reference run, a trained checkpoint, a built cache) is then made once, not once on each
+    worker that gets one of the module's tests.
+
+    pytest-xdist groups tests by a suffix it appends to their ids, written to an attribute that
+    pytest 9 no longer reads (the id now lives in ``_id``), so it is written here.
+
+    The groups are handed out in the order of the collection (``pytest_configure`` turns off
+    xdist's reordering by test count, which put the modules of one long test last), with the
+    modules that hold ``slow`` tests first, so that the end of the session, when one worker may
+    wait for the other, holds only short tests."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    with_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in with_slow)
+    for item in items:
+        marks = list(item.iter_markers("xdist_group"))
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
+        group = "_".join(sorted(names)) if names else item.nodeid.split("::", 1)[0]
+        if not item.nodeid.endswith(f"@{group}"):
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(autouse=True, scope="module")

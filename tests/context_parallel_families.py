@@ -68,8 +68,15 @@ LAYOUTS = {
         {"embed": "data", "layers": "stage"},
     ),
 }
-ROWS = {"pipeline": 4, "pipeline_fsdp": 4}
-"""Rows per batch shard where a layout needs more than one (a pipeline's microbatches)."""
+ROWS = {"pipeline": 4, "pipeline_fsdp": 4, "expert_context": 2, "expert_model": 2}
+"""Rows per batch shard where a layout needs more than one (a pipeline's microbatches), or where
+it takes as many rows in all as ``expert`` does (8), so that a family compared in both layouts
+is computed on one device only once (:data:`ONE_DEVICE`)."""
+
+ONE_DEVICE: dict = {}
+"""(config path, rows) -> the one-device loss, gradients and segments of :func:`compare`: the
+same model and batch give the same results, so a family compared in two layouts of as many rows
+computes them once."""
 
 
 def batch(key, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -107,13 +114,16 @@ def compare(config_path: str, layout: str) -> dict:
     shards = int(np.prod([size for name, size in axes if name in batch_axes]))
     rows = shards * ROWS.get(layout, 1)  # one row per batch shard, or as many as the layout needs
     tokens, segments = batch(jax.random.PRNGKey(1), rows)
-    try:
-        one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
-    except ValueError as e:  # a family that cannot read packed documents (Hyena's convolutions)
-        if "packed" not in str(e):
-            raise
-        segments = None
-        one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
+    if (config_path, rows) not in ONE_DEVICE:
+        try:
+            one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
+        except ValueError as e:  # a family that cannot read packed documents (Hyena's convolutions)
+            if "packed" not in str(e):
+                raise
+            segments = None
+            one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
+        ONE_DEVICE[config_path, rows] = one_loss, one_grads, segments
+    one_loss, one_grads, segments = ONE_DEVICE[config_path, rows]
 
     strategy = layout if layout in ("ring", "all_gather") else "ring"
 

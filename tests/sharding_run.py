@@ -8,9 +8,11 @@ starts once for all the settings::
 
 ``RUNS.json`` maps a name to a list of command-line overrides of ``CONFIG.yaml`` (the run id
 is set to the name). ``OUT.json`` gets, per name: the per-step training losses and the
-evaluation losses from ``metrics.jsonl``, and, for a fresh state of the same config after
-one training step, which mesh axes each axis of each model and optimizer-state array is
-split over (``{path: {axis: mesh axes or None}}``) and the shape of one device's piece.
+evaluation losses from ``metrics.jsonl``, and, for the state the run's last training step
+returned, which mesh axes each axis of each model and optimizer-state array is split over
+(``{path: {axis: mesh axes or None}}``) and the shape of one device's piece. The state is
+the run's own, caught as the trainer's ``train_step`` returns it: no second trainer is built
+and compiled just to look at where the arrays lie.
 """
 
 from __future__ import annotations
@@ -18,7 +20,22 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
+from levanter_core.trainer.trainer import Trainer
+
+
+class LastState:
+    """Wraps :meth:`Trainer.train_step` for the process: keeps the state the latest step returned."""
+
+    def __init__(self):
+        self.state = None
+        step = Trainer.train_step
+
+        def train_step(trainer, state, *args, **kwargs):
+            new_state, metrics = step(trainer, state, *args, **kwargs)
+            self.state = new_state
+            return new_state, metrics
+
+        Trainer.train_step = train_step
 
 
 def train(config_path: str, name: str, overrides: list[str]) -> dict:
@@ -29,35 +46,14 @@ def train(config_path: str, name: str, overrides: list[str]) -> dict:
 
     config, _ = load_train_config(config_path, [*overrides, "--trainer.id", name])
     result = run_training(config, config_path=config_path, progress=False)
-    return {
-        "train": logged(result.run_dir, "train/loss"),
-        "eval": logged(result.run_dir, "eval/loss"),
-        "config": config,
-    }
+    return {"train": logged(result.run_dir, "train/loss"), "eval": logged(result.run_dir, "eval/loss")}
 
 
-def shardings_after_one_step(config) -> dict:
-    """Where each array of the state lives after one training step of a fresh state."""
+def shardings(state) -> dict:
+    """Where each array of the model and the optimizer state of ``state`` lives."""
     import jax
-    from haliax import Axis, NamedArray
+    from haliax import NamedArray
 
-    from levanter_core.data.tokenizer import load_tokenizer
-    from levanter_core.models.lm import lm_loss_and_metrics
-    from levanter_core.trainer.mesh import make_mesh
-    from levanter_core.trainer.trainer import Trainer
-
-    vocab = Axis("vocab", load_tokenizer(config.data.tokenizer).vocab_size)
-    trainer = Trainer(
-        config.trainer, config.optimizer.build_for_trainer(10), lm_loss_and_metrics, mesh=make_mesh(config.trainer)
-    )
-    key = jax.random.PRNGKey(0)
-
-    def model_init(k):
-        return config.model.build(vocab, key=k)
-
-    state = trainer.init_state(model_init, key)
-    tokens = np.random.default_rng(0).integers(0, 256, (trainer.plan.batch_size, config.model.seq_len))
-    state, _ = trainer.train_step(state, tokens)
     arrays = {}
     leaves = jax.tree_util.tree_flatten_with_path(
         (state.model, state.opt_state), is_leaf=lambda x: isinstance(x, NamedArray)
@@ -80,13 +76,12 @@ def main(config_path: str, runs_path: str, out_path: str) -> None:
     with open(runs_path) as f:
         runs = json.load(f)
     out = {"devices": jax.device_count()}
+    last = LastState()
     for name, overrides in runs.items():
-        result = train(config_path, name, overrides)
-        out[name] = {
-            "train": result["train"],
-            "eval": result["eval"],
-            "arrays": shardings_after_one_step(result["config"]),
-        }
+        last.state = None
+        out[name] = train(config_path, name, overrides)
+        out[name]["arrays"] = shardings(last.state)
+        last.state = None
     with open(out_path, "w") as f:
         json.dump(out, f)
 

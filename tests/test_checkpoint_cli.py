@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_cli_train import make_run, metrics
@@ -29,17 +30,30 @@ def remove_a_chunk(checkpoint) -> str:
     return os.path.relpath(largest, checkpoint)
 
 
-def trained(tmp_path) -> str:
-    """A finished 6-step run with checkpoints at steps 3 and 6; returns its config path."""
-    config = make_run(tmp_path)
-    first = run_cli("train", config, "--no-progress")
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> str:
+    """A finished 6-step run with checkpoints at steps 3 and 6, trained once for this module
+    (each test damages or extends a copy of it: :func:`trained`); returns its directory."""
+    directory = tmp_path_factory.mktemp("finished-run")
+    first = run_cli("train", make_run(directory), "--no-progress")
     assert first.returncode == 0, first.stderr
-    assert sorted(os.listdir(tmp_path / CKPT)) == ["step-3", "step-6"]
-    return config
+    assert sorted(os.listdir(directory / CKPT)) == ["step-3", "step-6"]
+    return str(directory)
 
 
-def test_a_damaged_final_checkpoint_is_skipped_and_its_steps_retrained_identically(tmp_path):
-    config = trained(tmp_path)
+def trained(tmp_path, finished_run) -> str:
+    """:func:`finished_run` with its logs and checkpoints copied into ``tmp_path`` (its data and
+    complete cache, only read, stay shared); returns the path of a config naming the copies."""
+    config = (Path(finished_run) / "run.yaml").read_text()
+    for kept in ("logs", "ckpt"):
+        shutil.copytree(os.path.join(finished_run, kept), tmp_path / kept)
+        config = config.replace(os.path.join(finished_run, kept), str(tmp_path / kept))
+    (tmp_path / "run.yaml").write_text(config)
+    return str(tmp_path / "run.yaml")
+
+
+def test_a_damaged_final_checkpoint_is_skipped_and_its_steps_retrained_identically(tmp_path, finished_run):
+    config = trained(tmp_path, finished_run)
     before = losses(tmp_path)
     damaged = remove_a_chunk(tmp_path / CKPT / "step-6")
 
@@ -56,8 +70,8 @@ def test_a_damaged_final_checkpoint_is_skipped_and_its_steps_retrained_identical
     assert entries[:2] == ["step-3", "step-6"] and entries[2].startswith("step-6.damaged-")
 
 
-def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(tmp_path):
-    config = trained(tmp_path)
+def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(tmp_path, finished_run):
+    config = trained(tmp_path, finished_run)
     remove_a_chunk(tmp_path / CKPT / "step-6")
     with open(tmp_path / CKPT / "step-3" / "COMMITTED", "w") as f:
         f.write('{"step": 3, "lea')  # truncated
@@ -110,8 +124,8 @@ def read_only(directory) -> list[str] | None:
     return prefix if probe.returncode == 0 else None
 
 
-def test_a_read_only_checkpoint_directory_stops_the_run_with_a_clear_message(tmp_path):
-    config = trained(tmp_path)
+def test_a_read_only_checkpoint_directory_stops_the_run_with_a_clear_message(tmp_path, finished_run):
+    config = trained(tmp_path, finished_run)
     prefix = read_only(tmp_path / "ckpt")
     if prefix is None:
         pytest.skip("this machine can make no directory read-only for this user")
@@ -124,8 +138,8 @@ def test_a_read_only_checkpoint_directory_stops_the_run_with_a_clear_message(tmp
     os.chmod(tmp_path / "ckpt", 0o755)
 
 
-def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
-    config = trained(tmp_path)
+def test_a_save_that_fails_in_the_background_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, finished_run):
+    config = trained(tmp_path, finished_run)
     # Writes past 12 KiB fail, as on a full disk: the run's small files fit, the model's arrays do not.
     limit = 12 * 1024
     setup = (

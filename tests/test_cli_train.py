@@ -80,16 +80,18 @@ def test_a_bad_data_line_exits_2_naming_file_and_line(tmp_path):
 @pytest.mark.slow
 def test_the_main_job_learns(tmp_path):
     """`levanter train config/gpt2_nano.yaml`, with its outputs redirected into tmp_path, for
-    the first 100 of its 300 steps (its schedule compressed into them): by then its held-out
-    loss has fallen from 5.28 to under 3."""
+    the first 60 of its 300 steps (its schedule compressed into them): by then its held-out
+    loss has fallen from 5.28 to 2.93, under the 3.17 (60%) asserted, where a run that does not
+    learn stays at 5.28. (100 steps reach 2.84 and cost two thirds more; 50 reach 3.09, too close
+    to the bound.)"""
     args = [
         "train",
         os.path.join(REPO, "config", "gpt2_nano.yaml"),
         "--no-progress",
         "--trainer.num_train_steps",
-        "100",
+        "60",
         "--trainer.steps_per_eval",
-        "50",
+        "30",
         "--trainer.log_dir",
         str(tmp_path / "logs"),
         "--trainer.checkpointer.base_path",
@@ -101,11 +103,11 @@ def test_the_main_job_learns(tmp_path):
     assert result.returncode == 0, result.stderr
     run_dir = result.stdout.split("run directory: ")[1].split("\n")[0]
     evals = logged(run_dir, "eval/loss")
-    assert sorted(evals) == [0, 50, 100]
-    assert evals[100] <= 0.6 * evals[0], evals
+    assert sorted(evals) == [0, 30, 60]
+    assert evals[60] <= 0.6 * evals[0], evals
     run_id = os.path.basename(run_dir)
-    assert sorted(os.listdir(tmp_path / "ckpt" / run_id)) == ["step-100"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / run_id)) == ["step-60"]
 
     again = run_cli(*args, timeout=300)
     assert again.returncode == 0, again.stderr
-    assert "run already complete: step 100 of 100" in again.stdout
+    assert "run already complete: step 60 of 60" in again.stdout

@@ -85,11 +85,11 @@ def test_cache_command_builds_ahead_with_progress_and_training_reuses_it(tmp_pat
     assert "train: 200 documents" in built.stdout and "validation: 20 documents" in built.stdout
     assert "tokens/s" in built.stderr  # the progress bar
     stamp = os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns
-    trained = run_cli("train", config, "--no-progress")
-    assert trained.returncode == 0, trained.stderr
+    # (the runs train in this process: `levanter train` itself is shown elsewhere)
+    assert run_training(load_train_config(config)[0], progress=False).final_step == 2
     # Another sequence length cuts the same cache differently: nothing is tokenized again.
-    shorter = run_cli("train", config, "--no-progress", "--model.seq_len", "16", "--trainer.id", "short")
-    assert shorter.returncode == 0, shorter.stderr
+    shorter, _ = load_train_config(config, ["--model.seq_len", "16", "--trainer.id", "short"])
+    assert run_training(shorter, progress=False).final_step == 2
     assert os.stat(tmp_path / "cache" / "train" / "ledger.json").st_mtime_ns == stamp
 
 
@@ -116,11 +116,21 @@ def mixture_data(tmp_path, weights):
     }
 
 
-def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tmp_path):
-    config, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, {"code": 0.75, "prose": 0.25})))
-    run_training(config, progress=False)
+MIXTURE_WEIGHTS = {"code": 0.75, "prose": 0.25}
 
-    evals = [m for m in metrics(tmp_path) if "eval/loss" in m]
+
+@pytest.fixture(scope="module")
+def mixture_run(tmp_path_factory):
+    """A 6-step run on :func:`mixture_data` (``MIXTURE_WEIGHTS``), trained once for this module:
+    its directory (data, caches, logs), which the tests read and never change."""
+    tmp_path = tmp_path_factory.mktemp("mixture")
+    config, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, MIXTURE_WEIGHTS)))
+    run_training(config, progress=False)
+    return tmp_path
+
+
+def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tmp_path, mixture_run):
+    evals = [m for m in metrics(mixture_run) if "eval/loss" in m]
     assert [m["step"] for m in evals] == [0, 3, 6]
     for m in evals:
         assert {"eval/code/loss", "eval/prose/loss"} <= set(m)
@@ -129,11 +139,11 @@ def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tm
             <= m["eval/loss"]
             <= max(m["eval/code/loss"], m["eval/prose/loss"])
         )
-    caches = [tmp_path / "cache" / name / split for name in ("code", "prose") for split in ("train", "validation")]
+    caches = [mixture_run / "cache" / name / split for name in ("code", "prose") for split in ("train", "validation")]
     stamps = [os.stat(c / "ledger.json").st_mtime_ns for c in caches]
 
     staged = [[0, {"code": 0.0, "prose": 1.0}], [3, {"code": 1.0, "prose": 0.0}]]
-    other, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, staged), run_id="staged"))
+    other, _ = load_train_config(run_config(tmp_path, mixture_data(mixture_run, staged), run_id="staged"))
     data = build_lm_data(other.data, seq_len=32, seed=0, progress=False)
     try:
         prose_only, code_only = data.train.batch(0, 8), data.train.batch(3, 8)
@@ -207,10 +217,11 @@ def test_a_bad_line_stops_the_run_with_file_and_line_unless_skipping(tmp_path):
     # a run stopped by its data before its first step leaves no run or checkpoint directory behind
     assert not (tmp_path / "ckpt" / "pipe").exists() and not (tmp_path / "logs" / "pipe").exists()
 
-    skipped = run_cli(
-        "train", config, "--no-progress", "--data.skip_bad_data", "true", "--data.cache_dir", str(tmp_path / "cache2")
+    # (trained in this process: the CLI's part, its message, is above)
+    skipping, _ = load_train_config(
+        config, ["--data.skip_bad_data", "true", "--data.cache_dir", str(tmp_path / "cache2")]
     )
-    assert skipped.returncode == 0, skipped.stderr
+    assert run_training(skipping, progress=False).final_step == 2
     assert any(m.get("data/skipped/main/train") == 1 for m in metrics(tmp_path))
 
 
@@ -312,26 +323,25 @@ def test_packed_data_with_a_model_that_takes_no_attention_mask_is_refused(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_mixture_tokenized_on_ray_trains_like_one_tokenized_locally(tmp_path):
+def test_a_mixture_tokenized_on_ray_trains_like_one_tokenized_locally(tmp_path, mixture_run):
     """Four caches built at once by Ray tasks (``trainer.ray.address: local`` starts a
-    private Ray instance) hold what local worker processes build, and train the same."""
-    local = run_config(tmp_path, mixture_data(tmp_path, {"code": 1, "prose": 1}), steps=3)
+    private Ray instance) hold what local worker processes build (those of ``mixture_run``),
+    and train the same."""
     on_ray = run_config(
         tmp_path,
-        {**mixture_data(tmp_path, {"code": 1, "prose": 1}), "cache_dir": str(tmp_path / "ray-cache")},
+        {**mixture_data(mixture_run, MIXTURE_WEIGHTS), "cache_dir": str(tmp_path / "ray-cache")},
         run_id="ray",
-        steps=3,
         ray={"address": "local"},
     )
 
-    for config in (local, on_ray):
-        result = run_cli("train", config, "--no-progress")
-        assert result.returncode == 0, result.stderr
+    result = run_cli("train", on_ray, "--no-progress")
+    assert result.returncode == 0, result.stderr
 
     for name in ("code", "prose"):
         for split in ("train", "validation"):
-            a, b = ledger(tmp_path / "cache" / name / split), ledger(tmp_path / "ray-cache" / name / split)
+            a, b = ledger(mixture_run / "cache" / name / split), ledger(tmp_path / "ray-cache" / name / split)
             assert a["complete"] and b["complete"]
             assert (a["num_documents"], a["num_tokens"]) == (b["num_documents"], b["num_tokens"])
-    losses = [[m["train/loss"] for m in metrics(tmp_path, run) if "train/loss" in m] for run in ("pipe", "ray")]
-    assert losses[0] == losses[1]
+    losses = [[m["train/loss"] for m in metrics(where, run) if "train/loss" in m]
+              for where, run in ((mixture_run, "pipe"), (tmp_path, "ray"))]  # fmt: skip
+    assert len(losses[0]) == 6 and losses[0] == losses[1]

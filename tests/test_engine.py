@@ -34,20 +34,32 @@ def requests():
     return out
 
 
-def test_results_do_not_depend_on_the_batch(model):
+def served_alone(model, work) -> list[list[int]]:
+    """Each request's tokens from an engine that serves one at a time, one token per step: the
+    reference a batched engine's results must equal. Its engine's settings are the same for every
+    test here, so that its compiled programs serve them all."""
     with Engine(model, max_seqs=1, max_rounds=1) as alone:
-        expected = [alone.submit(p, params).result().tokens for p, params in requests()]
+        return [alone.submit(p, params).result().tokens for p, params in work]
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """:func:`served_alone` of :func:`requests` (computed once: several tests compare with it)."""
+    return served_alone(model, requests())
+
+
+def test_results_do_not_depend_on_the_batch(model, alone):
     with Engine(model, max_seqs=3, max_rounds=3, max_prefill_seqs=2) as shared:
         handles = [shared.submit(p, params) for p, params in requests()]
         got = [h.result().tokens for h in handles]
         stats = shared.stats
-    assert got == expected
+    assert got == alone
     assert [len(t) for t in got] == [3 + 2 * i for i in range(12)]  # no end-of-sequence token configured
     # continuous batching: slots freed by short requests were refilled, so steps were shared
     assert stats.decode_tokens / stats.decode_steps > 2.0
 
 
-def test_requests_from_many_threads(model):
+def test_requests_from_many_threads(model, alone):
     results = {}
     with Engine(model, max_seqs=4, max_rounds=2) as engine:
 
@@ -59,8 +71,7 @@ def test_requests_from_many_threads(model):
             t.start()
         for t in threads:
             t.join()
-    with Engine(model, max_seqs=1, max_rounds=1) as alone:
-        assert [results[i] for i in range(12)] == [alone.submit(*r).result().tokens for r in requests()]
+    assert [results[i] for i in range(12)] == alone
 
 
 def test_a_full_queue_refuses_with_429(model):
@@ -252,5 +263,5 @@ def test_precompiled_engines_compile_nothing_while_serving(model):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiled == []
-    with Engine(model, max_seqs=1, max_seq_len=40, max_rounds=1) as alone:
-        assert got == [alone.submit(p, params).result().tokens for p, params in work]
+    # (the reference engine has the model's whole context: its programs are those of the other tests')
+    assert got == served_alone(model, work)

@@ -276,15 +276,15 @@ def test_levanter_eval_data_errors_suggest_what_eval_can_do(trained, capsys, tmp
         "too short": write_jsonl(tmp_path / "tiny.jsonl", [{"text": "tiny"}]),
     }
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x" * 200}) + "\n{not json\n")
+    errors = {}
     for case, file in files.items():
-        code, _, err = run_eval(capsys, trained["checkpoint"], "--data", file)
+        code, _, err = errors[case] = run_eval(capsys, trained["checkpoint"], "--data", file)
         assert code == 2 and file in err, (case, err)
         # what a training run is told ("set data.skip_bad_data: true", "shorten the sequences"...)
         assert not any(hint in err for hint in (TEXT_KEY_HINT, SKIP_BAD_DATA_HINT, TOO_SHORT_HINT)), (case, err)
-    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", files["other field"])
+    err = errors["other field"][2]
     assert "reads each record's 'text' field" in err and "--config" in err
-    code, _, err = run_eval(capsys, trained["checkpoint"], "--data", files["too short"])
-    assert "add data" in err
+    assert "add data" in errors["too short"][2]
 
 
 @pytest.mark.slow

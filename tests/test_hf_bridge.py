@@ -53,6 +53,23 @@ def hf_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory):
+    """``hf_dir`` imported as our checkpoint, once for this module, in this process (the CLI's
+    import is shown by :func:`test_import_then_export_reproduces_the_model`); read, never changed."""
+    from levanter_core.hf.bridge import import_hf
+
+    return import_hf(hf_dir, str(tmp_path_factory.mktemp("imported") / "tiny-llama"))
+
+
+def export(checkpoint, output) -> str:
+    """``checkpoint`` (a run's checkpoint directory or an import) exported in this process; the
+    CLI's export is shown by :func:`test_import_then_export_reproduces_the_model`."""
+    from levanter_core.hf.bridge import export_hf
+
+    return export_hf(str(checkpoint), str(output))
+
+
 def damaged_copy(hf_dir, tmp_path, edit):
     """A copy of ``hf_dir`` whose tensors ``edit(dict)`` changes, saved as one file."""
     target = tmp_path / "damaged"
@@ -101,18 +118,18 @@ def test_import_then_export_reproduces_the_model(hf_dir, tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(original, tokens), atol=1e-5)
 
 
-def test_export_in_bfloat16(hf_dir, tmp_path):
-    from levanter_core.hf.bridge import export_hf, import_hf
+def test_export_in_bfloat16(imported, tmp_path):
+    from levanter_core.hf.bridge import export_hf
 
-    exported = export_hf(import_hf(hf_dir, str(tmp_path / "imported")), str(tmp_path / "exported"), dtype="bfloat16")
+    exported = export_hf(imported, str(tmp_path / "exported"), dtype="bfloat16")
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert model.dtype == torch.bfloat16
     assert HfCheckpoint(exported).tensors["model.norm.weight"].dtype == "bfloat16"
 
 
-def test_import_refuses_to_overwrite_a_checkpoint(hf_dir, tmp_path):
+def test_import_refuses_to_overwrite_a_checkpoint(hf_dir, imported, tmp_path):
     target = str(tmp_path / "imported")
-    assert run_cli("import-hf", hf_dir, target).returncode == 0
+    shutil.copytree(imported, target)  # a checkpoint that import-hf wrote
     before = sorted(os.listdir(target))
     result = run_cli("import-hf", hf_dir, target)
     assert result.returncode == 2
@@ -217,16 +234,23 @@ def _train_config(tmp_path, **extra):
     return str(path)
 
 
-def test_initialize_from_hf_then_export_gives_the_weights_back(hf_dir, tmp_path):
+def train(capsys, config, *args) -> str:
+    """``levanter train CONFIG ARGS`` for a run that succeeds, in this process (the CLI's refusals,
+    below, run as a user meets them); returns what the run printed."""
+    from levanter_core.config.train import load_train_config
+    from levanter_core.run import run_training
+
+    capsys.readouterr()
+    run_training(load_train_config(config, list(args))[0], config_path=config, progress=False)
+    return capsys.readouterr().out
+
+
+def test_initialize_from_hf_then_export_gives_the_weights_back(hf_dir, tmp_path, capsys):
     # A learning rate of 0: the one training step leaves the imported weights as they were.
     config = _train_config(tmp_path, initialize_from_hf=hf_dir, use_hf_model_config=True)
-    result = run_cli("train", config, "--no-progress")
-    assert result.returncode == 0, result.stderr
-    assert "initialized from Hugging Face model" in result.stdout
+    assert "initialized from Hugging Face model" in train(capsys, config)
 
-    exported = str(tmp_path / "exported")
-    result = run_cli("export-hf", str(tmp_path / "ckpt" / "run"), exported)
-    assert result.returncode == 0, result.stderr
+    exported = export(tmp_path / "ckpt" / "run", tmp_path / "exported")
     tokens = np.random.default_rng(1).integers(0, 257, size=(1, 16))
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager")
@@ -244,14 +268,9 @@ def test_initialize_from_hf_with_a_model_that_does_not_fit(hf_dir, tmp_path):
     assert not [d for _, dirs, _ in os.walk(tmp_path / "ckpt") for d in dirs if d.startswith("step-")]
 
 
-def test_initialize_from_an_imported_checkpoint(hf_dir, tmp_path):
-    imported = str(tmp_path / "imported")
-    assert run_cli("import-hf", hf_dir, imported).returncode == 0
-    config = _train_config(tmp_path)
-    result = run_cli("train", config, "--no-progress", "--trainer.initialize_from", imported)
-    assert result.returncode == 0, result.stderr
-    exported = str(tmp_path / "exported")
-    assert run_cli("export-hf", str(tmp_path / "ckpt" / "run"), exported).returncode == 0
+def test_initialize_from_an_imported_checkpoint(hf_dir, imported, tmp_path, capsys):
+    train(capsys, _train_config(tmp_path), "--trainer.initialize_from", imported)
+    exported = export(tmp_path / "ckpt" / "run", tmp_path / "exported")
     tokens = np.random.default_rng(2).integers(0, 257, size=(1, 8))
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager")
@@ -336,17 +355,14 @@ def test_initialize_from_hf_refuses_another_tokenizer(hf_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_resize_vocab_to_match_tokenizer(small_vocab_dir, tmp_path):
+def test_resize_vocab_to_match_tokenizer(small_vocab_dir, tmp_path, capsys):
     # A learning rate of 0: the exported rows are the checkpoint's rows, and the new ones
     config = _train_config(
         tmp_path, initialize_from_hf=small_vocab_dir, use_hf_model_config=True, resize_vocab_to_match_tokenizer=True
     )
-    result = run_cli("train", config, "--no-progress")
-    assert result.returncode == 0, result.stderr
-    assert "resized its vocabulary from 200 to the tokenizer's 257" in result.stdout
+    assert "resized its vocabulary from 200 to the tokenizer's 257" in train(capsys, config)
 
-    exported = str(tmp_path / "exported")
-    assert run_cli("export-hf", str(tmp_path / "ckpt" / "run"), exported).returncode == 0
+    exported = export(tmp_path / "ckpt" / "run", tmp_path / "exported")
     original = transformers.AutoModelForCausalLM.from_pretrained(small_vocab_dir).state_dict()
     resized = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
     for name in ("model.embed_tokens.weight", "lm_head.weight"):

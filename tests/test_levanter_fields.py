@@ -42,12 +42,19 @@ def _loss_and_grads(model_fields: dict, **loss_kwargs):
     return float(loss), metrics, jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
 
 
+@pytest.fixture(scope="module")
+def default_loss_and_grads():
+    """:func:`_loss_and_grads` of ``LLAMA`` as it is (gradient checkpointing on, its default), computed
+    once: the reference several tests compare a changed field with."""
+    return _loss_and_grads({})
+
+
 # -- model fields ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("policy", [False, "nested", "recompute", "full", "save_all"])
-def test_every_gradient_checkpointing_policy_gives_the_same_gradients(policy):
-    loss, _, grads = _loss_and_grads({"gradient_checkpointing": True})
+def test_every_gradient_checkpointing_policy_gives_the_same_gradients(policy, default_loss_and_grads):
+    loss, _, grads = default_loss_and_grads  # gradient_checkpointing: true
     other_loss, _, other = _loss_and_grads({"gradient_checkpointing": policy})
     assert other_loss == pytest.approx(loss, abs=1e-6)
     for a, b in zip(grads, other):
@@ -68,8 +75,8 @@ def test_levanter_attention_backend_names_are_read(name, ours):
     assert validate_section("model", {"type": "gpt2", "attn_backend": name}).attn_backend == ours
 
 
-def test_flash_attention_block_size_and_upcast_keep_the_loss():
-    loss, _, _ = _loss_and_grads({})
+def test_flash_attention_block_size_and_upcast_keep_the_loss(default_loss_and_grads):
+    loss, _, _ = default_loss_and_grads
     blocked, _, _ = _loss_and_grads({"flash_attention_block_size": 8})
     upcast, _, _ = _loss_and_grads({"upcast_attn": True})
     assert blocked == pytest.approx(loss, abs=1e-5) and upcast == pytest.approx(loss, abs=1e-5)
@@ -99,8 +106,8 @@ def test_default_rope_with_a_factor_scales_positions_like_linear():
 # -- the loss ----------------------------------------------------------------------------------
 
 
-def test_z_loss_adds_weight_times_the_squared_normalizer():
-    plain, plain_metrics, _ = _loss_and_grads({})
+def test_z_loss_adds_weight_times_the_squared_normalizer(default_loss_and_grads):
+    plain, plain_metrics, _ = default_loss_and_grads
     weighted, metrics, grads = _loss_and_grads({}, z_loss_weight=0.1)
     assert "train/z_loss" not in plain_metrics
     z = float(metrics["train/z_loss"])
@@ -140,14 +147,29 @@ def test_cooldown_ends_the_schedule_with_a_linear_phase_and_haps_is_refused():
 # -- trainer fields that refuse ------------------------------------------------------------------
 
 
-def _write_run(tmp_path, **trainer):
-    data_dir = tmp_path / "data"
-    data_dir.mkdir(exist_ok=True)
-    write_jsonl(data_dir / "train.jsonl", code_docs(60))
-    write_jsonl(data_dir / "valid.jsonl", code_docs(8, offset=500))
+def _write_run(tmp_path, data_from=None, **trainer):
+    """A tiny run's config in ``tmp_path``; its data files and cache are written there too, or
+    are those under ``data_from`` (:func:`built_data`'s)."""
+    data_dir = (data_from or tmp_path) / "data"
+    if data_from is None:
+        data_dir.mkdir(exist_ok=True)
+        write_jsonl(data_dir / "train.jsonl", code_docs(60))
+        write_jsonl(data_dir / "valid.jsonl", code_docs(8, offset=500))
     data = {"train_urls": [str(data_dir / "train.jsonl")], "validation_urls": [str(data_dir / "valid.jsonl")],
-            "cache_dir": str(tmp_path / "cache")}  # fmt: skip
+            "cache_dir": str((data_from or tmp_path) / "cache")}  # fmt: skip
     return run_config(tmp_path, data, **trainer)
+
+
+@pytest.fixture(scope="module")
+def built_data(tmp_path_factory):
+    """:func:`_write_run`'s data with its caches complete, built once for this module's training
+    runs (which only read a complete cache: no test here is about building one)."""
+    from levanter_core.data.pipeline import build_caches
+
+    where = tmp_path_factory.mktemp("built-data")
+    for _ in build_caches(load_train_config(_write_run(where))[0].data, progress=False):
+        pass
+    return where
 
 
 def test_shutdown_at_exit_is_refused_unless_false(tmp_path):
@@ -167,10 +189,11 @@ def test_require_accelerator_stops_a_cpu_run_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_batch_size_schedule_z_loss_entropy_and_profiler_in_one_run(tmp_path):
+def test_batch_size_schedule_z_loss_entropy_and_profiler_in_one_run(tmp_path, built_data):
     schedule = [{"start": 0, "value": 4}, {"start": 2, "value": 8}]
     path = _write_run(
         tmp_path,
+        built_data,
         train_batch_size=schedule,
         steps_per_eval=4,
         profiler=True,
@@ -189,8 +212,8 @@ def test_batch_size_schedule_z_loss_entropy_and_profiler_in_one_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_training_trains_and_resumes(tmp_path):
-    path = _write_run(tmp_path, quantization={"fp8": True}, steps_per_eval=100)
+def test_fp8_training_trains_and_resumes(tmp_path, built_data):
+    path = _write_run(tmp_path, built_data, quantization={"fp8": True}, steps_per_eval=100)
     config, _ = load_train_config(path, ["--trainer.num_train_steps", "3"])
     first = run_training(config, progress=False)
     assert np.isfinite(first.last_loss)
@@ -200,8 +223,8 @@ def test_fp8_training_trains_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_partial_checkpoints_and_initialize_from_checkpoint_path(tmp_path):
-    path = _write_run(tmp_path, steps_per_eval=100)
+def test_partial_checkpoints_and_initialize_from_checkpoint_path(tmp_path, built_data):
+    path = _write_run(tmp_path, built_data, steps_per_eval=100)
     config, _ = load_train_config(path, ["--trainer.num_train_steps", "3"])
     trunk = run_training(config, progress=False)
 
@@ -231,8 +254,8 @@ def test_partial_checkpoints_and_initialize_from_checkpoint_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_seed_changes_the_data_order_only(tmp_path):
-    path = _write_run(tmp_path, steps_per_eval=100)
+def test_data_seed_changes_the_data_order_only(tmp_path, built_data):
+    path = _write_run(tmp_path, built_data, steps_per_eval=100)
 
     def first_loss(*args):
         config, _ = load_train_config(path, ["--trainer.num_train_steps", "1", "--data.shuffle", "true", *args])
@@ -244,8 +267,8 @@ def test_data_seed_changes_the_data_order_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_whose_data_runs_out_ends_early_with_its_checkpoint(tmp_path):
-    path = _write_run(tmp_path, steps_per_eval=100)
+def test_a_run_whose_data_runs_out_ends_early_with_its_checkpoint(tmp_path, built_data):
+    path = _write_run(tmp_path, built_data, steps_per_eval=100)
     config, _ = load_train_config(path, ["--trainer.num_train_steps", "500", "--epoch", "1"])
     result = run_training(config, progress=False)
     # one pass over the training sequences, 4 per step; the last batch is whole
@@ -255,12 +278,12 @@ def test_a_run_whose_data_runs_out_ends_early_with_its_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_save_exports_during_training_what_export_hf_writes(tmp_path):
+def test_hf_save_exports_during_training_what_export_hf_writes(tmp_path, built_data):
     from safetensors.numpy import load_file
 
     from levanter_core.hf.bridge import export_hf
 
-    path = _write_run(tmp_path, steps_per_eval=100)
+    path = _write_run(tmp_path, built_data, steps_per_eval=100)
     args = ["--trainer.num_train_steps", "3", "--hf_save_path", str(tmp_path / "hf"), "--hf_save_steps", "2"]
     config, _ = load_train_config(path, args)
     result = run_training(config, progress=False)

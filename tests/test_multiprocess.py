@@ -69,7 +69,25 @@ def reference(tmp_path_factory):
     return tmp_path, _losses(tmp_path, "one"), _losses(tmp_path, "one", "eval/loss")
 
 
+def _slurm_job(command: list[str], tmp_path) -> Processes:
+    """``command`` in the two tasks of ``srun -n 2``: nothing tells them their process ids but
+    SLURM's environment."""
+    port = free_port()
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
+    envs = [
+        # Each task sees its one CPU device as local device 0, as a GPU task sees the GPU it is given.
+        cpu_env(**slurm, SLURM_PROCID=str(i), SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
+        for i in range(2)
+    ]
+    return Processes([command, command], envs, tmp_path)
+
+
 def test_two_processes_train_like_one_and_resume_together(tmp_path, reference):
+    """Started with their process ids, two processes train 6 steps as one process does; then,
+    started again as a SLURM job (``srun -n 2``, where JAX finds the processes from SLURM's
+    environment), both resume from the checkpoint they wrote together and train on as one
+    process would. One resume shows both: each start of two processes costs two imports of
+    the framework, two compilations and, with Ray, a cluster."""
     _, train_losses, eval_losses = reference
     config = _config(tmp_path, "two", STEPS, ray=True)
     with train_together(config, tmp_path, overrides=["--trainer.num_train_steps", "6"]) as first:
@@ -85,33 +103,18 @@ def test_two_processes_train_like_one_and_resume_together(tmp_path, reference):
     _assert_close(_losses(tmp_path, "two"), train_losses, range(1, 7))
     _assert_close(_losses(tmp_path, "two", "eval/loss"), eval_losses, [0, 3, 6])
     assert os.path.basename(discover_latest(str(tmp_path / "ckpt" / "two"))) == "step-6"
+    os.remove(tmp_path / "logs" / "two" / "run.json")  # the SLURM job writes its own
 
-    # Both resume from the checkpoint they wrote together, and train on as one process would.
-    with train_together(config, tmp_path) as second:
+    # The same command as a SLURM job; the cache is built, so no Ray cluster is needed for it.
+    command = [*CLI, "train", config, "--no-progress", "--trainer.ray.auto_start_cluster", "false"]
+    with _slurm_job(command, tmp_path) as second:
         assert second.wait(300) == [0, 0], second.outputs_text()
+        assert "jax.distributed (slurm): process 1 of 2" in second.output(1)
         for i in (0, 1):
             assert "at step 6" in second.output(i), second.output(i)
+    assert json.load(open(tmp_path / "logs" / "two" / "run.json"))["processes"] == 2
     _assert_close(_losses(tmp_path, "two"), train_losses, range(1, STEPS + 1))
     _assert_close(_losses(tmp_path, "two", "eval/loss"), eval_losses, [0, 3, 6, 9, 10])
-
-
-def test_slurm_job_runs_multi_process_without_configuration(tmp_path, reference):
-    """Under ``srun -n 2`` JAX finds the processes from SLURM's environment."""
-    _, train_losses, _ = reference
-    config = _config(tmp_path, "slurm", 4)
-    port = free_port()
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
-    envs = [
-        # Each task sees its one CPU device as local device 0, as a GPU task sees the GPU it is given.
-        cpu_env(**slurm, SLURM_PROCID=str(i), SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
-        for i in range(2)
-    ]
-    command = [*CLI, "train", config, "--no-progress"]
-    with Processes([command, command], envs, tmp_path) as job:
-        assert job.wait(300) == [0, 0], job.outputs_text()
-        assert "jax.distributed (slurm): process 1 of 2" in job.output(1)
-    _assert_close(_losses(tmp_path, "slurm"), train_losses, range(1, 5))
-    assert json.load(open(tmp_path / "logs" / "slurm" / "run.json"))["processes"] == 2
 
 
 def test_a_process_that_dies_stops_the_others_and_the_run_resumes(tmp_path, reference):

@@ -2,7 +2,9 @@
 from a checkpoint ends bit for bit where the uninterrupted run ends, and on 4 simulated devices
 (parameters and optimizer state split FSDP-style) the losses are one device's within 1e-5.
 
-The runs happen in subprocesses (tests/optimizer_matrix.py), one per device count."""
+The runs happen in one subprocess with 4 simulated devices (tests/optimizer_matrix.py), which
+trains each optimizer on a mesh of one of them and on a mesh of all four: one JAX start, not one
+per device count."""
 
 import json
 import os
@@ -45,7 +47,8 @@ def sections() -> dict:
 
 
 def run_matrix(tmp_path, devices: int) -> dict:
-    tmp_path.mkdir()
+    """Every optimizer trained on a mesh of one device and on a mesh of ``devices``, in one
+    subprocess with ``devices`` simulated devices; the runs by mesh size (1 and ``devices``)."""
     sections_path, out_path = tmp_path / "sections.json", tmp_path / "out.json"
     sections_path.write_text(json.dumps(sections()))
     env = {**os.environ, **simulated_devices(devices, quick_compile=True)}
@@ -55,25 +58,25 @@ def run_matrix(tmp_path, devices: int) -> dict:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(out_path.read_text())
-    assert out["devices"] == devices
-    return out["runs"]
+    assert out["devices"] == devices and set(out["runs"]) == {"1", str(devices)}
+    return {int(count): runs for count, runs in out["runs"].items()}
 
 
 @pytest.mark.slow
 def test_every_optimizer_resumes_bit_for_bit_and_gives_one_devices_losses_on_four(tmp_path):
-    """One test, not two sharing a fixture: the one-device runs are what the four-device runs
-    are compared with, and a second test worker would make them again."""
-    one_device = run_matrix(tmp_path / "one", 1)
-    assert set(one_device) == set(NAMES) and {"adam", "lion", "sophia-h", "muon"} <= set(NAMES)
+    runs = run_matrix(tmp_path, 4)
+    one_device, four = runs[1], runs[4]
+    assert set(one_device) == set(four) == set(NAMES) and {"adam", "lion", "sophia-h", "muon"} <= set(NAMES)
     for name, run in one_device.items():
+        assert run["placed_on"] == 1, name
         assert run["differ"] == [], f"{name}: resumed state differs in {run['differ'][:5]}"
         assert run["arrays"] > 20, name
         losses = run["losses"]
         assert all(loss == loss for loss in losses), f"{name}: {losses}"  # no NaN
         assert losses[-1] < losses[0], f"{name} did not lower the loss: {losses}"
 
-    four = run_matrix(tmp_path / "four", 4)
     for name, run in four.items():
+        assert run["placed_on"] == 4, name
         assert run["differ"] == [], f"{name} on 4 devices: resumed state differs in {run['differ'][:5]}"
         for step, (a, b) in enumerate(zip(run["losses"], one_device[name]["losses"])):
             tolerance = TOLERANCE.get(name, 1e-5)

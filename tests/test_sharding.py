@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
+from levanter_core.config.train import load_train_config
 from levanter_core.testing import simulated_devices
 
 EIGHT_DEVICES = simulated_devices(8)
@@ -29,8 +30,6 @@ SETTINGS = {
         {"mlp": "model", "heads": "model"},
     ),
     "fsdp-and-tp": (["--trainer.model_axis_size", "2", *TP], {"embed": "data", "mlp": "model", "heads": "model"}),
-    # the same in Levanter's spelling, whose defaults split mlp and heads over model and embed over data
-    "mesh-fsdp-and-tp": (["--trainer.mesh", "{axes: {model: 2}}"], {"embed": "data", "mlp": "model", "heads": "model"}),
     # context parallelism: each sequence's 32 positions split 4 ways (ring attention), and 2 ways
     # beside tensor parallelism (attention from gathered keys and values)
     "context-parallel": (
@@ -49,6 +48,10 @@ SETTINGS = {
     ),
 }  # fmt: skip
 """name -> (overrides, where each parameter axis must be stored: logical axis -> mesh axis)."""
+MESH_FSDP_AND_TP = ["--trainer.mesh", "{axes: {model: 2}}"]
+"""fsdp-and-tp in Levanter's spelling, whose defaults split mlp and heads over model and embed
+over data: the same mesh and mappings, which are all a run reads of either spelling, so it is
+not trained again."""
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,15 @@ def test_sharded_runs_match_one_device_and_store_parameters_split(config, one_de
         path: a["piece"] for path, a in eight["fsdp-and-tp"]["arrays"].items() if path.endswith("mlp.c_fc.weight")
     }
     assert len(pieces) == 3 and set(map(tuple, pieces.values())) == {(2, 128, 16)}
-    assert eight["mesh-fsdp-and-tp"]["arrays"] == eight["fsdp-and-tp"]["arrays"]  # one code path
+
+    # Levanter's spelling resolves to the same mesh and mappings, from which the trainer places
+    # every array: one code path (the mesh itself on 8 devices: tests/test_mesh_config.py)
+    own = load_train_config(config, SETTINGS["fsdp-and-tp"][0])[0].trainer
+    levanter = load_train_config(config, MESH_FSDP_AND_TP)[0].trainer
+    assert levanter.mesh is not None and own.mesh is None
+    assert levanter.resolved_mesh.resolved_sizes(8) == own.resolved_mesh.resolved_sizes(8)
+    assert levanter.compute_axis_mapping() == own.compute_axis_mapping()
+    assert levanter.parameter_axis_mapping() == own.parameter_axis_mapping()
 
 
 @pytest.mark.slow

@@ -71,9 +71,17 @@ def test_batch_that_does_not_split_into_microbatches_is_a_config_error(tmp_path)
         Trainer(config.trainer, None, lm_loss_and_metrics, mesh=make_mesh(config.trainer))
 
 
-def test_short_run_loss_falls_and_writes_the_run_directory(tmp_path):
-    config = tiny_config(tmp_path)
-    result = run_training(config, config_path="tiny.yaml", progress=False)
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The 30-step run of :func:`tiny_config`, trained once for this module: its directory (data
+    cache, logs, checkpoints at steps 10, 20 and 30) and its result. A test that changes it
+    works on a copy."""
+    tmp_path = tmp_path_factory.mktemp("full-run")
+    return tmp_path, run_training(tiny_config(tmp_path), config_path="tiny.yaml", progress=False)
+
+
+def test_short_run_loss_falls_and_writes_the_run_directory(full_run):
+    tmp_path, result = full_run
     run_dir = tmp_path / "logs" / "tiny"
     assert result.run_dir == str(run_dir)
     metrics = read_metrics(run_dir)
@@ -112,9 +120,9 @@ def test_logged_learning_rate_and_throughput_of_evaluation_steps(tmp_path):
         assert typical / 5 < rate[step] < 5 * typical, (step, rate)
 
 
-def test_rerunning_resumes_from_the_latest_checkpoint_and_continues_identically(tmp_path):
+def test_rerunning_resumes_from_the_latest_checkpoint_and_continues_identically(tmp_path, full_run):
+    shutil.copytree(full_run[0], tmp_path, dirs_exist_ok=True)  # the uninterrupted run, here
     config = tiny_config(tmp_path)
-    run_training(config, progress=False)
     run_dir = tmp_path / "logs" / "tiny"
     full = {m["step"]: m for m in read_metrics(run_dir) if "train/loss" in m}
 

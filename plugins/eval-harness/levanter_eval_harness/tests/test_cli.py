@@ -1,6 +1,7 @@
 """``levanter eval-harness`` as a user runs it: the files it writes (laid out as ``lm_eval``'s own
 command writes them), Levanter's harness configs, and the mistakes it refuses with exit status 2
-and a message naming what is wrong."""
+and a message naming what is wrong. lm-eval's task index is built once per include path for
+these tests (``task_index.py``: 15 CPU-seconds each time)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,17 @@ import pytest
 
 from levanter_core.cli import main
 from levanter_core.testing import listed_plugin
+from levanter_eval_harness.tests.task_index import shared_index, shared_task_manager  # noqa: F401 (a fixture)
 
 HARNESS_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs" / "config" / "harness"
+
+pytestmark = pytest.mark.usefixtures("shared_index")
+
+
+@pytest.fixture
+def manager(tasks_dir):
+    """conftest's ``manager``, the index the command finds for ``tasks_dir`` here."""
+    return shared_task_manager(tasks_dir)
 
 
 def harness(capsys, *args) -> tuple[int, str, str]:

@@ -1,6 +1,8 @@
 """The ``eval_harness`` evaluator in a training run: Levanter's section validates (and refuses
 what it cannot honour by name), and a run's trackers get the numbers ``levanter eval-harness``
-gives for the same weights."""
+gives for the same weights. The run's evaluator and the command share one lm-eval task index
+(``task_index.py``: building it takes 15 CPU-seconds; a run's evaluator keeps one for all its
+evaluations too)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from levanter_core.cli import main
+from levanter_eval_harness.tests.task_index import shared_index  # noqa: F401 (a fixture)
 
 LEVANTER_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs" / "config"
 
@@ -98,6 +101,7 @@ eval_harness_steps: 2
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_index")
 def test_a_training_run_logs_what_the_command_gives_for_the_same_weights(model_dir, tasks_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         main(["train", _train_config(tmp_path, model_dir, tasks_dir), "--no-progress"])

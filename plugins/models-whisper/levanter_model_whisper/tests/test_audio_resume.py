@@ -187,7 +187,10 @@ def half_done(ledger) -> list[str]:
     ]
 
 
-# When to kill each attempt.
+# When to kill each attempt: one of each kind of moment (before any work, while the workers
+# start, between shards) and twice inside a shard, the moment a resume is most likely to get
+# wrong. Each attempt starts a process and its two workers (several CPU-seconds), so more
+# kills between shards would show nothing these do not.
 BUILD_KILLS = [
     ("the ledger first appears", lambda s: s.ledger is not None),
     # Before its workers have started serving: a worker that finds its coordinator already
@@ -195,9 +198,7 @@ BUILD_KILLS = [
     ("its workers are starting", lambda s: s.progressed or (s.workers_for or 0) >= 0.3),
     ("2 shards finished", lambda s: s.progressed and finished(s.ledger) >= 2),
     ("a shard half done", lambda s: s.progressed and bool(half_done(s.ledger))),
-    ("5 shards finished", lambda s: s.progressed and finished(s.ledger) >= 5),
-    ("a shard half done again", lambda s: s.progressed and finished(s.ledger) >= 6 and bool(half_done(s.ledger))),
-    ("8 shards finished", lambda s: s.progressed and finished(s.ledger) >= 8),
+    ("a shard half done again", lambda s: s.progressed and finished(s.ledger) >= 5 and bool(half_done(s.ledger))),
 ]
 
 
@@ -256,7 +257,7 @@ def test_an_audio_cache_build_killed_at_several_moments_resumes_to_the_same_cach
     print(f"\n{len(kills)} kills of the audio cache build ({seconds:.1f}s in all):")
     for name, done, documents, partial in kills:
         print(f"  at '{name}': {done} shards finished, {documents} documents, half done: {partial or 'none'}")
-    assert len(kills) >= 5, f"too few kills landed: {kills}"
+    assert len(kills) >= len(BUILD_KILLS) - 1, f"too few kills landed: {kills}"
     assert any(partial for *_, partial in kills), f"no kill landed with a shard half done: {kills}"
     assert not problems, "\n".join(problems)
 
@@ -371,12 +372,13 @@ class Kill:
         }[self.kind]
 
 
+# One kill of each kind: every attempt starts Whisper afresh (imports, compilation, its cache's
+# workers), the costliest part of the test, and a second kill of a kind shows nothing new.
 TRAIN_KILLS = [
     Kill("cache"),
     Kill("step", 2),
     Kill("on_write", 8),
     Kill("after_commit", 14, 0.05),
-    Kill("on_write", 20),
 ]
 
 

@@ -73,12 +73,13 @@ def pytest_collection_modifyitems(config, items):
     wait for the other, holds only short tests."""
     if not getattr(config.option, "loadgroup", False):
         return
-    with_slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in with_slow)
+    module = {item: item.nodeid.split("::", 1)[0] for item in items}
+    with_slow = {module[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module[item] not in with_slow)
     for item in items:
-        marks = list(item.iter_markers("xdist_group"))
+        marks = item.iter_markers("xdist_group")
         names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks}
-        group = "_".join(sorted(names)) if names else item.nodeid.split("::", 1)[0]
+        group = "_".join(sorted(names)) if names else module[item]
         if not item.nodeid.endswith(f"@{group}"):
             item._id = NodeId.parse(f"{item.nodeid}@{group}")
 

@@ -81,7 +81,6 @@ def main(config_path: str, runs_path: str, out_path: str) -> None:
         last.state = None
         out[name] = train(config_path, name, overrides)
         out[name]["arrays"] = shardings(last.state)
-        last.state = None
     with open(out_path, "w") as f:
         json.dump(out, f)
 

@@ -12,7 +12,7 @@ from slow_source import SlowSourcePlugin
 import levanter_core.plugins as plugins
 from conftest import code_docs, metrics, run_cli, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
-from levanter_core.data.pipeline import build_caches, build_lm_data
+from levanter_core.data.pipeline import build_caches, build_lm_data, caches_complete
 from levanter_core.run import run_training
 
 
@@ -127,6 +127,21 @@ def mixture_run(tmp_path_factory):
     config, _ = load_train_config(run_config(tmp_path, mixture_data(tmp_path, MIXTURE_WEIGHTS)))
     run_training(config, progress=False)
     return tmp_path
+
+
+def test_caches_complete_says_whether_a_run_would_tokenize_anything(tmp_path, mixture_run):
+    """What a multi-process run asks before starting a Ray cluster: the four caches that
+    ``mixture_run`` built are complete; in another cache_dir, or for other inputs, there is
+    tokenizing to do."""
+
+    def complete(data) -> bool:
+        return caches_complete(load_train_config(run_config(tmp_path, data))[0].data)
+
+    assert complete(mixture_data(mixture_run, MIXTURE_WEIGHTS))
+    assert not complete({**mixture_data(mixture_run, MIXTURE_WEIGHTS), "cache_dir": str(tmp_path / "cache")})
+    other = mixture_data(mixture_run, MIXTURE_WEIGHTS)
+    other["configs"]["prose"]["train_urls"] = [str(write_jsonl(tmp_path / "prose.jsonl", prose_docs(121)))]
+    assert not complete(other)
 
 
 def test_mixture_logs_each_sources_eval_loss_and_new_weights_reuse_the_caches(tmp_path, mixture_run):

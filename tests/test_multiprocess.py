@@ -86,8 +86,9 @@ def test_two_processes_train_like_one_and_resume_together(tmp_path, reference):
     """Started with their process ids, two processes train 6 steps as one process does; then,
     started again as a SLURM job (``srun -n 2``, where JAX finds the processes from SLURM's
     environment), both resume from the checkpoint they wrote together and train on as one
-    process would. One resume shows both: each start of two processes costs two imports of
-    the framework, two compilations and, with Ray, a cluster."""
+    process would, without a Ray cluster since nothing is left to tokenize. One resume shows
+    both: each start of two processes costs two imports of the framework, two compilations and,
+    with Ray, a cluster."""
     _, train_losses, eval_losses = reference
     config = _config(tmp_path, "two", STEPS, ray=True)
     with train_together(config, tmp_path, overrides=["--trainer.num_train_steps", "6"]) as first:
@@ -105,11 +106,14 @@ def test_two_processes_train_like_one_and_resume_together(tmp_path, reference):
     assert os.path.basename(discover_latest(str(tmp_path / "ckpt" / "two"))) == "step-6"
     os.remove(tmp_path / "logs" / "two" / "run.json")  # the SLURM job writes its own
 
-    # The same command as a SLURM job; the cache is built, so no Ray cluster is needed for it.
-    command = [*CLI, "train", config, "--no-progress", "--trainer.ray.auto_start_cluster", "false"]
+    # The same command as a SLURM job. The cache is built, so it starts no Ray cluster (the
+    # config still asks for one: trainer.ray.auto_start_cluster is on).
+    command = [*CLI, "train", config, "--no-progress"]
     with _slurm_job(command, tmp_path) as second:
         assert second.wait(300) == [0, 0], second.outputs_text()
         assert "jax.distributed (slurm): process 1 of 2" in second.output(1)
+        assert "every cache is built: no Ray cluster is started" in second.output(0), second.output(0)
+        assert "tokenizing on the Ray cluster" not in second.output(0)
         for i in (0, 1):
             assert "at step 6" in second.output(i), second.output(i)
     assert json.load(open(tmp_path / "logs" / "two" / "run.json"))["processes"] == 2

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
-from levanter_core.data.cache import TokenCache, open_cache, read_cache
+from levanter_core.data.cache import TokenCache, cache_is_complete, open_cache, read_cache
 from levanter_core.data.config import DataConfig
 from levanter_core.data.dataset import SequenceDataset, TrainStream, held_out, sequence_dataset
 from levanter_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -180,6 +180,26 @@ def build_lm_data(
     )
     validation = {name: validation[name] for name in config.configs if name in validation}
     return LmData(tokenizer, stream, validation, caches)
+
+
+def caches_complete(config: DataConfig) -> bool:
+    """Whether every cache a run of ``config`` needs is already built, so that nothing is
+    tokenized (a multi-process run then starts no Ray cluster). A problem with the data
+    (a missing tokenizer, unreadable inputs) answers False: opening the caches reports it."""
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+        return all(
+            cache_is_complete(
+                config.cache_path(name, split),
+                config.configs[name],
+                split,
+                tokenizer,
+                enforce_eos=config.enforce_eos,
+            )
+            for name, split in needed_caches(config)
+        )
+    except Exception:  # reported where the caches are opened
+        return False
 
 
 def build_caches(config: DataConfig, *, ray=None, progress: bool = True) -> Iterator[tuple[str, str, TokenCache]]:

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from levanter_core import distributed
 from levanter_core.errors import ConfigError, LevanterError
@@ -322,14 +322,24 @@ def _leader_has_ray() -> bool:
 
 
 @contextlib.contextmanager
-def ray_for_run(config) -> Iterator:
+def ray_for_run(config, tokenizes: Callable[[], bool] | None = None) -> Iterator:
     """Start or join the run's Ray cluster as ``config`` (a ``RayConfig``) says; yield the
     ``RayConfig`` the data pipeline uses (``address`` set to the run's own cluster when the
     hosts started one). Call it in every process, from the main thread, after
     ``jax.distributed`` started; on exit (normal or error) the nodes this process started are
-    stopped and its Ray client disconnected."""
+    stopped and its Ray client disconnected.
+
+    ``tokenizes``: asked in process 0 only, and only when a cluster would be started or joined;
+    False (every cache is already built, as when a run resumes) means no cluster is needed, and
+    none is started or joined."""
     require_ray(config)
     role = _role(config, distributed.process_count() > 1)
+    if role and tokenizes is not None:
+        needed = distributed.share("ray/tokenizes", str(tokenizes()) if distributed.is_leader() else None)
+        if needed != "True":
+            if distributed.is_leader():
+                logger.info("every cache is built: no Ray cluster is started or joined")
+            role = None
     if role == "start" and not _leader_has_ray():
         role = None
         if distributed.is_leader():

@@ -22,7 +22,7 @@ import jax
 from levanter_core import distributed, lora
 from levanter_core.checkpoint.lock import hold_run_lock
 from levanter_core.config.train import TrainConfig
-from levanter_core.data.pipeline import build_lm_data
+from levanter_core.data.pipeline import build_lm_data, caches_complete
 from levanter_core.distributed.ray_cluster import ray_for_run
 from levanter_core.errors import DataError
 from levanter_core.fileio import is_local
@@ -125,9 +125,10 @@ def run_training(config: TrainConfig, *, config_path: str | None = None, progres
             print(describe_processes(), flush=True)
         run = RunFiles(run_id, directory, resolved, plugins, record_files, wall_start)
 
-        # A multi-process run tokenizes on a Ray cluster over its hosts (trainer.ray); the caches
-        # build in the background while the model is set up, and batches wait for them.
-        with ray_for_run(trainer_cfg.ray) as ray_config:
+        # A multi-process run tokenizes on a Ray cluster over its hosts (trainer.ray), unless its
+        # caches are already built (a resumed run); the caches build in the background while the
+        # model is set up, and batches wait for them.
+        with ray_for_run(trainer_cfg.ray, tokenizes=lambda: not caches_complete(config.data)) as ray_config:
             data = build_lm_data(
                 config.data,
                 seq_len=config.train_length,

@@ -88,8 +88,9 @@ class RayConfig(ConfigModel):
     auto_start_cluster: bool = True
     """In a multi-process run with no ``address``: process 0 starts a Ray head (on a free
     port, with a token only the run's processes know), the other processes join it as
-    workers (``start_workers``), and the cluster is stopped when the run ends. False: no Ray;
-    process 0 tokenizes with local processes."""
+    workers (``start_workers``), and the cluster is stopped when the run ends. A run whose
+    caches are all built already (a resumed run) starts none. False: no Ray; process 0
+    tokenizes with local processes."""
 
 
 class QuantizationConfig(ConfigModel):

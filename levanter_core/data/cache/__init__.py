@@ -58,12 +58,36 @@ __all__ = [
     "TokenCache",
     "_Job",
     "_storage",
+    "cache_is_complete",
     "open_cache",
     "read_cache",
     "tokenize_shard",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _ledger_to_continue(path: str, source: DataSourceConfig, split: str, tokenizer: Tokenizer, enforce_eos: bool):
+    """The storage at ``path`` and the ledger a build of ``source``'s ``split`` continues from:
+    the stored one, checked against the configuration, or a new one."""
+    storage = _storage(path)
+    if not source.shards(split):
+        raise DataError(f"the {split} split has no inputs (cache {path})")
+    wanted = _new_ledger(split, _identity(tokenizer, source, enforce_eos), tokenizer, source, source.fingerprint(split))
+    stored = storage.read_ledger()
+    return storage, wanted if stored is None else _reconcile(path, stored, wanted)
+
+
+def cache_is_complete(
+    path: str, source: DataSourceConfig, split: str, tokenizer: Tokenizer, *, enforce_eos: bool
+) -> bool:
+    """Whether :func:`open_cache` would reuse the cache at ``path`` as it is, building nothing.
+    A cache it would refuse (built from other settings) counts as not complete: opening it
+    says why."""
+    try:
+        return bool(_ledger_to_continue(path, source, split, tokenizer, enforce_eos)[1]["complete"])
+    except DataError:
+        return False
 
 
 def open_cache(
@@ -97,12 +121,7 @@ def open_cache(
             "document; give it one (eos_token in tokenizer_config.json) or set data.enforce_eos: false"
         )
     options = cache_options or CacheOptions()
-    storage = _storage(path)
-    if not source.shards(split):
-        raise DataError(f"the {split} split has no inputs (cache {path})")
-    wanted = _new_ledger(split, _identity(tokenizer, source, enforce_eos), tokenizer, source, source.fingerprint(split))
-    stored = storage.read_ledger()
-    ledger = wanted if stored is None else _reconcile(path, stored, wanted)
+    storage, ledger = _ledger_to_continue(path, source, split, tokenizer, enforce_eos)
     if ledger["complete"]:
         logger.info(
             "reusing the cache %s: %d documents, %d tokens", path, ledger["num_documents"], ledger["num_tokens"]

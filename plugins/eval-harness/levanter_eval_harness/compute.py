@@ -7,10 +7,16 @@ every other process runs :func:`follow`: before each batch, process 0 broadcasts
 next (a small header, then the batch's arrays), and every process feeds the same arrays to the
 same compiled function, each computing its part of the batch's rows. In a single process the
 broadcasts are skipped.
+
+Before each header the processes first meet at a barrier of the coordination service, which
+waits as long as a run's other barriers: process 0 may work alone for a long time between two
+messages (indexing lm-eval's tasks, loading their data, generating), longer than a collective
+of the CPU backend waits for its peers (30 s) before it fails.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import equinox as eqx
@@ -21,6 +27,7 @@ from haliax import Axis
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from levanter_core import distributed
 from levanter_core.inference import decoding
 from levanter_core.models.lm import DEFAULT_BLOCK_LOGITS
 from levanter_eval_harness.scoring import Batch, continuation_scores, prefixed_scores
@@ -30,6 +37,9 @@ logger = logging.getLogger(__name__)
 # What process 0 tells the others to do next (the first entry of each header).
 _STOP, _SCORE, _GATHER, _SCORE_PREFIXED = 0, 1, 2, 3
 _HEADER = 5  # op, rows, length, queries, width
+# Each Leader (in process 0) and each follow() (in the others) is one session of messages; every
+# process counts them in the same order, so their barriers have the same names.
+_sessions = itertools.count()
 
 
 class Scorer:
@@ -117,10 +127,12 @@ class Leader:
 
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
+        self._session = next(_sessions) if multi_process() else 0
+        self._sent = 0
 
     def score(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         if multi_process():
-            _send(_SCORE if batch.suffix is None else _SCORE_PREFIXED, batch)
+            self._send(_SCORE if batch.suffix is None else _SCORE_PREFIXED, batch)
         return self.scorer.run(batch)
 
     def gather_model(self):
@@ -130,21 +142,34 @@ class Leader:
             model = self.scorer.model
         else:
             if multi_process():
-                _send(_GATHER, None)
+                self._send(_GATHER, None)
             model = _gathered(self.scorer.model)
         return model if self.scorer.cast is None else self.scorer.cast(model)
 
     def stop(self) -> None:
         """Release the followers (they return from :func:`follow`)."""
         if multi_process():
-            _send(_STOP, None)
+            self._send(_STOP, None)
+
+    def _send(self, op: int, batch: Batch | None) -> None:
+        header = np.zeros(_HEADER, np.int32)
+        header[0] = op
+        if batch is not None:
+            header[1:] = (*batch.tokens.shape, *batch.targets.shape)
+        _meet(self._session, self._sent)
+        self._sent += 1
+        multihost_utils.broadcast_one_to_all(header)
+        if batch is not None:
+            multihost_utils.broadcast_one_to_all(batch.arrays())
 
 
 def follow(scorer: Scorer) -> int:
     """A follower's loop: compute what process 0 asks for until it says stop. Returns how many
     batches were scored."""
-    done = 0
+    done, session, message = 0, next(_sessions), 0
     while True:
+        _meet(session, message)
+        message += 1
         header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32)))
         op = int(header[0])
         if op == _STOP:
@@ -167,14 +192,10 @@ def follow(scorer: Scorer) -> int:
         done += 1
 
 
-def _send(op: int, batch: Batch | None) -> None:
-    header = np.zeros(_HEADER, np.int32)
-    header[0] = op
-    if batch is not None:
-        header[1:] = (*batch.tokens.shape, *batch.targets.shape)
-    multihost_utils.broadcast_one_to_all(header)
-    if batch is not None:
-        multihost_utils.broadcast_one_to_all(batch.arrays())
+def _meet(session: int, message: int) -> None:
+    """Every process waits here before ``message`` of ``session`` is broadcast (see the module's
+    docstring)."""
+    distributed.barrier(f"eval_harness/{session}/{message}")
 
 
 def _gathered(model):

@@ -42,7 +42,9 @@ def loaded(model_dir):
 
 @pytest.fixture(scope="session")
 def manager(tasks_dir):
-    """lm-eval's task manager over its tasks and ours (indexing them takes seconds)."""
-    from levanter_eval_harness.tasks import task_manager
+    """lm-eval's task manager over its tasks and ours: this process's one index for
+    ``tasks_dir`` (``task_index.py``), which the command and the training evaluator reuse in
+    tests that ask for ``shared_index`` (indexing takes 15 CPU-seconds)."""
+    from levanter_eval_harness.tests.task_index import shared_task_manager
 
-    return task_manager(tasks_dir)
+    return shared_task_manager(tasks_dir)

@@ -17,17 +17,11 @@ import pytest
 
 from levanter_core.cli import main
 from levanter_core.testing import listed_plugin
-from levanter_eval_harness.tests.task_index import shared_index, shared_task_manager  # noqa: F401 (a fixture)
+from levanter_eval_harness.tests.task_index import shared_index  # noqa: F401 (a fixture)
 
 HARNESS_CONFIGS = Path(__file__).resolve().parents[5] / "shared" / "levanter-configs" / "config" / "harness"
 
 pytestmark = pytest.mark.usefixtures("shared_index")
-
-
-@pytest.fixture
-def manager(tasks_dir):
-    """conftest's ``manager``, the index the command finds for ``tasks_dir`` here."""
-    return shared_task_manager(tasks_dir)
 
 
 def harness(capsys, *args) -> tuple[int, str, str]:

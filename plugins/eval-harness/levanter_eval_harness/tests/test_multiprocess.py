@@ -1,6 +1,11 @@
 """Two processes (``jax.distributed`` over CPU collectives, started as a user starts them on a
 cluster: the same command in each, with its process id): process 0 runs lm-eval and writes the
-results, process 1 computes its half of every batch; the results are those of one process."""
+results, process 1 computes its half of every batch; the results are those of one process.
+
+The one-process runs that the two-process ones are compared with run in this process, and reuse
+its lm-eval task index (``task_index.py``: 15 CPU-seconds a build, which the command and the
+training evaluator would otherwise each pay); each two-process run's process 0 builds its own,
+as a user's would."""
 
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import pytest
 
 from levanter_core.cli import main
 from levanter_core.testing import simulated_devices
+from levanter_eval_harness.tests.task_index import shared_index  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.slow  # two processes start JAX, compile and exchange every batch: ~1.5 min
+# two processes start JAX, compile and exchange every batch: ~1.5 min
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_index")]
 
 LEVANTER = [sys.executable, "-c", "from levanter_core.cli import main; main()"]
 

@@ -315,7 +315,9 @@ def test_an_engine_that_dies_stops_the_server_with_an_error(loaded, monkeypatch)
     from levanter_serve import create_app
     from levanter_serve.server import EngineFailed, run_until_stopped
 
-    engine = started_engine(loaded, max_seqs=2)
+    # the session engine's settings: its compiled steps (this process's, or the persistent cache's)
+    # serve this one's warm-up, and the failure it meets is the same at any size
+    engine = started_engine(loaded)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)

@@ -131,9 +131,12 @@ PRESETS: dict[str, dict] = {
     "tiny": {
         "model": {"type": "gpt2", "hidden_dim": 32, "num_layers": 1, "num_heads": 2, "seq_len": 32},
         "trainer": {"mp": "p=f32", "train_batch_size": 4},
+        # A test-size yardstick too: 1/8 of the CPU's 2048^3 (26 timed calls a run), same dtype.
+        "yardstick": {"size": 1024, "dtype": "float32"},
     },
 }
-"""Named ``model:`` sections, with the ``trainer.mp`` and ``trainer.train_batch_size`` they run with."""
+"""Named ``model:`` sections, with the ``trainer.mp`` and ``trainer.train_batch_size`` they run with (and
+the tiny one, a test-size matmul ``yardstick``)."""
 
 
 # -- the tokenizer -------------------------------------------------------------------------
@@ -151,11 +154,14 @@ def train_tokenizer(source, path: str) -> None:
 # -- the matmul yardstick ------------------------------------------------------------------
 
 
-def yardstick() -> dict:
+def yardstick(model: str | None = None) -> dict:
     """The matmul that stands in for this machine's peak: f32 2048x2048 on CPU (as the peer was
-    measured), bf16 8192x8192 with f32 accumulation on GPU (the rate mixed precision can reach)."""
+    measured), bf16 8192x8192 with f32 accumulation on GPU (the rate mixed precision can reach);
+    a preset's own ``yardstick`` where it has one (the tiny one that tests the benchmark)."""
     import jax
 
+    if model is not None and "yardstick" in PRESETS[model]:
+        return dict(PRESETS[model]["yardstick"])
     if jax.default_backend() == "gpu":
         return {"size": 8192, "dtype": "bfloat16"}
     return {"size": 2048, "dtype": "float32"}
@@ -366,7 +372,7 @@ def benchmark(
     keep_freed_memory()
     # Other processes on a 2-core machine skew every figure: record how busy it was.
     load_before = os.getloadavg()
-    matmul_shape = yardstick()
+    matmul_shape = yardstick(model)
     matmul_before = matmul_gflops(**matmul_shape)
 
     source = PythonStdlibSourceConfig(max_files=max_files)

@@ -4,6 +4,7 @@ declared Hugging Face mapping."""
 
 import dataclasses
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,20 @@ def _x(key=0):
     return hax.random.normal(jax.random.PRNGKey(key), (Batch, Pos, Embed))
 
 
+def _built(config, Vocab):
+    """``config.build(Vocab)``'s model with every weight drawn here at random: its structure and
+    shapes are the build's, but nothing of its initializers is compiled (tens of CPU-seconds for a
+    mixed stack, which these tests of layouts and forward passes do not need)."""
+    rng = np.random.default_rng(0)
+
+    def draw(leaf):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return jnp.asarray(np.zeros(leaf.shape, leaf.dtype))
+        return jnp.asarray(rng.normal(scale=0.5, size=leaf.shape).astype(leaf.dtype))
+
+    return jax.tree.map(draw, jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(0))))
+
+
 def test_attention_sinks_join_every_softmax():
     config = AttentionConfig(Embed=Embed, num_heads=4, num_kv_heads=2, head_dim=4, sinks=True)
     attn = Attention.init(config, key=jax.random.PRNGKey(0))
@@ -59,8 +74,6 @@ def test_attention_sinks_join_every_softmax():
 
 
 def eqx_replace(module, **changes):
-    import equinox as eqx
-
     fields = lambda m: [getattr(m, n) for n in changes]
     return eqx.tree_at(fields, module, list(changes.values()), is_leaf=lambda x: x is None)
 
@@ -127,14 +140,18 @@ def test_routing_and_dropless_dispatch_match_a_token_by_token_computation(routin
     logits = block.router.logits(hax.named(tokens, ("token", "embed"))).rearrange(("token", "experts")).array
     correction = None if not c.correction_bias else np.asarray(block.router.e_score_correction_bias.array)
     chosen, weights = _route_directly(np.asarray(logits), c, correction)
+    # token by token in NumPy (JAX, op by op, would compile each token's and expert's slice alone)
+    tokens = np.asarray(tokens)
     experts = block.experts
+    gate_proj, up_proj = (
+        np.asarray(p.rearrange(("experts", "embed", "mlp")).array) for p in (experts.gate_proj, experts.up_proj)
+    )
+    down_proj = np.asarray(experts.down_proj.rearrange(("experts", "mlp", "embed")).array)
     direct = np.zeros_like(tokens)
     for t in range(tokens.shape[0]):
         for e, w in zip(chosen[t], weights[t]):
-            gate = tokens[t] @ experts.gate_proj["experts", int(e)].rearrange(("embed", "mlp")).array
-            up = tokens[t] @ experts.up_proj["experts", int(e)].rearrange(("embed", "mlp")).array
-            down = experts.down_proj["experts", int(e)].rearrange(("mlp", "embed")).array
-            direct[t] += w * (jax.nn.silu(gate) * up) @ down
+            gate, up = tokens[t] @ gate_proj[e], tokens[t] @ up_proj[e]
+            direct[t] += w * (gate / (1 + np.exp(-gate)) * up) @ down_proj[e]  # silu(gate) * up
     np.testing.assert_allclose(out.rearrange((Batch, Pos, Embed)).array.reshape(-1, 16), direct, atol=1e-5)
     assert float(hax.sum(stats.expert_fraction).scalar()) == pytest.approx(2.0)
 
@@ -168,7 +185,7 @@ def test_layer_groups_number_layers_as_one_sequence(scan):
     config = _Mixed(seq_len=10, hidden_dim=16, intermediate_dim=32, num_layers=5, num_heads=2, num_kv_heads=1,
                     scan_layers=scan)  # fmt: skip
     Vocab = Axis("vocab", 20)
-    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    model = _built(config, Vocab)
     state = to_hf_state_dict(model)
     layer_of = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
     assert layer_of == {"0", "1", "2", "3", "4"}
@@ -176,8 +193,10 @@ def test_layer_groups_number_layers_as_one_sequence(scan):
     assert "model.layers.3.mlp.shared_experts.up_proj.weight" in state
     loaded = from_hf_state_dict(jax.eval_shape(lambda: config.build(Vocab, key=jax.random.PRNGKey(1))), state)
     ids = hax.named(jnp.arange(20).reshape(2, 10), ("batch", "position"))
-    np.testing.assert_array_equal(loaded(ids).array, model(ids).array)
-    _hidden, aux = model.activations_with_aux(ids)
+    # one compiled forward for both models (op by op, each of the model's operations compiles alone)
+    forward = eqx.filter_jit(lambda m: m(ids).array)
+    np.testing.assert_array_equal(forward(loaded), forward(model))
+    aux = eqx.filter_eval_shape(lambda m: m.activations_with_aux(ids)[1], model)
     assert aux.metrics["moe/load_balancing_loss"].shape == ()  # pooled over the two moe layers
 
 
@@ -188,7 +207,7 @@ def test_norm_placements(placement):
         norm_placement = placement
 
     config = Placed(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=2, seq_len=10)
-    layer = config.build(Axis("vocab", 20), key=jax.random.PRNGKey(0)).model.layers.unstacked()[0]
+    layer = _built(config, Axis("vocab", 20)).model.layers.unstacked()[0]
     x, mask = _x(5), AttentionMask.causal_mask()
     ln = {n: getattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm",
                                            "pre_feedforward_layernorm", "post_feedforward_layernorm")}  # fmt: skip
@@ -261,18 +280,25 @@ def test_attention_steps_compose_as_a_key_value_cache_would(kind):
         config = MlaConfig(Embed=Embed, num_heads=2, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
                            v_head_dim=3, q_lora_rank=5, rope=rope)  # fmt: skip
         attn = MultiHeadLatentAttention.init(config, key=jax.random.PRNGKey(0))
-    x = _x(6)
-    full = attn(x, AttentionMask.causal_mask())
     last = Pos.size - 1
-    _, k_prefix, v_prefix = attn.project(x["position", :last])
-    Step = Axis("position", 1)
-    q, k_new, v_new = attn.project(x["position", last:], positions=hax.named(jnp.array([last]), Step), seq_len=Pos.size)
-    to_keys = {"position": "key_position"}
-    k = hax.concatenate("key_position", [k_prefix.rename(to_keys), k_new.rename(to_keys)])
-    v = hax.concatenate("key_position", [v_prefix.rename(to_keys), v_new.rename(to_keys)])
-    # the one new query may see every cached key
-    step = attn.o_proj(attn.attend(q, k, v, AttentionMask(causal=False)))
-    np.testing.assert_allclose(step["position", 0].array, full["position", last].array, atol=1e-5)
+
+    @eqx.filter_jit  # one compiled program (op by op, each operation would compile on its own)
+    def full_and_step(attn, x):
+        full = attn(x, AttentionMask.causal_mask())
+        _, k_prefix, v_prefix = attn.project(x["position", :last])
+        Step = Axis("position", 1)
+        q, k_new, v_new = attn.project(
+            x["position", last:], positions=hax.named(jnp.array([last]), Step), seq_len=Pos.size
+        )
+        to_keys = {"position": "key_position"}
+        k = hax.concatenate("key_position", [k_prefix.rename(to_keys), k_new.rename(to_keys)])
+        v = hax.concatenate("key_position", [v_prefix.rename(to_keys), v_new.rename(to_keys)])
+        # the one new query may see every cached key
+        step = attn.o_proj(attn.attend(q, k, v, AttentionMask(causal=False)))
+        return full["position", last].array, step["position", 0].array
+
+    full, step = full_and_step(attn, _x(6))
+    np.testing.assert_allclose(step, full, atol=1e-5)
 
 
 def test_a_family_with_a_plain_mlp():
@@ -287,7 +313,7 @@ def test_a_family_with_a_plain_mlp():
             return Mlp.init(self.Embed, self.Mlp, "gelu", key=key, std=self.initializer_range)
 
     config = Plain(hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=2, num_kv_heads=2, seq_len=10)
-    model = config.build(Axis("vocab", 20), key=jax.random.PRNGKey(0))
+    model = _built(config, Axis("vocab", 20))
     state = to_hf_state_dict(model)
     assert "model.layers.1.mlp.up_proj.weight" in state and not any("gate_proj" in k for k in state)
     ids = hax.named(jnp.arange(20).reshape(2, 10), ("batch", "position"))

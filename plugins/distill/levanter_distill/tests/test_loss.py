@@ -4,6 +4,7 @@ temperatures and weights, with a loss mask."""
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -21,12 +22,26 @@ Batch, Pos = Axis("batch", 3), Axis("position", 16)
 
 def build(key: int, **fields):
     config = TrainConfig.model_validate({"model": tiny_model(**fields), "data": {"tokenizer": "byte"}}).model
-    return config.build(Vocab, key=jax.random.PRNGKey(key))
+    # one compiled program rather than a small one for each of the initialization's ops
+    return eqx.filter_jit(lambda: config.build(Vocab, key=jax.random.PRNGKey(key)))()
 
 
 @pytest.fixture(scope="module")
 def models():
     return build(0), build(1, hidden_dim=64, num_layers=2, num_heads=4)
+
+
+@pytest.fixture(scope="module")
+def batch(models):
+    """One batch with a loss mask, and the student's and the teacher's logits from their own
+    forward pass (their __call__), as numpy: the same for every setting, so computed once."""
+    student, teacher = models
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (Batch.size, Pos.size)).astype(np.int32)
+    mask = (rng.random((Batch.size, Pos.size)) < 0.7).astype(np.float32)
+    example = LmExample(hax.named(tokens, (Batch, Pos)), hax.named(mask, (Batch, Pos)))
+    logits = eqx.filter_jit(lambda m: m(example.tokens).rearrange((Batch, Pos, Vocab)).array)
+    return example, tokens, mask, np.asarray(logits(student)), np.asarray(logits(teacher))
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -56,24 +71,32 @@ def expected(student: np.ndarray, teacher: np.ndarray, tokens: np.ndarray, mask:
 @pytest.mark.parametrize(
     ("temperature", "alpha", "top_k"), [(1.0, 1.0, None), (2.0, 0.5, None), (0.7, 0.3, 5), (3.0, 0.9, 1)]
 )
-def test_the_loss_is_the_formula(models, temperature, alpha, top_k):
+def test_the_loss_is_the_formula(models, batch, temperature, alpha, top_k):
     student, teacher = models
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (Batch.size, Pos.size)).astype(np.int32)
-    mask = (rng.random((Batch.size, Pos.size)) < 0.7).astype(np.float32)
-    example = LmExample(hax.named(tokens, (Batch, Pos)), hax.named(mask, (Batch, Pos)))
+    example, tokens, mask, s, t = batch
     objective = DistillObjective(teacher="unused", temperature=temperature, alpha=alpha, top_k=top_k)
-    loss, metrics = objective.loss(student, example, key=None, reference=teacher)
+    # compiled: op by op, the forward passes' many small programs cost more than one compile per setting
+    loss, metrics = eqx.filter_jit(lambda m, e, r: objective.loss(m, e, key=None, reference=r))(
+        student, example, teacher
+    )
 
     # logits from the models' own forward pass (their __call__), then numpy from there
-    s = np.asarray(student(example.tokens).rearrange((Batch, Pos, Vocab)).array)
-    t = np.asarray(teacher(example.tokens).rearrange((Batch, Pos, Vocab)).array)
     want, kl, ce = expected(s, t, tokens, mask, temperature, alpha, top_k)
     assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-5)
     assert float(metrics["distill/kl"]) == pytest.approx(kl, rel=1e-5, abs=1e-6)
     assert float(metrics["distill/ce"]) == pytest.approx(ce, rel=1e-5, abs=1e-6)
-    # the teacher gets no gradient, the student does
-    grads = jax.grad(lambda m: objective.loss(student, example, key=None, reference=m)[0])(teacher)
+
+
+@pytest.mark.parametrize(("temperature", "alpha", "top_k"), [(1.0, 1.0, None), (0.7, 0.3, 5)])
+def test_the_teacher_gets_no_gradient(models, batch, temperature, alpha, top_k):
+    """Its logits are cut off the gradient where they are computed, before the temperature and
+    top-k act on them: shown with the whole vocabulary, all weight on the KL term (where the
+    teacher moves the loss most), and with top-k. (A backward pass, compiled for each setting:
+    for these two, not for all four of the formula's.)"""
+    student, teacher = models
+    example = batch[0]
+    objective = DistillObjective(teacher="unused", temperature=temperature, alpha=alpha, top_k=top_k)
+    grads = eqx.filter_jit(jax.grad(lambda m: objective.loss(student, example, key=None, reference=m)[0]))(teacher)
     assert all(float(np.abs(g).max()) == 0 for g in jax.tree.leaves(grads))
 
 
@@ -83,5 +106,6 @@ def test_evaluation_is_the_students_own_next_token_loss(models):
     student, teacher = models
     tokens = hax.named(np.random.default_rng(1).integers(0, 256, (Batch.size, Pos.size)).astype(np.int32), (Batch, Pos))
     objective = DistillObjective(teacher="unused", temperature=2.0, alpha=0.5)
-    got = objective.eval_loss(student, LmExample(tokens), reference=teacher)
-    assert float(got) == pytest.approx(float(lm_eval_loss(student, LmExample(tokens))), rel=1e-6)
+    both = eqx.filter_jit(lambda m, r, e: (objective.eval_loss(m, e, reference=r), lm_eval_loss(m, e)))
+    got, want = both(student, teacher, LmExample(tokens))
+    assert float(got) == pytest.approx(float(want), rel=1e-6)

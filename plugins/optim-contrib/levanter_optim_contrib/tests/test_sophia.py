@@ -112,10 +112,14 @@ def test_25_steps_follow_levanters_order():
     m = {k: np.zeros_like(v) for k, v in theta.items()}
     h = {k: np.zeros_like(v) for k, v in theta.items()}
     unclipped = []
+
+    @eqx.filter_jit
+    def step(params, state):  # one compiled program rather than each step's ops one by one
+        u, state = ours.update(eqx.filter_grad(f)(params), state, params, objective=objective)
+        return optax.apply_updates(params, u), state
+
     for t in range(1, 26):
-        grads = eqx.filter_grad(f)(params)
-        u, state = ours.update(grads, state, params, objective=objective)
-        params = optax.apply_updates(params, u)
+        params, state = step(params, state)
         inside = 0
         for k in theta:
             g = diagonal[k] * (theta[k] - 0.5)

@@ -29,6 +29,18 @@ def placed(objective, batch):
     return objective.example(arrays)
 
 
+OBJECTIVES: dict[tuple[float, float], DpoObjective] = {}
+
+
+def dpo(beta: float = 0.1, label_smoothing: float = 0.0) -> DpoObjective:
+    """One objective of each setting for the module: ``dpo_loss`` is compiled for each objective
+    (it is a static argument, hashed by identity), so the tests that share a setting and shapes
+    share one program instead of tracing and compiling it again."""
+    if (beta, label_smoothing) not in OBJECTIVES:
+        OBJECTIVES[beta, label_smoothing] = DpoObjective(beta=beta, label_smoothing=label_smoothing)
+    return OBJECTIVES[beta, label_smoothing]
+
+
 @eqx.filter_jit
 def dpo_loss(objective, policy, reference, example):
     """``objective.loss`` on the example, compiled (op by op, it takes seconds)."""
@@ -47,10 +59,12 @@ def batch(tmp_path_factory):
     return preference_batch(tmp_path_factory.mktemp("pairs"), PAIRS, seq_len=SEQ_LEN)
 
 
-def torch_dpo(policy_dir: str, reference_dir: str, batch, beta: float, label_smoothing: float) -> dict:
-    """The DPO loss and its statistics for ``batch``, from the Hugging Face models' own logits:
-    log-softmax, the next token's log-probability gathered, summed where the masks score it
-    (float64 from the logits on)."""
+@pytest.fixture(scope="module")
+def torch_log_probs(llamas, batch) -> tuple[dict, dict]:
+    """The policy's and the reference's summed log-probabilities of each side of ``batch``, from
+    the Hugging Face models' own logits: log-softmax, the next token's log-probability gathered,
+    summed where the masks score it (float64 from the logits on). Computed once for the module:
+    they do not depend on beta or the label smoothing."""
     import transformers
 
     ids = {"chosen": torch.as_tensor(batch.tokens, dtype=torch.long),
@@ -68,7 +82,13 @@ def torch_dpo(policy_dir: str, reference_dir: str, batch, beta: float, label_smo
             out[side] = (per_token * masks[side][:, :-1]).sum(-1)
         return out
 
-    pi, ref = log_probs(policy_dir), log_probs(reference_dir)
+    return log_probs(llamas[0]), log_probs(llamas[1])
+
+
+def torch_dpo(log_probs: tuple[dict, dict], beta: float, label_smoothing: float) -> dict:
+    """The DPO loss and its statistics, in PyTorch, from the policy's and the reference's
+    log-probabilities (``torch_log_probs``)."""
+    pi, ref = log_probs
     chosen_rewards = beta * (pi["chosen"] - ref["chosen"])
     rejected_rewards = beta * (pi["rejected"] - ref["rejected"])
     m = chosen_rewards - rejected_rewards
@@ -87,13 +107,13 @@ def torch_dpo(policy_dir: str, reference_dir: str, batch, beta: float, label_smo
 
 
 @pytest.mark.parametrize(("beta", "label_smoothing"), [(0.1, 0.0), (0.5, 0.2)])
-def test_the_dpo_loss_equals_the_formula_computed_in_torch(llamas, models, batch, beta, label_smoothing):
+def test_the_dpo_loss_equals_the_formula_computed_in_torch(torch_log_probs, models, batch, beta, label_smoothing):
     policy, reference = models
-    objective = DpoObjective(beta=beta, label_smoothing=label_smoothing)
+    objective = dpo(beta, label_smoothing)
 
     loss, metrics = dpo_loss(objective, policy, reference, placed(objective, batch))
 
-    expected = torch_dpo(*llamas, batch, beta, label_smoothing)
+    expected = torch_dpo(torch_log_probs, beta, label_smoothing)
     found = {"loss": float(loss), **{name: float(value) for name, value in metrics.items()}}
     assert found.keys() == expected.keys()
     assert 0 < expected["dpo/accuracy"] < 1 and abs(expected["dpo/margin"]) > 0.01  # the models disagree
@@ -105,17 +125,19 @@ def test_the_dpo_loss_equals_the_formula_computed_in_torch(llamas, models, batch
 
 def test_evaluation_sums_what_the_loss_averages(models, batch):
     policy, reference = models
-    objective = DpoObjective(beta=0.1)
+    objective = dpo()
     example = placed(objective, batch)
 
     loss, metrics = dpo_loss(objective, policy, reference, example)
-    totals = np.asarray(eqx.filter_jit(objective.eval_totals)(policy, example, reference=reference))
+    evaluate = eqx.filter_jit(  # both evaluations in one compiled program
+        lambda p, e, r: (objective.eval_totals(p, e, reference=r), objective.eval_loss(p, e, reference=r))
+    )
+    totals, eval_loss = evaluate(policy, example, reference)
+    totals = np.asarray(totals)
 
     assert totals[1] == len(PAIRS)
     assert totals[0] / totals[1] == pytest.approx(float(loss), abs=1e-6)
-    assert float(eqx.filter_jit(objective.eval_loss)(policy, example, reference=reference)) == pytest.approx(
-        float(loss), abs=1e-6
-    )
+    assert float(eval_loss) == pytest.approx(float(loss), abs=1e-6)
     assert totals[2] / totals[1] == pytest.approx(float(metrics["dpo/accuracy"]))
     assert totals[3] / totals[1] == pytest.approx(float(metrics["dpo/margin"]), abs=1e-6)
     reported = objective.eval_metrics({"a": totals, "b": totals / 2}, {"mine": ["b"]}, per_set=True)
@@ -126,7 +148,7 @@ def test_evaluation_sums_what_the_loss_averages(models, batch):
 
 def test_a_policy_equal_to_its_reference_starts_at_log_2(models, batch):
     policy, _ = models
-    objective = DpoObjective(beta=0.1)
+    objective = dpo()
     loss, metrics = dpo_loss(objective, policy, policy, placed(objective, batch))
     assert float(loss) == pytest.approx(np.log(2), abs=1e-6)
     assert float(metrics["dpo/margin"]) == 0 and float(metrics["dpo/accuracy"]) == 0  # ties are not wins
@@ -142,7 +164,7 @@ def test_a_reference_equal_up_to_rounding_ties_and_a_tie_is_no_win(models, batch
     policy, _ = models
     # the same weights but for the last bit: log-probabilities that differ by rounding only
     nudged = jax.tree.map(lambda x: jnp.nextafter(x, jnp.inf) if eqx.is_inexact_array(x) else x, policy)
-    objective = DpoObjective(beta=0.1)
+    objective = dpo()
     loss, metrics = dpo_loss(objective, nudged, policy, placed(objective, batch))
     assert abs(float(metrics["dpo/margin"])) < 1e-4 and float(loss) == pytest.approx(np.log(2), abs=1e-4)
     assert float(metrics["dpo/accuracy"]) == 0
@@ -150,7 +172,7 @@ def test_a_reference_equal_up_to_rounding_ties_and_a_tie_is_no_win(models, batch
 
 def test_a_pair_with_nothing_scored_on_a_side_is_left_out(models, batch):
     policy, reference = models
-    objective = DpoObjective(beta=0.1)
+    objective = dpo()
     cut = {**batch.fields, "rejected_mask": batch.fields["rejected_mask"].copy()}
     cut["rejected_mask"][1] = 0  # its answer was cut off by seq_len, say
     damaged = placed(objective, type(batch)(batch.tokens, fields=cut))
@@ -166,17 +188,18 @@ def test_a_pair_with_nothing_scored_on_a_side_is_left_out(models, batch):
 
 def test_the_gradient_reaches_the_policy_and_never_the_reference(models, batch):
     policy, reference = models
-    objective = DpoObjective(beta=0.1)
+    objective = dpo()
     example = placed(objective, batch)
 
+    # one backward pass with respect to both models (one program, one forward pass), rather than
+    # one gradient of each: the loss's derivative in each model's weights is its part of it
     @eqx.filter_jit
-    def gradients(p, r):
-        def loss(p, r):
-            return objective.loss(p, example, key=None, reference=r)[0]
+    @eqx.filter_grad
+    def gradients(models):
+        p, r = models
+        return objective.loss(p, example, key=None, reference=r)[0]
 
-        return eqx.filter_grad(loss)(p, r), eqx.filter_grad(lambda r, p: loss(p, r))(r, p)
-
-    to_policy, to_reference = gradients(policy, reference)
+    to_policy, to_reference = gradients((policy, reference))
     policy_norm = sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(eqx.filter(to_policy, eqx.is_array)))
     reference_leaves = jax.tree.leaves(eqx.filter(to_reference, eqx.is_array))
     assert policy_norm > 1e-6
@@ -193,15 +216,21 @@ def test_blockwise_log_probs_equal_the_plain_ones_with_their_gradients():
     def plain(h, w):
         return jnp.take_along_axis(jax.nn.log_softmax(h @ w, axis=-1), targets[..., None], axis=-1)[..., 0]
 
-    expected = jax.jit(jax.grad(lambda h, w: jnp.sum(plain(h, w) * weights), argnums=(0, 1)))(hidden, head)
-    for block in (None, 1, 4):  # one block, one position each, blocks that leave a partial one
-        values = jax.jit(lambda h, w, block=block: blocked_log_probs(h, w, targets, block=block))(hidden, head)
-        np.testing.assert_allclose(values, plain(hidden, head), atol=1e-5)
-        found = jax.jit(
-            jax.grad(
-                lambda h, w, block=block: jnp.sum(blocked_log_probs(h, w, targets, block=block) * weights),
-                argnums=(0, 1),
-            )
+    def values_and_grads(log_probs):
+        return log_probs(hidden, head), jax.grad(lambda h, w: jnp.sum(log_probs(h, w) * weights), argnums=(0, 1))(
+            hidden, head
         )
-        for a, b in zip(found(hidden, head), expected):
+
+    blocks = (None, 1, 4)  # one block, one position each, blocks that leave a partial one
+
+    @jax.jit
+    def everything():
+        """The plain values and gradients, and each blocking's: one compiled program, not seven."""
+        found = [values_and_grads(lambda h, w, b=b: blocked_log_probs(h, w, targets, block=b)) for b in blocks]
+        return values_and_grads(plain), found
+
+    (want, expected), found = everything()
+    for values, grads in found:
+        np.testing.assert_allclose(values, want, atol=1e-5)
+        for a, b in zip(grads, expected):
             np.testing.assert_allclose(a, b, atol=1e-5)

@@ -16,7 +16,7 @@ from levanter_core.cli import main
 
 pytest.importorskip("soundfile")
 
-STEPS = 150
+STEPS = 50  # enough to leave the random start: its eval WER (1.07 on this machine) is not a round number
 
 
 def levanter_eval(capsys, *args):

@@ -20,7 +20,7 @@ from levanter_core.trainer.trainer import Trainer
 SENTENCES = ["the cat sat", "a dog ran home", "red sky at night", "we like green tea"]
 END = 256  # a byte-level transcript: end-of-text (which also starts it), the text's bytes, end-of-text
 SEQ_LEN = 24
-STEPS = 150
+STEPS = 80  # word for word from step 50 on (loss a thirtieth of the first): 30 steps to spare
 FRAMES = 400  # a small model's window: max_source_positions 200 is 400 frames, 4 s (64,000 samples)
 
 

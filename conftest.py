@@ -49,6 +49,11 @@ def pytest_configure(config):
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/levanter/jax"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    # torch (the reference side of the parity tests, and the test processes they start) on one
+    # thread: its operations on tiny models are too small to share, and a second thread spins
+    # while it waits for work, beside another test process on few cores (a tiny Qwen3-MoE's
+    # `generate` took 8.5 CPU-seconds on two threads, 1.0 on one). Read when torch starts.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "GOOGLE_APPLICATION_CREDENTIALS" not in os.environ:
         path = os.path.join(tempfile.mkdtemp(prefix="levanter-tests-"), "application_default_credentials.json")
         with open(path, "w") as f:

@@ -21,16 +21,20 @@ family checks stays a plain test in its own file, or extends a hook here
 (:meth:`NanoTrainingTests.check_nano_run`) so that it shares the work already done.
 
 The parity tests need ``torch`` and ``transformers`` (test-only dependencies): a family's test
-module calls ``pytest.importorskip`` for both before it builds a ``transformers`` config.
+module calls ``pytest.importorskip`` for both before it builds a ``transformers`` config. They
+run ``torch`` on one thread (:func:`one_torch_thread`): its models are tiny, and a second
+thread only waits, spinning, for work to share (the tests run beside others, often on few
+cores): on two threads Qwen's tests without the nano runs took 105 CPU-seconds, on one 55.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any, ClassVar
 
@@ -44,6 +48,26 @@ from levanter_core.testing.metrics import logged
 
 HfConfigFactory = Callable[[], Any]
 """Builds a ``transformers`` config object: a function, so that nothing is built at import."""
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run ``torch`` (when installed) on one thread inside the block, as many as it had after.
+    Its operations on a tiny model are too small to share: with more threads, each operation
+    leaves the others spinning while they wait for the next one (measured: ``generate`` of 3
+    x 48 tokens of a tiny Qwen3-MoE took 8.5 CPU-seconds on two threads and 1.0 on one).
+    The results do not depend on it beyond float rounding."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _Parametrized:
@@ -94,6 +118,12 @@ class HfParityTests(_Parametrized):
             if unknown:
                 raise ValueError(f"{type(self).__name__}.{attribute} names {unknown}, not in hf_configs")
         super().pytest_generate_tests(metafunc)
+
+    @pytest.fixture(autouse=True)
+    def _one_torch_thread(self) -> Iterator[None]:
+        """Every test of the class runs ``torch`` on one thread (:func:`one_torch_thread`)."""
+        with one_torch_thread():
+            yield
 
     def check_parity(self, case: str, workdir: str, *, scan_layers: bool) -> None:
         """Import, compare, export, reload and compare ``case``; the config unchanged by the

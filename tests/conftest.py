@@ -93,6 +93,25 @@ def run_cli(
     )
 
 
+CLI_IN_PROCESS = r"""
+import contextlib, io
+from levanter_core.cli import main
+
+def cli(*args):
+    # ``levanter ARGS`` through the CLI's entry point in this process: its exit code (None if it
+    # returned without exiting) and what it printed.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            return e.code, out.getvalue()
+    return None, out.getvalue()
+"""
+"""The start of a script for ``python -c`` that runs several ``levanter`` commands in one process
+(one start of the framework instead of one each): it defines ``cli(*args) -> (code, stdout)``."""
+
+
 # -- a tiny training run (its config: levanter_core.testing.run_config) -----------------------
 
 

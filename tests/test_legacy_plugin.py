@@ -11,17 +11,18 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import CLI_IN_PROCESS, REPO
 
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 PLUGIN = os.path.join(REPO, "tests", "legacy-arch-plugin")
 
-SCRIPT = r"""
-import contextlib, io, json, os, sys
+SCRIPT = (
+    CLI_IN_PROCESS
+    + r"""
+import json, os, sys
 import numpy as np, transformers
-from levanter_core.cli import main
 from levanter_core.hf.bridge import export_hf, import_hf
 from levanter_core.hf.parity import hf_logits, our_logits
 from levanter_core.checkpoint import load_checkpoint, read_metadata
@@ -30,15 +31,6 @@ from haliax import Axis
 import jax
 
 nano, work = sys.argv[1:3]
-
-def cli(*args):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            return e.code, out.getvalue()
-    return None, out.getvalue()
 
 listed = cli("plugins", "--json")
 os.chdir(work)  # the config's relative directories are the working directory's
@@ -71,6 +63,7 @@ print(json.dumps({
     "import_diff": float(np.abs(our_logits(back, tokens) - expected).max()),
 }))
 """
+)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import sysconfig
 
 import pytest
 
-from conftest import REPO
+from conftest import CLI_IN_PROCESS, REPO
 
 pytest.importorskip("transformers")
 
@@ -87,22 +87,20 @@ def llama_alone(tmp_path_factory):
 
 LEVANTER = ("-c", "from levanter_core.cli import main; main()")
 
-LISTINGS = r"""
-import contextlib, io, json, levanter_model_llama
-from levanter_core.cli import main
+LISTINGS = (
+    CLI_IN_PROCESS
+    + r"""
+import json, levanter_model_llama
 
-def cli(*args):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main(list(args))
-        except SystemExit as e:
-            assert e.code in (0, None), (args, e.code)
-    return json.loads(out.getvalue())
+def listing(*args):
+    code, out = cli(*args)
+    assert code in (0, None), (args, code)
+    return json.loads(out)
 
-print(json.dumps({"plugins": cli("plugins", "--json"), "configs": cli("configs", "--json"),
+print(json.dumps({"plugins": listing("plugins", "--json"), "configs": listing("configs", "--json"),
                   "llama_file": levanter_model_llama.__file__}))
 """
+)
 """``levanter plugins --json`` and ``levanter configs --json`` through the CLI's entry point, and
 where the plugin's package is, in one process (one start of the framework instead of three)."""
 

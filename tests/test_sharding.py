@@ -16,8 +16,9 @@ from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
 from levanter_core.config.train import load_train_config
 from levanter_core.testing import simulated_devices
 
-EIGHT_DEVICES = simulated_devices(8)
-ONE_DEVICE = simulated_devices(1)
+# every run compared here is a subprocess with one of these, so each may compile at the lowest level
+EIGHT_DEVICES = simulated_devices(8, quick_compile=True)
+ONE_DEVICE = simulated_devices(1, quick_compile=True)
 
 # float32, every dimension the mesh splits divisible by 8
 MODEL = {"type": "gpt2", "hidden_dim": 64, "num_heads": 8, "num_layers": 2, "seq_len": 32}

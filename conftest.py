@@ -40,14 +40,14 @@ from _pytest.nodeid import NodeId
 
 # XLA settings of the session and every process it starts, unless the environment sets them
 # (the module's docstring says what each gains).
-QUICK_COMPILE = {"--xla_backend_optimization_level": "1", "--xla_cpu_use_fusion_emitters": "false"}
+SUITE_XLA_FLAGS = {"--xla_backend_optimization_level": "1", "--xla_cpu_use_fusion_emitters": "false"}
 
 
 def pytest_configure(config):
     if getattr(config.option, "dist", None) == "loadgroup":
         config.option.loadscopereorder = False  # see pytest_collection_modifyitems
     flags = os.environ.get("XLA_FLAGS", "").split()
-    for name, value in QUICK_COMPILE.items():
+    for name, value in SUITE_XLA_FLAGS.items():
         if not any(flag.startswith(name) for flag in flags):
             flags.append(f"{name}={value}")
     os.environ["XLA_FLAGS"] = " ".join(flags)

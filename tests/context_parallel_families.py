@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter_core.config.base import validate_section
 from levanter_core.layers.parallel import parallel_settings
 from levanter_core.models.lm import LmExample, lm_loss_and_metrics
+from levanter_core.trainer.host_threads import ensure_collective_threads
 
 SEQ_LEN, VOCAB = 64, 128
 CONTEXT = (("data", 2), ("context", 4)), {"batch": "data", "position": "context"}, {}
@@ -171,4 +172,5 @@ def main(out_path: str, layout: str, *configs: str) -> None:
 
 
 if __name__ == "__main__":
+    ensure_collective_threads()  # run by hand with XLA_FLAGS alone: before JAX's backend starts
     main(*sys.argv[1:])

@@ -2,8 +2,8 @@
 through them in microbatches (levanter_core/layers/pipeline.py).
 
 On simulated CPU devices: GPT-2 (its own stack, with a per-layer argument) and Gemma 3 (the
-decoder kit, sliding-window flags that differ by layer) over 4 stages give one device's loss and
-gradients with packed documents;
+decoder kit, sliding-window flags that differ by layer) over 4 stages, and Qwen3 over 2 stages
+with FSDP inside each, give one device's loss and gradients with packed documents;
 runs the pipeline cannot serve are refused before they start; ``levanter train`` trains GPT-2
 over 2 stages, and a checkpoint of it resumes under context parallelism (no stages, the
 positions over 2 devices) with the same run's losses up to rounding."""
@@ -24,6 +24,7 @@ from levanter_core.trainer.checks import check_pipeline_split
 PLUGINS = f"{REPO}/plugins"
 GPT2 = f"{PLUGINS}/models-gpt2/levanter_model_gpt2/configs/gpt2_nano.yaml"
 GEMMA3 = f"{PLUGINS}/models-gemma/levanter_model_gemma/configs/gemma3_nano.yaml"
+QWEN3 = f"{PLUGINS}/models-qwen3/levanter_model_qwen3/configs/qwen3_nano.yaml"
 MIXTRAL = f"{PLUGINS}/models-mixtral/levanter_model_mixtral/configs/mixtral_nano.yaml"
 WHISPER = f"{PLUGINS}/models-whisper/levanter_model_whisper/configs/whisper_nano.yaml"
 
@@ -41,12 +42,13 @@ def test_the_bubble_and_the_default_number_of_microbatches():
 @pytest.mark.slow
 def test_dense_families_give_one_devices_loss_and_gradients_over_stages(tmp_path):
     out = str(tmp_path / "families.json")
-    # Over 4 stages alone. With FSDP inside the stages (the pipeline_fsdp layout) every dense
-    # family gives one device's results too (bench/RESULTS.md), but XLA's CPU runtime
-    # sometimes deadlocks there, its devices waiting at different collectives (the data axis's
-    # gather and the stage axis's), so the suite does not run it.
-    results = run_script("context_parallel_families.py", out, "pipeline", GPT2, GEMMA3)["results"]
-    assert set(results) == {"gpt2_nano.yaml", "gemma3_nano.yaml"}
+    # GPT-2 and Gemma 3 over 4 stages alone; Qwen3 over 2 stages with its parameters FSDP over 4
+    # data devices inside each (every dense family passes that layout: bench/RESULTS.md). That
+    # layout waits at two collectives at once, which XLA's CPU runtime finishes only with enough
+    # threads (simulated_devices sets PJRT_NPROC; levanter_core.trainer.host_threads).
+    both = run_script("context_parallel_families.py", out, "pipeline", GPT2, GEMMA3, f"pipeline_fsdp@{QWEN3}")
+    results = both["results"]
+    assert set(results) == {"gpt2_nano.yaml", "gemma3_nano.yaml", "pipeline_fsdp@qwen3_nano.yaml"}
     for name, run in results.items():
         assert abs(run["loss_split"] - run["loss_one"]) <= 1e-5 * abs(run["loss_one"]), (name, run)
         assert run["grad_rel_diff"] <= 1e-5, (name, run)

@@ -27,6 +27,7 @@ from levanter_core.trainer.checks import (
     check_pipeline_split,
     check_tokenizer,
 )
+from levanter_core.trainer.host_threads import ensure_collective_threads
 from levanter_core.trainer.mesh import data_axis_size, make_mesh
 
 logger = logging.getLogger("levanter_core.trainer.run")
@@ -34,6 +35,7 @@ logger = logging.getLogger("levanter_core.trainer.run")
 
 def configure_jax(config: TrainConfig) -> None:
     trainer = config.trainer
+    ensure_collective_threads()  # simulated devices (XLA_FLAGS): before JAX's CPU backend starts
     if trainer.keep_host_memory:
         host_memory.keep_freed_memory()  # before JAX's first use of its backend starts XLA's threads
     else:

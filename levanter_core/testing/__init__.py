@@ -28,6 +28,7 @@ from levanter_core.hf.parity import random_hf_model
 from levanter_core.run import run_training
 from levanter_core.testing.metrics import logged, read_metrics
 from levanter_core.testing.tiny import TINY_HF, tiny_hf_config, tiny_model
+from levanter_core.trainer.host_threads import ensure_collective_threads
 
 __all__ = [
     "MODEL", "TINY_HF", "LocalS3Server", "code_docs", "listed_plugin", "logged", "read_metrics", "run_config",
@@ -48,12 +49,19 @@ def simulated_devices(devices: int, *, quick_compile: bool = False) -> dict[str,
     dozens of tiny programs spends compiling (the optimizer matrix: 30 of them). Only for a
     subprocess whose results are compared among themselves: code compiled at another level
     rounds differently (a batch of requests served together no longer gives the bits of each
-    served alone, as levels 1 and 2 do). It replaces a level this process's flags set."""
+    served alone, as levels 1 and 2 do). It replaces a level this process's flags set.
+
+    Also ``PJRT_NPROC``, unless this process's environment sets it: threads enough for the
+    devices' collectives (:mod:`levanter_core.trainer.host_threads`)."""
     count, level = "--xla_force_host_platform_device_count", "--xla_backend_optimization_level"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
     if quick_compile:
         flags = [*(f for f in flags if not f.startswith(level)), f"{level}=0"]
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"])}
+    entries = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"])}
+    merged = {**os.environ, **entries}
+    if ensure_collective_threads(merged) is not None:
+        entries["PJRT_NPROC"] = merged["PJRT_NPROC"]
+    return entries
 
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> str:

@@ -58,9 +58,8 @@ def simulated_devices(devices: int, *, quick_compile: bool = False) -> dict[str,
     if quick_compile:
         flags = [*(f for f in flags if not f.startswith(level)), f"{level}=0"]
     entries = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{count}={devices}"])}
-    merged = {**os.environ, **entries}
-    if ensure_collective_threads(merged) is not None:
-        entries["PJRT_NPROC"] = merged["PJRT_NPROC"]
+    if "PJRT_NPROC" not in os.environ:  # the subprocess inherits this process's setting otherwise
+        ensure_collective_threads(entries)
     return entries
 
 

@@ -9,11 +9,13 @@ data x 4 context), ``expert`` (4 expert x 2 data, the parameters at rest split F
 data and the experts over expert), ``expert_context`` (2 data x 2 expert x 2 context),
 ``expert_model`` (2 data x 2 expert x 2 model: tensor parallelism over heads and the experts'
 mlp), ``fsdp_context_model`` (2 data x 2 context x 2 model, the parameters at rest FSDP over
-data), ``pipeline`` (4 stages) and ``pipeline_fsdp`` (2 stages x 4 data, FSDP within each). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
+data), ``pipeline`` (4 stages), ``pipeline_fsdp`` (2 stages x 4 data, FSDP within each) and
+``pipeline_circular`` (2 stages x 2 data, FSDP within each, each microbatch making 2 rounds of
+the stages). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
 family's nano config (its ``model:`` section is read, with 64
 positions). ``OUT.json`` gets, per config: both losses, and the largest difference of a gradient
-from one device's relative to that gradient's largest magnitude (keyed ``LAYOUT@name`` for a
-config given a layout of its own).
+from one device's relative to that gradient's largest magnitude, and a mixture of experts'
+router terms both ways (keyed ``LAYOUT@name`` for a config given a layout of its own).
 """
 
 from __future__ import annotations
@@ -68,11 +70,19 @@ LAYOUTS = {
         {"batch": "data", "layers": "stage"},
         {"embed": "data", "layers": "stage"},
     ),
+    "pipeline_circular": (
+        (("stage", 2), ("data", 2)),
+        {"batch": "data", "layers": "stage"},
+        {"embed": "data", "layers": "stage"},
+    ),
 }
-ROWS = {"pipeline": 4, "pipeline_fsdp": 4, "expert_context": 2, "expert_model": 2}
+ROWS = {"pipeline": 4, "pipeline_fsdp": 4, "pipeline_circular": 4, "expert_context": 2, "expert_model": 2}
 """Rows per batch shard where a layout needs more than one (a pipeline's microbatches), or where
 it takes as many rows in all as ``expert`` does (8), so that a family compared in both layouts
 is computed on one device only once (:data:`ONE_DEVICE`)."""
+
+REPEATS = {"pipeline_circular": 2}
+"""The rounds of a layout's circular pipeline (``trainer.pipeline_repeats``)."""
 
 ONE_DEVICE: dict = {}
 """(config path, rows) -> the one-device loss, gradients and segments of :func:`compare`: the
@@ -94,9 +104,11 @@ def loss_and_grads(model, tokens, segments):
     example = LmExample(hax.named(tokens, (Batch, Pos)), segment_ids=packed)
 
     def loss(model):
-        return lm_loss_and_metrics(model, example)[0]
+        value, metrics = lm_loss_and_metrics(model, example)
+        return value, {name: v for name, v in metrics.items() if name.startswith("moe/")}
 
-    return eqx.filter_value_and_grad(loss)(model)
+    (value, router), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
+    return (value, router), grads
 
 
 def compare(config_path: str, layout: str) -> dict:
@@ -117,25 +129,28 @@ def compare(config_path: str, layout: str) -> dict:
     tokens, segments = batch(jax.random.PRNGKey(1), rows)
     if (config_path, rows) not in ONE_DEVICE:
         try:
-            one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
+            (one_loss, one_router), one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
         except ValueError as e:  # a family that cannot read packed documents (Hyena's convolutions)
             if "packed" not in str(e):
                 raise
             segments = None
-            one_loss, one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
-        ONE_DEVICE[config_path, rows] = one_loss, one_grads, segments
-    one_loss, one_grads, segments = ONE_DEVICE[config_path, rows]
+            (one_loss, one_router), one_grads = eqx.filter_jit(loss_and_grads)(model, tokens, segments)
+        ONE_DEVICE[config_path, rows] = one_loss, one_router, one_grads, segments
+    one_loss, one_router, one_grads, segments = ONE_DEVICE[config_path, rows]
 
     strategy = layout if layout in ("ring", "all_gather") else "ring"
 
+    repeats = REPEATS.get(layout, 1)
+
     def split(model, tokens, segments):
-        with hax.axis_mapping(compute), parallel_settings(context_attention_strategy=strategy):
+        settings = parallel_settings(context_attention_strategy=strategy, pipeline_repeats=repeats)
+        with hax.axis_mapping(compute), settings:
             return loss_and_grads(model, tokens, segments)
 
     placed = NamedSharding(mesh, PartitionSpec(compute.get("batch"), compute.get("position")))
     with jax.set_mesh(mesh):
         model = hax.shard_with_axis_mapping(model, params, mesh) if params else model
-        many_loss, many_grads = eqx.filter_jit(split)(
+        (many_loss, many_router), many_grads = eqx.filter_jit(split)(
             model, jax.device_put(tokens, placed), None if segments is None else jax.device_put(segments, placed)
         )
     worst, worst_path = 0.0, None
@@ -156,6 +171,9 @@ def compare(config_path: str, layout: str) -> dict:
         "worst_grad": worst_path,
         "grads": len(one_leaves),
         "packed": segments is not None,
+        # a mixture of experts' router terms (moe/load_balancing_loss, moe/router_z_loss), each
+        # on one device and split
+        "router": {name: (float(one_router[name]), float(many_router[name])) for name in one_router},
     }
 
 

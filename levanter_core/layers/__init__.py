@@ -22,7 +22,7 @@ from levanter_core.layers.moe import (
     router_losses,
 )
 from levanter_core.layers.norm import LayerNorm, RmsNorm
-from levanter_core.layers.pipeline import fold_layers
+from levanter_core.layers.pipeline import fold_layers, scan_layers
 from levanter_core.layers.rotary import (
     DefaultRotaryConfig,
     DynamicRotaryConfig,
@@ -71,5 +71,6 @@ __all__ = [
     "rotary_from_hf",
     "rotary_tables",
     "router_losses",
+    "scan_layers",
     "stack_layers",
 ]

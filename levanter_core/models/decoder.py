@@ -52,7 +52,7 @@ from levanter_core.layers.kv_cache import KvCache
 from levanter_core.layers.mlp import ActivationName, GatedMlp, init_linear
 from levanter_core.layers.moe import MoeBlock, MoeConfig, RouterStats, router_losses
 from levanter_core.layers.norm import RmsNorm
-from levanter_core.layers.pipeline import fold_layers, stage_mesh_axis
+from levanter_core.layers.pipeline import fold_layers, scan_layers
 from levanter_core.layers.rotary import DefaultRotaryConfig, RotaryConfig
 from levanter_core.layers.stack import LayerGroups, runs, stack_layers
 from levanter_core.models.flops import lm_flops_per_token
@@ -469,12 +469,8 @@ class Decoder(eqx.Module):
         stats: list[RouterStats] = []
         for stack, _start, kind, group_flags in self._groups():
             if kind == "moe":
-                if stage_mesh_axis(stack.Block) is not None:
-                    raise ValueError(
-                        "pipeline parallelism runs dense layers: a mixture-of-experts layer's router statistics "
-                        "are over the whole batch, which a pipeline cuts into microbatches"
-                    )
-                x, group_stats = stack.scan(x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
+                # the router statistics are means over the tokens, as scan_layers needs in a pipeline
+                x, group_stats = scan_layers(stack, x, mask, group_flags, positions=positions, unroll=c.unroll_layers)
                 stats.append(group_stats)
             else:
                 x = fold_layers(stack, x, mask, group_flags, positions=positions, unroll=c.unroll_layers)

@@ -7,9 +7,12 @@ with the dotted config field to change."""
 
 from __future__ import annotations
 
+import itertools
+
 from levanter_core.data.pipeline import needed_caches
 from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import ConfigError, DataError
+from levanter_core.layers.pipeline import default_microbatches
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh_config import REPLICA_AXIS, REPLICA_DCN_AXIS
 from levanter_core.trainer.trainer import BatchPlan
@@ -100,7 +103,8 @@ def check_pipeline_split(
 ) -> None:
     """Where the compute mapping splits ``layers`` (pipeline parallelism), it must name one mesh
     axis, and the model must be one that runs its layers as a pipeline (its config's
-    ``pipeline_parallel``): one scanned stack of dense layers whose number the stages divide.
+    ``pipeline_parallel``): scanned stacks of layers whose numbers the stages (times the rounds
+    of ``trainer.pipeline_repeats``) divide, not with the experts split too.
     With ``data_parallel`` (once the devices are known), each data-parallel group's rows of a
     batch must divide into ``trainer.pipeline_microbatches``. ``sizes`` as for
     :func:`check_context_split`."""
@@ -121,28 +125,54 @@ def check_pipeline_split(
             f"model.scan_layers: pipeline parallelism ({field}) splits a scanned stack of layers into stages; "
             "set model.scan_layers: true (model.unroll_layers may stay)"
         )
-    moe_config = getattr(model, "moe_config", None)
-    if callable(moe_config) and moe_config() is not None:
+    experts = _split_over(trainer, "experts", "experts", "expert parallelism", "expert", sizes)
+    if experts is not None and experts[2] > 1:
         raise ConfigError(
-            f"{field}: pipeline parallelism runs dense layers; a mixture of experts' router statistics are over "
-            f"the whole batch, which a pipeline cuts into microbatches: give {size_field} size 1"
+            f"{field}: pipeline stages and expert parallelism ({experts[0]}) do not run together yet; give "
+            f"{size_field} or {experts[1]} size 1"
         )
     layers = getattr(model, "num_layers", None)
-    if isinstance(layers, int) and layers % size:
+    kinds = getattr(model, "layer_kinds", None)
+    runs = [(kind, len(list(run))) for kind, run in itertools.groupby(kinds())] if callable(kinds) else []
+    stacks: list[int] = [n for _, n in runs] or ([layers] if isinstance(layers, int) else [])
+    described = f"{layers} layers"
+    if len(runs) > 1:  # a stack of each run of one kind of layer (dense, moe)
+        described = f"layers (stacks of {', then '.join(f'{n} {kind}' for kind, n in runs)})"
+    if any(n % size for n in stacks):
         raise ConfigError(
-            f"{size_field}: the model's {layers} layers do not split into {size} equal pipeline stages; choose a "
-            f"number of stages that divides {layers}"
+            f"{size_field}: the model's {described} do not split into {size} equal pipeline stages; choose a "
+            f"number of stages that divides {' and '.join(str(n) for n in stacks)}"
+        )
+    repeats = trainer.pipeline_repeats
+    if any(n % (size * repeats) for n in stacks):
+        raise ConfigError(
+            f"trainer.pipeline_repeats: {size} stages x {repeats} rounds cut the layers into {size * repeats} "
+            f"chunks, which the model's {described} do not fill equally; choose a number of rounds R with "
+            f"{size} x R dividing {' and '.join(str(n) for n in stacks)}"
         )
     count = trainer.pipeline_microbatches
-    if count is None or data_parallel is None or trainer.train_batch_size == -1:
+    if repeats > 1 and count is not None and count < size:
+        raise ConfigError(
+            f"trainer.pipeline_microbatches: a circular pipeline (trainer.pipeline_repeats: {repeats}) needs at "
+            f"least as many microbatches as its {size} stages; got {count}"
+        )
+    if data_parallel is None or trainer.train_batch_size == -1:
         return
     for batch in trainer.batch_schedule.sizes:
         rows = BatchPlan.from_config(trainer, data_parallel, batch).microbatch_size // data_parallel
-        if rows % count:
+        if count is not None and rows % count:
             raise ConfigError(
                 f"trainer.pipeline_microbatches: each of the {data_parallel} data-parallel device group(s) holds "
                 f"{rows} row(s) of each batch, which do not cut into {count} equal microbatches; choose a number "
                 f"that divides {rows}"
+            )
+        default = default_microbatches(size, rows)
+        if repeats > 1 and count is None and default < size:
+            raise ConfigError(
+                f"trainer.pipeline_repeats: a circular pipeline needs at least as many microbatches as its {size} "
+                f"stages; each of the {data_parallel} data-parallel device group(s) holds {rows} row(s) of each "
+                f"batch, which cut by default into {default}; set trainer.pipeline_microbatches to a divisor of "
+                f"{rows} of at least {size}, give the batch more rows, or set pipeline_repeats: 1"
             )
 
 

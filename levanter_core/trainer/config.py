@@ -282,6 +282,14 @@ class TrainerConfig(ConfigModel):
     stages idle a fraction ``(S - 1) / (M + S - 1)`` of the step (the bubble); more microbatches
     shrink it, each with fewer rows. Each data-parallel device group's rows must divide into
     them. None: the most, up to ``4 x S``, that divide those rows. See docs/parallelism.md."""
+    pipeline_repeats: int = Field(default=1, ge=1)
+    """Where ``trainer.mesh`` splits the layers into ``S`` stages, the rounds ``R`` each
+    microbatch makes of them. 1: GPipe's schedule, each stage ``L / S`` consecutive layers. More:
+    the circular schedule, each stage ``R`` chunks of ``L / (S R)`` layers (chunk ``r S + s`` on
+    stage ``s``), which shrinks the bubble to ``(S - 1) / (R M + S - 1)`` at the cost of moving
+    the chunks to their stages each step (an all-to-all of the layers' weights, and of their
+    gradients back). Needs ``S R`` to divide the layers and at least ``S`` microbatches. See
+    docs/parallelism.md."""
 
     load_checkpoint: bool | None = None
     """None: resume from the latest checkpoint if there is one. True: a checkpoint must exist.
@@ -483,6 +491,7 @@ class TrainerConfig(ConfigModel):
             "context_attention_strategy": self.context_attention,
             "expert_capacity_factor": self.expert_capacity_factor,
             "pipeline_microbatches": self.pipeline_microbatches,
+            "pipeline_repeats": self.pipeline_repeats,
         }
 
     @property

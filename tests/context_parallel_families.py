@@ -9,9 +9,10 @@ data x 4 context), ``expert`` (4 expert x 2 data, the parameters at rest split F
 data and the experts over expert), ``expert_context`` (2 data x 2 expert x 2 context),
 ``expert_model`` (2 data x 2 expert x 2 model: tensor parallelism over heads and the experts'
 mlp), ``fsdp_context_model`` (2 data x 2 context x 2 model, the parameters at rest FSDP over
-data), ``pipeline`` (4 stages), ``pipeline_fsdp`` (2 stages x 4 data, FSDP within each) and
-``pipeline_circular`` (2 stages x 2 data, FSDP within each, each microbatch making 2 rounds of
-the stages). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
+data), ``pipeline`` (4 stages), ``pipeline_fsdp`` (2 stages x 4 data, FSDP within each),
+``pipeline_context``, ``pipeline_model`` and ``pipeline_expert`` (2 stages x 2 data x 2
+context, model or expert devices, FSDP within each stage) and ``pipeline_circular`` (2 stages x
+2 data, FSDP within each, each microbatch making 2 rounds of the stages). A config prefixed ``LAYOUT@`` is compared in that layout instead. Each CONFIG.yaml is a
 family's nano config (its ``model:`` section is read, with 64
 positions). ``OUT.json`` gets, per config: both losses, and the largest difference of a gradient
 from one device's relative to that gradient's largest magnitude, and a mixture of experts'
@@ -70,13 +71,37 @@ LAYOUTS = {
         {"batch": "data", "layers": "stage"},
         {"embed": "data", "layers": "stage"},
     ),
+    "pipeline_context": (
+        (("stage", 2), ("data", 2), ("context", 2)),
+        {"batch": "data", "layers": "stage", "position": "context"},
+        {"embed": "data", "layers": "stage"},
+    ),
+    "pipeline_model": (
+        (("stage", 2), ("data", 2), ("model", 2)),
+        {"batch": "data", "layers": "stage", "mlp": "model", "heads": "model"},
+        {"embed": "data", "layers": "stage", "mlp": "model", "heads": "model"},
+    ),
+    "pipeline_expert": (
+        (("stage", 2), ("data", 2), ("expert", 2)),
+        {"batch": ("data", "expert"), "layers": "stage", "experts": "expert"},
+        {"embed": "data", "layers": "stage", "experts": "expert"},
+    ),
     "pipeline_circular": (
         (("stage", 2), ("data", 2)),
         {"batch": "data", "layers": "stage"},
         {"embed": "data", "layers": "stage"},
     ),
 }
-ROWS = {"pipeline": 4, "pipeline_fsdp": 4, "pipeline_circular": 4, "expert_context": 2, "expert_model": 2}
+ROWS = {
+    "pipeline_expert": 4,
+    "pipeline_context": 4,
+    "pipeline_model": 4,
+    "pipeline": 4,
+    "pipeline_fsdp": 4,
+    "pipeline_circular": 4,
+    "expert_context": 2,
+    "expert_model": 2,
+}
 """Rows per batch shard where a layout needs more than one (a pipeline's microbatches), or where
 it takes as many rows in all as ``expert`` does (8), so that a family compared in both layouts
 is computed on one device only once (:data:`ONE_DEVICE`)."""

@@ -1,11 +1,13 @@
 """Pipeline parallelism: the layers split into stages over a ``stage`` mesh axis, the batch fed
 through them in microbatches (levanter_core/layers/pipeline.py).
 
-On simulated CPU devices: GPT-2 (its own stack, with a per-layer argument), Gemma 3 (the
-decoder kit, sliding-window flags that differ by layer) and Mixtral (its router's statistics
-averaged over the microbatches) over 4 stages, and Qwen3 over 2 stages with FSDP inside each,
-give one device's loss, router terms and gradients with packed documents; and the circular
-schedule (2 rounds of 2 stages, FSDP inside) gives them too for Gemma 3, GPT-2 and GPT-OSS; runs the pipeline cannot serve are refused before they start; ``levanter train`` trains
+On simulated CPU devices: GPT-2 (its own stack, with a per-layer argument) and Gemma 3 (the
+decoder kit, sliding-window flags that differ by layer) over 4 stages; over 2 stages, Qwen3
+with FSDP inside each, Llama with its sequences split over 2 context devices too, and Mixtral
+(its router's statistics averaged over the microbatches) with its experts over 2 expert
+devices, give one device's loss, router terms and gradients with packed documents; and the
+circular schedule (2 rounds of 2 stages, FSDP inside) gives them too for Gemma 3, GPT-2 and
+GPT-OSS; runs the pipeline cannot serve are refused before they start; ``levanter train`` trains
 GPT-2 over 2 stages in the circular schedule, and a checkpoint of it resumes under context
 parallelism (no stages, the positions over 2 devices) with the same run's losses up to
 rounding."""
@@ -28,6 +30,7 @@ GPT2 = f"{PLUGINS}/models-gpt2/levanter_model_gpt2/configs/gpt2_nano.yaml"
 GEMMA3 = f"{PLUGINS}/models-gemma/levanter_model_gemma/configs/gemma3_nano.yaml"
 QWEN3 = f"{PLUGINS}/models-qwen3/levanter_model_qwen3/configs/qwen3_nano.yaml"
 MIXTRAL = f"{PLUGINS}/models-mixtral/levanter_model_mixtral/configs/mixtral_nano.yaml"
+LLAMA = f"{PLUGINS}/models-llama/levanter_model_llama/configs/llama_nano.yaml"
 GPT_OSS = f"{PLUGINS}/models-gpt-oss/levanter_model_gpt_oss/configs/gpt_oss_nano.yaml"
 DEEPSEEK = f"{PLUGINS}/models-deepseek/levanter_model_deepseek/configs/deepseek_v3_nano.yaml"
 WHISPER = f"{PLUGINS}/models-whisper/levanter_model_whisper/configs/whisper_nano.yaml"
@@ -54,16 +57,20 @@ def test_families_give_one_devices_loss_router_terms_and_gradients_over_stages(t
     # threads (simulated_devices sets PJRT_NPROC; levanter_core.trainer.host_threads). The
     # circular schedule (2 stages x 2 data, 2 rounds: a layer a chunk): Gemma 3's per-layer
     # sliding flags move with its chunks, as GPT-2's unnamed per-layer argument does.
-    # Mixtral over 4 stages and GPT-OSS (2 rounds, FSDP inside): the router's statistics are
-    # averaged over the microbatches, which gives the batch's load-balancing and z-losses.
-    layouts = ("pipeline", GPT2, GEMMA3, MIXTRAL, f"pipeline_fsdp@{QWEN3}")
-    layouts += (f"pipeline_circular@{GEMMA3}", f"pipeline_circular@{GPT2}", f"pipeline_circular@{GPT_OSS}")
+    # Mixtral (its experts over 2 expert devices in each stage) and GPT-OSS (2 rounds, FSDP
+    # inside): the router's statistics are averaged over the microbatches, which gives the
+    # batch's load-balancing and z-losses. Llama with each sequence over 2 context devices in
+    # each stage.
+    layouts = ("pipeline", GPT2, GEMMA3, f"pipeline_fsdp@{QWEN3}", f"pipeline_context@{LLAMA}")
+    layouts += (f"pipeline_expert@{MIXTRAL}", f"pipeline_circular@{GEMMA3}", f"pipeline_circular@{GPT2}")
+    layouts += (f"pipeline_circular@{GPT_OSS}",)
     both = run_script("context_parallel_families.py", out, *layouts)
     results = both["results"]
     assert set(results) == {
         "gpt2_nano.yaml",
         "gemma3_nano.yaml",
-        "mixtral_nano.yaml",
+        "pipeline_expert@mixtral_nano.yaml",
+        "pipeline_context@llama_nano.yaml",
         "pipeline_fsdp@qwen3_nano.yaml",
         "pipeline_circular@gemma3_nano.yaml",
         "pipeline_circular@gpt2_nano.yaml",
@@ -75,7 +82,10 @@ def test_families_give_one_devices_loss_router_terms_and_gradients_over_stages(t
         assert run["packed"], name
         for term, (one, split) in run["router"].items():
             assert split == pytest.approx(one, rel=1e-5), (name, term)
-    assert set(results["mixtral_nano.yaml"]["router"]) == {"moe/load_balancing_loss", "moe/router_z_loss"}
+    assert set(results["pipeline_expert@mixtral_nano.yaml"]["router"]) == {
+        "moe/load_balancing_loss",
+        "moe/router_z_loss",
+    }
     assert set(results["pipeline_circular@gpt_oss_nano.yaml"]["router"]) == {
         "moe/load_balancing_loss",
         "moe/router_z_loss",
@@ -93,16 +103,15 @@ def test_runs_a_pipeline_cannot_serve_are_refused_before_they_start():
     stages = "{axes: {stage: 2}}"
     gpt2 = config_with(GPT2, mesh=stages)
     check_pipeline_split(gpt2.trainer, gpt2.model)  # 4 dense layers, scanned: fine
-    check_pipeline_split(config_with(MIXTRAL, mesh=stages).trainer, config_with(MIXTRAL, mesh=stages).model)
+    for mesh in (stages, "{axes: {stage: 2, expert: 2}, shared_mapping: {experts: expert}}"):
+        mixtral = config_with(MIXTRAL, mesh=mesh)
+        check_pipeline_split(mixtral.trainer, mixtral.model)  # experts, split over devices or not
     refusals = {
         "does not run its layers as a pipeline": config_with(WHISPER, mesh=stages),
         "do not split into 3 equal pipeline stages": config_with(GPT2, mesh="{axes: {stage: 3}}"),
         # DeepSeek-V3's first layer is dense, the rest a mixture of experts: two stacks, each split
         r"layers \(stacks of 1 dense, then 3 moe\) do not split into 2 equal pipeline stages": config_with(
             DEEPSEEK, mesh=stages
-        ),
-        "pipeline stages and expert parallelism .* do not run together yet": config_with(
-            MIXTRAL, mesh="{axes: {stage: 2, expert: 2}, shared_mapping: {experts: expert}}"
         ),
     }
     refusals["2 stages x 4 rounds cut the layers into 8 chunks"] = config_with(GPT2, mesh=stages, pipeline_repeats=4)

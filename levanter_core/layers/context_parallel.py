@@ -175,12 +175,19 @@ def context_parallel_attention(
 
 def without_mapping(fn):
     """``fn`` run with no axis mapping: inside ``shard_map`` the arrays are each device's own,
-    and the named operations must not ask for shardings of the whole."""
+    and the named operations must not ask for shardings of the whole. No mapping at all (not
+    an empty one, whose constraints a ``vmap`` around the ``shard_map``, a pipeline's over its
+    stages, would turn into constraints on the stage axis, which is manual there)."""
 
     @functools.wraps(fn)
     def wrapped(*args):
-        with hax.axis_mapping({}):
+        holder = hax.partitioning._mapping_holder.thread_data
+        before = getattr(holder, "resource_mapping", None)
+        holder.resource_mapping = None
+        try:
             return fn(*args)
+        finally:
+            holder.resource_mapping = before
 
     return wrapped
 

@@ -104,7 +104,7 @@ def check_pipeline_split(
     """Where the compute mapping splits ``layers`` (pipeline parallelism), it must name one mesh
     axis, and the model must be one that runs its layers as a pipeline (its config's
     ``pipeline_parallel``): scanned stacks of layers whose numbers the stages (times the rounds
-    of ``trainer.pipeline_repeats``) divide, not with the experts split too.
+    of ``trainer.pipeline_repeats``) divide.
     With ``data_parallel`` (once the devices are known), each data-parallel group's rows of a
     batch must divide into ``trainer.pipeline_microbatches``. ``sizes`` as for
     :func:`check_context_split`."""
@@ -124,12 +124,6 @@ def check_pipeline_split(
         raise ConfigError(
             f"model.scan_layers: pipeline parallelism ({field}) splits a scanned stack of layers into stages; "
             "set model.scan_layers: true (model.unroll_layers may stay)"
-        )
-    experts = _split_over(trainer, "experts", "experts", "expert parallelism", "expert", sizes)
-    if experts is not None and experts[2] > 1:
-        raise ConfigError(
-            f"{field}: pipeline stages and expert parallelism ({experts[0]}) do not run together yet; give "
-            f"{size_field} or {experts[1]} size 1"
         )
     layers = getattr(model, "num_layers", None)
     kinds = getattr(model, "layer_kinds", None)

@@ -29,8 +29,14 @@ to stage 0 after each round (so ``M >= S``: stage 0 takes a microbatch's next ro
 it has left the last stage). ``R M + S - 1`` steps, each of ``1 / R`` of a stage's layers: a
 bubble of ``(S - 1) / (R M + S - 1)``. Its price: the parameters are stored with each stage's
 ``L / S`` consecutive layers (what checkpoints, other meshes and exports read), so each step
-first moves the chunks to the stages that run them (an all-to-all over the stages of about
-``(S - 1) / S`` of the layers' weights) and their gradients back.
+first moves the chunks to the stages that run them (one all-to-all over the stages, each device
+sending every stage ``ceil(R / S)`` chunks) and their gradients back. Each layer picks its
+round's weights inside its own step of the fold, within its gradient checkpoint, so the
+backward pass picks them again rather than keeping every step's chunk.
+
+:func:`scan_layers` runs a stack whose layers return, beside their output, means over their
+tokens (a mixture of experts' router statistics): each microbatch's are averaged over the
+microbatches, the whole batch's mean.
 
 Arguments of the layers that are per row of the batch (positions, the attention mask's segment
 ids) travel with their microbatch; arguments per layer (a sliding-window flag) are split with

@@ -277,15 +277,9 @@ def describe_pipeline(config: TrainConfig, mesh) -> None:
     rows = BatchPlan.from_config(config.trainer, data_parallel, batch).microbatch_size // data_parallel
     count = config.trainer.pipeline_microbatches or default_microbatches(stages, rows)
     repeats = config.trainer.pipeline_repeats
-    if repeats == 1:
-        logger.info(
-            "pipeline parallelism: %d stages, %d microbatch(es) of %d row(s) per data-parallel group: the stages "
-            "idle %.0f%% of each step (the bubble, (S - 1) / (M + S - 1))",
-            stages, count, rows // count, 100 * bubble_fraction(stages, count),
-        )  # fmt: skip
-        return
+    circular, formula = (f", circular in {repeats} rounds", "R M") if repeats > 1 else ("", "M")
     logger.info(
-        "pipeline parallelism: %d stages, %d microbatch(es) of %d row(s) per data-parallel group, circular in %d "
-        "rounds: the stages idle %.0f%% of each step (the bubble, (S - 1) / (R M + S - 1))",
-        stages, count, rows // count, repeats, 100 * bubble_fraction(stages, count, repeats),
+        "pipeline parallelism: %d stages, %d microbatch(es) of %d row(s) per data-parallel group%s: the stages idle "
+        "%.0f%% of each step (the bubble, (S - 1) / (%s + S - 1))",
+        stages, count, rows // count, circular, 100 * bubble_fraction(stages, count, repeats), formula,
     )  # fmt: skip

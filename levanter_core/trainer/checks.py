@@ -7,12 +7,11 @@ with the dotted config field to change."""
 
 from __future__ import annotations
 
-import itertools
-
 from levanter_core.data.pipeline import needed_caches
 from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import ConfigError, DataError
 from levanter_core.layers.pipeline import default_microbatches
+from levanter_core.layers.stack import runs
 from levanter_core.trainer.config import TrainerConfig
 from levanter_core.trainer.mesh_config import REPLICA_AXIS, REPLICA_DCN_AXIS
 from levanter_core.trainer.trainer import BatchPlan
@@ -127,11 +126,11 @@ def check_pipeline_split(
         )
     layers = getattr(model, "num_layers", None)
     kinds = getattr(model, "layer_kinds", None)
-    runs = [(kind, len(list(run))) for kind, run in itertools.groupby(kinds())] if callable(kinds) else []
-    stacks: list[int] = [n for _, n in runs] or ([layers] if isinstance(layers, int) else [])
+    groups = runs(kinds()) if callable(kinds) else []  # a stack of each run of one kind (dense, moe)
+    stacks: list[int] = [n for _, n, _ in groups] or ([layers] if isinstance(layers, int) else [])
     described = f"{layers} layers"
-    if len(runs) > 1:  # a stack of each run of one kind of layer (dense, moe)
-        described = f"layers (stacks of {', then '.join(f'{n} {kind}' for kind, n in runs)})"
+    if len(groups) > 1:
+        described = f"layers (stacks of {', then '.join(f'{n} {kind}' for _, n, kind in groups)})"
     if any(n % size for n in stacks):
         raise ConfigError(
             f"{size_field}: the model's {described} do not split into {size} equal pipeline stages; choose a "

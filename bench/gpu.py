@@ -61,9 +61,14 @@ def parts(quick: bool, out_dir: str, work: str) -> list[dict]:
     py = sys.executable
     ref = os.path.join(HERE, "reference_gpt2.py")
 
-    def train(preset, steps, expect, extra=()):
+    def train(preset, steps, expect, extra=(), profile=None):
+        # profile: (first step index, steps) traced; the trace goes to out_dir and is summed there
+        trace = os.path.join(out_dir, f"{preset}-trace.json.gz") if profile else None
+        if profile:
+            extra = (*extra, "--profile", f"{profile[0]}:{profile[1]}", "--profile-out", trace)
         return {
-            "name": f"train-{preset}", "kind": "train", "expect_s": expect,
+            "name": f"train-{preset}", "kind": "train", "expect_s": expect, "trace": trace,
+            "profiled_steps": profile[1] if profile else None,
             "argv": [py, ref, "--model", preset, "--steps", str(steps), "--workdir", os.path.join(work, preset),
                      "--out", os.path.join(work, f"train-{preset}.json"), *extra],
             "json": os.path.join(work, f"train-{preset}.json"),
@@ -78,10 +83,13 @@ def parts(quick: bool, out_dir: str, work: str) -> list[dict]:
         }  # fmt: skip
 
     if quick:
-        return [train("tiny", 7, 60, ("--max-files", "20")), decode("llama", 60, ("--quick", "--repeats", "1"))]
+        return [
+            train("tiny", 7, 60, ("--max-files", "20"), profile=(3, 1)),
+            decode("llama", 60, ("--quick", "--repeats", "1")),
+        ]
     whisper_json = os.path.join(work, "whisper.json")
     return [
-        train("llama1b", 30, 150),
+        train("llama1b", 30, 150, profile=(20, 2)),
         decode("llama1b", 100),
         train("llama350m", 30, 90),
         train("llama1b-keep", 30, 120),
@@ -130,11 +138,25 @@ def run_parts(todo: list[dict], budget: float, out_dir: str) -> dict:
             with open(part["json"], encoding="utf-8") as f:
                 record["status"] = "ok"
                 record["figures"] = condense(part["kind"], json.load(f))
+            if part.get("trace"):
+                record["profile"] = profile_summary(part["trace"], part["profiled_steps"])
         else:
             record["status"] = "timed out" if code is None else f"failed (exit {code}); see gpu.log"
         print(f"[gpu] {part['name']}: {record['status']} in {record['seconds']} s", flush=True)
         write_summary(summary, out_dir)
     return summary
+
+
+def profile_summary(trace: str, steps: int) -> dict:
+    """Where a part's profiled steps spent the device's time (``trace_summary.py``), or why not."""
+    sys.path.insert(0, HERE)
+    import trace_summary
+
+    try:
+        summary = trace_summary.summarize(trace_summary.load(trace), steps, top=30)
+    except (OSError, ValueError, KeyError, SystemExit) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {**summary, "markdown": trace_summary.markdown(summary)}
 
 
 def part_environment() -> dict:
@@ -227,6 +249,9 @@ def markdown(summary: dict) -> str:
                         f"{c['first_token_s'] * 1000:.1f} ms | {c['total_s']:.3f} s |"
                     )
             lines.append("")
+    for name, part in summary["parts"].items():
+        if "markdown" in part.get("profile", {}):
+            lines += [f"{name}, profiled:", "", part["profile"]["markdown"]]
     for name, part in summary["parts"].items():
         if part.get("status") != "ok" or name == "whisper":
             lines.append(f"- {name}: {part.get('status')}" + (f" ({part['seconds']} s)" if "seconds" in part else ""))

@@ -240,9 +240,11 @@ def train_config(
     *,
     model: str = "gpt2",
     max_files: int | None = None,
+    profile: tuple[int, int] | None = None,
 ) -> dict:
     """The reference run of the ``PRESETS[model]`` model as a config dict, in the shape of a
-    YAML config file. ``max_files`` limits each split to its first files (for quick tests)."""
+    YAML config file. ``max_files`` limits each split to its first files (for quick tests);
+    ``profile``, ``(first step index, steps)``, records a JAX profiler trace of those steps."""
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; expected one of {sorted(PRESETS)}")
     keep = [{"every": save_every}] if save_every else [{"every": 10000}]
@@ -267,9 +269,37 @@ def train_config(
             "id": run_id,
             "tracker": {"type": "json"},
             "checkpointer": {"base_path": os.path.join(workdir, "checkpoints"), "keep": keep},
+            **(
+                {
+                    "profiler": True,
+                    "profiler_start_step": profile[0],
+                    "profiler_num_steps": profile[1],
+                    "profiler_perfetto_link": True,
+                }
+                if profile
+                else {}
+            ),
         },
         "optimizer": {"type": "adam", "learning_rate": 1e-3, "weight_decay": 0.1},
     }
+
+
+def copy_trace(run_dir: str, destination: str) -> str | None:
+    """Copy the run's Perfetto trace (``trainer.profiler_perfetto_link``) to ``destination``."""
+    import shutil
+
+    traces = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(run_dir, "profiler"))
+        for name in names
+        if name.startswith("perfetto_trace")
+    ]
+    if not traces:
+        print(f"no Perfetto trace under {run_dir}/profiler", file=sys.stderr)
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(destination)), exist_ok=True)
+    shutil.copyfile(max(traces, key=os.path.getmtime), destination)
+    return destination
 
 
 def summarize(values: list[float]) -> dict:
@@ -355,6 +385,8 @@ def benchmark(
     *,
     model: str = "gpt2",
     max_files: int | None = None,
+    profile: tuple[int, int] | None = None,
+    profile_out: str | None = None,
 ) -> dict:
     """Run the reference work with the ``PRESETS[model]`` model in ``workdir`` and return every
     figure as JSON-able data. ``max_files`` limits the corpus (for quick tests)."""
@@ -384,7 +416,9 @@ def benchmark(
 
     run_id = f"reference-{model}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())
     config = validate_train_config(
-        train_config(workdir, tokenizer_path, steps, run_id, save_every, model=model, max_files=max_files),
+        train_config(
+            workdir, tokenizer_path, steps, run_id, save_every, model=model, max_files=max_files, profile=profile
+        ),
         Sources("bench"),
     )
 
@@ -414,10 +448,18 @@ def benchmark(
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         metrics = [json.loads(line) for line in f]
     train = [m for m in metrics if "train/loss" in m]
-    # The step that also ran the final evaluation is slower by that evaluation: not steady state.
+    # The step that also ran the final evaluation is slower by that evaluation, and profiled steps
+    # by the tracing: not steady state.
+    profiled = range(profile[0] + 1, profile[0] + profile[1] + 1) if profile else range(0)
     steady = [
-        m for m in train if m["step"] > WARMUP_STEPS and "throughput/tokens_per_second" in m and "eval/loss" not in m
+        m
+        for m in train
+        if m["step"] > WARMUP_STEPS
+        and m["step"] not in profiled
+        and "throughput/tokens_per_second" in m
+        and "eval/loss" not in m
     ]
+    trace = copy_trace(run_dir, profile_out) if profile and profile_out else None
     if not steady:
         raise SystemExit(f"too few steps for a steady state: run more than {WARMUP_STEPS + 1} steps")
     tokens_per_step = config.trainer.train_batch_size * config.model.seq_len
@@ -474,6 +516,7 @@ def benchmark(
         "device_peak_memory_gib": device_peak_memory_gib(),
         "final_checkpoint": result.checkpoint,
         "checkpoints": save_costs(metrics, result.checkpoint) if save_every else None,
+        "profile": {"steps": list(profiled), "trace": trace} if profile else None,
     }
 
 
@@ -556,6 +599,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FIRST:STEPS",
+        help="record a JAX profiler trace of STEPS steps from step index FIRST (left out of the figures)",
+    )
+    parser.add_argument("--profile-out", default=None, help="copy the profile's Perfetto trace (.json.gz) here")
+    parser.add_argument(
         "--cold-cache",
         action="store_true",
         help="let the run build the token caches itself (in the background, while compiling)",
@@ -569,8 +619,16 @@ def main(argv: list[str] | None = None) -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"reference-{args.model}-")
     os.makedirs(workdir, exist_ok=True)
 
+    profile = tuple(int(n) for n in args.profile.split(":")) if args.profile else None
     results = benchmark(
-        args.steps, workdir, args.save_every, args.cold_cache, model=args.model, max_files=args.max_files
+        args.steps,
+        workdir,
+        args.save_every,
+        args.cold_cache,
+        model=args.model,
+        max_files=args.max_files,
+        profile=profile,
+        profile_out=args.profile_out,
     )
     print_table(results)
     if args.out:

@@ -216,6 +216,11 @@ def test_gpu_script_runs_every_part_on_cpu_with_tiny_models(tmp_path):
     table = (out / "summary.md").read_text()
     assert "| tiny |" in table and "| batch 1 | levanter |" in table and "| batch 1 | transformers |" in table
     assert "train-tiny" in (out / "gpu.log").read_text()
+    # the profiled step's device time, summed by kind of work, comes back with the figures
+    profile = train["profile"]
+    assert profile["source"] == "CPU XLA operations" and profile["busy_ms_per_step"] > 0, profile
+    assert abs(sum(k["share"] for k in profile["kinds"].values()) - 1) < 1e-6
+    assert (out / "tiny-trace.json.gz").stat().st_size > 0 and "train-tiny, profiled:" in table
 
 
 def test_gpu_script_skips_what_the_budget_cannot_hold(tmp_path):

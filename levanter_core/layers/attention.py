@@ -13,8 +13,9 @@ Two implementations compute the same thing (``attn_backend``):
 * ``reference``: plain named-axis einsums and a float32 softmax, readable and exact.
   Causal attention runs in blocks of ``QUERY_BLOCK`` queries, each over the keys up to
   its last query only, which skips most of the masked upper triangle;
-* ``jax``: :func:`jax.nn.dot_product_attention`, which runs cuDNN's fused flash
-  attention on NVIDIA GPUs (bfloat16/float16) and XLA's kernel elsewhere;
+* ``jax``: :func:`jax.nn.dot_product_attention`, asked for cuDNN's fused flash attention on
+  NVIDIA GPUs (bfloat16/float16 causal attention; :func:`fused_implementation`) and XLA's
+  kernel elsewhere;
 * ``auto`` (the default) picks ``jax`` on GPU and ``reference`` elsewhere, and always
   ``reference`` when the model soft-caps attention logits (``jax`` cannot).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Annotated, Literal
 
 import equinox as eqx
@@ -275,6 +277,26 @@ def _attend(
     return hax.dot(weights, v, axis=KeyPos)
 
 
+def fused_implementation(platform: str, dtype: jnp.dtype, head_size: int) -> Literal["cudnn"] | None:
+    """What ``jax.nn.dot_product_attention`` should run: ``cudnn`` (the fused flash-attention
+    kernel) on an NVIDIA GPU for 16-bit inputs with a head size it takes, else None (XLA's
+    kernel, which materializes the scores). jax's own default, None, is XLA's kernel everywhere,
+    the GPU included, so the fused kernel must be asked for."""
+    fused_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if platform in ("gpu", "cuda") and fused_dtype and head_size % 8 == 0 and head_size <= 256:
+        return "cudnn"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def _jax_attention(
     q: NamedArray,
     k: NamedArray,
@@ -314,14 +336,26 @@ def _jax_attention(
     plain = mask.segment_ids is None and mask.query_positions is None and Pos.size == KeyPos.size
     if plain and mask.causal and (window is None or static_window is not None):
         # the pattern cuDNN's fused kernel knows: causal, optionally a fixed window
-        out = jax.nn.dot_product_attention(
-            q_arr,
-            k_arr,
-            v_arr,
-            scale=scale,
-            is_causal=True,
-            local_window_size=static_window,
-        )
+        def causal(implementation: Literal["cudnn"] | None) -> jax.Array:
+            return jax.nn.dot_product_attention(
+                q_arr,
+                k_arr,
+                v_arr,
+                scale=scale,
+                is_causal=True,
+                local_window_size=static_window,
+                implementation=implementation,
+            )
+
+        implementation = fused_implementation(jax.default_backend(), q_arr.dtype, HeadSize.size)
+        try:
+            out = causal(implementation)
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            if implementation is None:
+                raise
+            # a cuDNN too old for this head size or GPU: XLA's kernel computes the same thing
+            _warn_once(f"cuDNN's fused attention is not available here ({e}); attention runs as XLA's kernel")
+            out = causal(None)
     else:
         allowed = mask.materialize(Pos, KeyPos, window=window, sliding=sliding)
         allowed = allowed.broadcast_to((*batch_axes, Pos, KeyPos)).rearrange((*batch_axes, Pos, KeyPos))

@@ -112,6 +112,44 @@ def train(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def plan(
+    ctx: typer.Context,
+    config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],
+    devices: Annotated[int, typer.Option("--devices", help="How many accelerators the run would have.")] = 8,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="The kind of accelerator: a100-40gb, a100-80gb, h100-80gb, h200, b200, tpu-v4, tpu-v5e, "
+            "tpu-v5p or tpu-v6e.",
+        ),
+    ] = "h100-80gb",
+    vocab_size: Annotated[
+        int | None,
+        typer.Option(
+            "--vocab-size",
+            help="The vocabulary's size, where the config's tokenizer cannot be loaded here (offline, not cached).",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON, for tools.")] = False,
+) -> None:
+    """Plan a training run for hardware this machine does not have.
+
+    Compiles the config's real training step ahead of time for --devices simulated devices
+    (nothing of the model is allocated) and reports, per device: parameters, optimizer state,
+    gradients, activations and temporaries in bytes, and whether the peak fits the
+    accelerator's memory; the model FLOPs per step; the bytes each kind of collective moves,
+    read from the compiled program; and the step time, throughput and MFU a roofline of
+    compute, communication and memory predicts. Overrides work as for train, e.g.
+    --trainer.train_batch_size 64 --trainer.mesh.axes '{model: 2}'.
+    """
+    from levanter_core.plan.command import format_plan, run_plan
+
+    result = run_plan(config, list(ctx.args), devices=devices, device=device, vocab_size=vocab_size)
+    print(json.dumps(result, indent=2) if as_json else format_plan(result))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def cache(
     ctx: typer.Context,
     config: Annotated[str, typer.Argument(help="Path of the run's YAML config.", metavar="CONFIG")],

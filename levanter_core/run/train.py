@@ -27,6 +27,7 @@ from levanter_core.distributed.ray_cluster import ray_for_run
 from levanter_core.errors import DataError
 from levanter_core.fileio import is_local
 from levanter_core.layers.pipeline import bubble_fraction, default_microbatches
+from levanter_core.plan.estimate import check_fits
 from levanter_core.plugins import get_manager
 from levanter_core.run.export import HfExporter
 from levanter_core.run.initial import (
@@ -174,6 +175,8 @@ def _train(config: TrainConfig, run: RunFiles, data, progress: bool) -> RunResul
 
     key = jax.random.PRNGKey(trainer_cfg.seed)
     adapt = adapter_surgery(config, key)
+    if trainer_cfg.plan_check:  # before anything of the model is allocated
+        check_fits(config, model_config=model_config, Vocab=Vocab, objective=trainer.objective, adapt=adapt)
 
     def base_init(key):
         return model_config.build(Vocab, key=key)

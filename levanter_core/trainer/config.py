@@ -323,6 +323,11 @@ class TrainerConfig(ConfigModel):
     """True: stop before training when JAX finds no GPU or TPU. None or false: train on whatever
     there is (Levanter's None requires an accelerator except on macOS; here CPU training is a
     first-class use, so None allows it)."""
+    plan_check: bool = False
+    """Before the model is allocated, compile the training step for this run's devices from
+    shapes alone (what ``levanter plan`` does) and stop the run, with the plan's memory per device,
+    when its peak would not fit a device: the accelerator's memory (``levanter_core.plan.hardware``)
+    or, on CPU devices, this machine's memory shared among them. Costs one more compilation."""
     shutdown_at_exit: bool | float = False
     """Levanter shuts the TPU VM down this long after the run ends; this framework never powers off
     a machine, so only false is accepted."""

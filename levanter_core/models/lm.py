@@ -31,7 +31,13 @@ from pydantic import PositiveInt, model_validator
 from levanter_core.config.base import TypedConfig
 from levanter_core.layers.attention import AttentionMask
 from levanter_core.layers.auxiliary import AuxiliaryLoss as AuxiliaryLoss  # re-exported: the model interface returns it
-from levanter_core.models.cross_entropy import cross_entropy_and_z_sum, cross_entropy_sum, sample_tokens, token_losses
+from levanter_core.models.cross_entropy import (
+    RowShards,
+    cross_entropy_and_z_sum,
+    cross_entropy_sum,
+    sample_tokens,
+    token_losses,
+)
 
 # soft_cap is also for models (Gemma soft-caps its logits with it), imported from here
 from levanter_core.models.cross_entropy import soft_cap as soft_cap
@@ -237,7 +243,10 @@ def lm_loss_and_metrics(
     if z_loss_weight:
         targets, mask = _targets_and_mask(example.tokens, example.loss_mask)
         h, head, (t, w), block, cap = _loss_inputs(model, hidden, targets, mask)
-        total, z_sum = cross_entropy_and_z_sum(h, head, t, w, z_weight=z_loss_weight, block=block, cap=cap)
+        shards = _row_shards(model, hidden)
+        total, z_sum = cross_entropy_and_z_sum(
+            h, head, t, w, z_weight=z_loss_weight, block=block, cap=cap, shards=shards
+        )
         count = jnp.maximum(hax.sum(mask).scalar(), 1.0)
         loss = total / count
         metrics["train/z_loss"] = z_sum / count
@@ -258,7 +267,7 @@ def lm_sampled_loss(model: LmHeadModel, batch: LmExample | NamedArray, *, key: j
     _, mask = _targets_and_mask(example.tokens, example.loss_mask)
     h, head, (weights,), block, cap = _loss_inputs(model, hidden, mask)
     drawn = sample_tokens(h, head, key, block=block, cap=cap)
-    total = cross_entropy_sum(h, head, drawn, weights, block=block, cap=cap)
+    total = cross_entropy_sum(h, head, drawn, weights, block=block, cap=cap, shards=_row_shards(model, hidden))
     return total / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -352,6 +361,28 @@ def _loss_inputs(
     return h_arr, head, arrays, _block_positions(model.config, h_arr.shape[0], model.Vocab.size), cap
 
 
+def _row_shards(model: LmHeadModel, hidden: NamedArray) -> RowShards | None:
+    """How the rows of :func:`_loss_inputs`' arrays are split over the devices, for the loss to
+    sum the head's gradient per shard (:class:`RowShards`): where the first of ``hidden``'s row
+    axes (all but position and embed) is split over mesh axes by the current mapping and the
+    others are not (so that each shard's rows are consecutive). None otherwise: no mesh, one
+    shard, or positions split too (context parallelism)."""
+    rows = [ax for ax in hidden.axes if ax.name not in ("position", "embed")]
+    sizes = [hax.partitioning.physical_axis_size(ax) or 1 for ax in rows]
+    if not rows or sizes[0] <= 1 or any(n > 1 for n in sizes[1:]) or rows[0].size % sizes[0]:
+        return None
+    if (hax.partitioning.physical_axis_size("position") or 1) > 1:
+        return None
+    Shard, Embed = Axis(rows[0].name, sizes[0]), hidden.resolve_axis("embed")
+
+    def place(x: jax.Array) -> jax.Array:
+        placed: NamedArray = hax.shard(hax.named(x, (Shard, Embed, model.Vocab)))
+        array: jax.Array = placed.array
+        return array
+
+    return RowShards(sizes[0], place)
+
+
 def _block_positions(config: LmConfig, rows: int, vocab: int) -> int:
     """Positions per block of the loss: ``cross_entropy_block_size`` tokens, or by default
     about ``DEFAULT_BLOCK_LOGITS[backend]`` logits."""
@@ -365,7 +396,7 @@ def _block_positions(config: LmConfig, rows: int, vocab: int) -> int:
 def _fused_cross_entropy(model: LmHeadModel, hidden: NamedArray, targets: NamedArray, weights: NamedArray) -> jax.Array:
     """The weighted sum of the next-token losses, fused with the output projection."""
     h, head, (t, w), block, cap = _loss_inputs(model, hidden, targets, weights)
-    return cross_entropy_sum(h, head, t, w, block=block, cap=cap)
+    return cross_entropy_sum(h, head, t, w, block=block, cap=cap, shards=_row_shards(model, hidden))
 
 
 def per_token_cross_entropy(model: LmHeadModel, hidden: NamedArray, targets: NamedArray) -> NamedArray:

@@ -39,6 +39,7 @@ from haliax import Axis, NamedArray
 from levanter_core.config.train import objective_class
 from levanter_core.data.dataset.stream import _assemble
 from levanter_core.errors import ConfigError
+from levanter_core.models.lm import DEFAULT_BLOCK_LOGITS
 from levanter_core.plan.hardware import Accelerator, from_device_kind
 from levanter_core.plan.hlo import collectives
 from levanter_core.trainer.checks import (
@@ -208,6 +209,10 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
     check_expert_split(config.trainer, config.model, dict(mesh.shape))
     check_pipeline_split(config.trainer, config.model, dict(mesh.shape), data_axis_size(mesh))
 
+    if hardware.backend != jax.default_backend() and getattr(model_config, "cross_entropy_block_size", 0) is None:
+        # the loss's blocks as the target's backend would cut them, not as this CPU would
+        logits = DEFAULT_BLOCK_LOGITS.get(hardware.backend, DEFAULT_BLOCK_LOGITS["gpu"])
+        model_config = model_config.model_copy(update={"cross_entropy_block_size": max(1, logits // Vocab.size)})
     trainer_cfg = config.trainer
     optimizer = config.optimizer.build_for_trainer(trainer_cfg.num_train_steps)
     trainer = Trainer(

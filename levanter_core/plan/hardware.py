@@ -38,6 +38,11 @@ class Accelerator:
     sources: tuple[str, ...]
     notes: str = ""
 
+    @property
+    def backend(self) -> str:
+        """JAX's name for the platform (``gpu``, ``tpu``; ``cpu`` for this machine)."""
+        return "tpu" if self.name.startswith("Google TPU") else "gpu" if self.name.startswith("NVIDIA") else "cpu"
+
     def matmul_tflops(self, compute_dtype: str) -> float:
         """Peak matrix throughput for compute in ``compute_dtype`` (``bfloat16``, ``float32``...)."""
         return self.f32_tflops if compute_dtype in ("float32", "f32") else self.bf16_tflops

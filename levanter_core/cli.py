@@ -132,6 +132,23 @@ def plan(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON, for tools.")] = False,
+    search: Annotated[
+        bool,
+        typer.Option(
+            "--search",
+            help="Plan every layout the run allows (tensor parallelism over 1 to 8 devices with FSDP over the rest, "
+            "each gradient-checkpointing policy, 1, 2 or 4 microbatches) and print the fastest that fit, as "
+            "overrides. When none fits, also find the smallest device count (doubling) at which one does.",
+        ),
+    ] = False,
+    apply: Annotated[
+        str | None,
+        typer.Option(
+            "--apply",
+            help="With --search: write the config, with the fastest plan's overrides applied, to this YAML file.",
+            metavar="FILE",
+        ),
+    ] = None,
 ) -> None:
     """Plan a training run for hardware this machine does not have.
 
@@ -143,10 +160,37 @@ def plan(
     compute, communication and memory predicts. Overrides work as for train, e.g.
     --trainer.train_batch_size 64 --trainer.mesh.axes '{model: 2}'.
     """
-    from levanter_core.plan.command import format_plan, run_plan
+    from levanter_core.plan.command import apply_plan, format_plan, format_search, run_plan, smallest_fitting
 
-    result = run_plan(config, list(ctx.args), devices=devices, device=device, vocab_size=vocab_size)
-    print(json.dumps(result, indent=2) if as_json else format_plan(result))
+    overrides = list(ctx.args)
+    if apply and not search:
+        raise UserError("--apply FILE writes the plan a search chose: add --search")
+    result = run_plan(config, overrides, devices=devices, device=device, vocab_size=vocab_size, search=search)
+    if not search:
+        print(json.dumps(result, indent=2) if as_json else format_plan(result))
+        if not result["fits"] and not as_json:
+            print(f"\nthis layout does not fit on {devices} devices: --search tries the others, and more devices")
+        return
+    fitting = [p for p in result["plans"] if p.get("fits")]
+    smallest = None
+    if not fitting:
+        smallest = smallest_fitting(config, overrides, devices=devices, device=device, vocab_size=vocab_size)
+        if smallest is not None:
+            result["smallest_devices"] = smallest[0]
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_search(result))
+        if not fitting:
+            where = f"{smallest[0]} devices" if smallest else "up to 1,024 devices"
+            print(f"\nno layout fits on {devices} devices; the smallest count that fits: {where}")
+            if smallest is not None:
+                print(format_search(smallest[1]))
+    if apply:
+        if not fitting:
+            raise UserError(f"--apply {apply}: no layout fits on {devices} devices, so there is no plan to write")
+        apply_plan(config, overrides, fitting[0], apply)
+        print(f"wrote {apply}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

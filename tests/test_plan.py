@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import yaml
 
 from conftest import REPO, code_docs, run_cli, run_config, write_jsonl
 from levanter_core.plan.hardware import ACCELERATORS, accelerator, from_device_kind
@@ -148,3 +149,46 @@ def test_plan_check_stops_a_run_that_would_not_fit_before_allocating(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "trainer.plan_check: this run will not fit: peak" in done.stderr and "Traceback" not in done.stderr
     assert not os.path.exists(tmp_path / "ckpt" / "huge") or not os.listdir(tmp_path / "ckpt" / "huge")
+
+
+def test_search_ranks_layouts_and_apply_writes_the_fastest(tmp_path):
+    """``--search`` plans tensor parallelism, checkpointing policies and microbatches, fastest
+    fitting first (recomputation costs time: saving everything wins where it fits); ``--apply``
+    writes the config with the winner's overrides."""
+    planned = tmp_path / "planned.yaml"
+    done = run_cli(
+        "plan", NANO, "--devices", "2", "--search", "--apply", str(planned), "--trainer.train_batch_size", "4"
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    # three policies (the config's false, true, recompute) x tensor 1 with 1 or 2 microbatches,
+    # or tensor 2 (one data-parallel device) with 1, 2 or 4
+    assert "searched 15 layouts on 2 x NVIDIA H100 SXM 80GB: 15 fit" in out, out
+    first = out.splitlines()[2]
+    assert first.strip() == "--model.gradient_checkpointing false", out
+    assert f"wrote {planned}" in out
+    text = planned.read_text()
+    assert text.startswith("# ") and "--model.gradient_checkpointing false" in text.splitlines()[0]
+    config = yaml.safe_load(text)
+    assert config["model"]["gradient_checkpointing"] is False and config["trainer"]["train_batch_size"] == 4
+    done = run_cli("plan", NANO, "--apply", str(planned))
+    assert done.returncode == 2 and "add --search" in done.stderr
+
+
+def test_search_names_the_smallest_device_count_that_fits(tmp_path):
+    """A 2.4 B-parameter model's state (16 bytes a parameter with Adam) does not fit one 40 GB A100
+    whatever the layout, which the plan says without compiling; FSDP over two does."""
+    config = tmp_path / "big.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"type": "python_stdlib", "tokenizer": "byte"},
+                "model": {"type": "gpt2", "hidden_dim": 8192, "num_heads": 64, "num_layers": 3, "seq_len": 64},
+                "trainer": {"train_batch_size": 8},
+            }
+        )
+    )
+    done = run_cli("plan", str(config), "--devices", "1", "--device", "a100-40gb", "--search")
+    assert done.returncode == 0, done.stderr
+    assert "0 fit, 9 do not fit" in done.stdout and "no layout fits on 1 devices" in done.stdout
+    assert "the smallest count that fits: 2 devices" in done.stdout, done.stdout

@@ -18,8 +18,10 @@ import sys
 import tempfile
 
 import jax
+import yaml
 from haliax import Axis
 
+from levanter_core.config.loader import load_config_dict
 from levanter_core.config.train import TrainConfig, load_train_config
 from levanter_core.data.tokenizer import load_tokenizer
 from levanter_core.errors import ConfigError, LevanterError
@@ -30,10 +32,20 @@ from levanter_core.run.setup import batch_for_devices
 from levanter_core.testing import simulated_devices
 
 
-def run_plan(config: str, overrides: list[str], *, devices: int, device: str, vocab_size: int | None = None) -> dict:
+def run_plan(
+    config: str,
+    overrides: list[str],
+    *,
+    devices: int,
+    device: str,
+    vocab_size: int | None = None,
+    search: bool = False,
+    first_fit: bool = False,
+) -> dict:
     """The plan of ``config`` (with ``overrides``) on ``devices`` accelerators of kind ``device``,
-    computed in a child process with that many simulated devices. Raises :class:`ConfigError`
-    with the child's message when the plan refuses the config."""
+    computed in a child process with that many simulated devices; with ``search``, the plans of
+    every candidate layout (:func:`candidates`) as ``{"plans": [...]}``. Raises
+    :class:`ConfigError` with the child's message when the plan refuses the config."""
     if devices < 1:
         raise ConfigError(f"--devices {devices}: a plan needs at least one device")
     accelerator(device)  # an unknown kind fails here, before the child starts
@@ -43,6 +55,10 @@ def run_plan(config: str, overrides: list[str], *, devices: int, device: str, vo
         argv += ["--device", device, "--out", out]
         if vocab_size is not None:
             argv += ["--vocab-size", str(vocab_size)]
+        if search:
+            argv.append("--search")
+        if first_fit:
+            argv.append("--first-fit")
         env = {**os.environ, **simulated_devices(devices)}
         done = subprocess.run([*argv, *overrides], env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not os.path.exists(out):
@@ -53,6 +69,65 @@ def run_plan(config: str, overrides: list[str], *, devices: int, device: str, vo
             raise LevanterError(f"the plan failed (exit {done.returncode}):\n" + "\n".join(message[-30:]))
         with open(out, encoding="utf-8") as f:
             return json.load(f)
+
+
+POLICIES: tuple[bool | str, ...] = (True, False, "recompute")
+"""The gradient-checkpointing policies a search tries (besides the config's own)."""
+TENSOR_SIZES = (1, 2, 4, 8)
+"""Tensor-parallel sizes a search tries (the ``model`` mesh axis), where they divide the devices."""
+MICROBATCHES = (1, 2, 4)
+"""Microbatch counts a search tries (gradient accumulation), where they divide the batch."""
+
+
+def candidates(config: TrainConfig, devices: int) -> list[list[str]]:
+    """The overrides of each layout a search plans: tensor parallelism over 1 to 8 devices (FSDP
+    over the rest), each gradient-checkpointing policy, and 1, 2 or 4 microbatches. Layouts the
+    run would refuse (heads the tensor axis does not divide...) are planned too, and refused
+    there with the run's own message."""
+    policies = [config.model.gradient_checkpointing] if hasattr(config.model, "gradient_checkpointing") else []
+    policies += [p for p in POLICIES if p not in policies]
+    batch = config.trainer.batch_schedule.sizes[0]  # the first stage of a schedule
+    found = []
+    for tensor in TENSOR_SIZES:
+        if devices % tensor:
+            continue
+        data = devices // tensor
+        for policy in policies:
+            for micro in MICROBATCHES:
+                if micro > 1 and (batch < 0 or batch % (data * micro)):
+                    continue
+                overrides = []
+                if tensor > 1:
+                    overrides += ["--trainer.mesh.axes.model", str(tensor)]
+                if policies:
+                    overrides += ["--model.gradient_checkpointing", str(policy).lower()]
+                if micro > 1:
+                    overrides += ["--trainer.per_device_parallelism", str(batch // (data * micro))]
+                found.append(overrides)
+    return found
+
+
+def search_plans(
+    path: str, overrides: list[str], hardware: Accelerator, *, vocab_size: int | None, first_fit: bool = False
+) -> list[dict]:
+    """Every candidate's plan (or why the run would refuse it), fastest fitting first; with
+    ``first_fit``, only up to the first candidate that fits."""
+    base, _ = load_train_config(path, overrides)
+    plans = []
+    for extra in candidates(base, jax.device_count()):
+        try:
+            config, _ = load_train_config(path, [*overrides, *extra])
+            plan = plan_config(config, hardware, vocab_size=vocab_size)
+        except LevanterError as e:
+            plans.append({"overrides": extra, "refused": str(e)})
+            continue
+        except Exception as e:  # a layout XLA cannot compile: one candidate fewer, not the search
+            plans.append({"overrides": extra, "refused": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
+            continue
+        plans.append({"overrides": extra, **plan})
+        if first_fit and plan["fits"]:
+            break
+    return sorted(plans, key=lambda p: (not p.get("fits", False), p.get("timing", {}).get("step_s", float("inf"))))
 
 
 def plan_config(config: TrainConfig, hardware: Accelerator, *, vocab_size: int | None = None) -> dict:
@@ -133,8 +208,50 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def describe(acc: Accelerator) -> str:
-    return f"{acc.name}: {acc.memory_bytes / 1e9:,.0f} GB, {acc.bf16_tflops:,.0f} TFLOP/s bf16"
+def format_search(result: dict, top: int = 5) -> str:
+    """The fastest plans that fit, as the overrides that give them."""
+    plans = result["plans"]
+    fitting = [p for p in plans if p.get("fits")]
+    refused = [p for p in plans if "refused" in p]
+    lines = [
+        f"searched {len(plans)} layouts on {result['devices']} x {result['device']}: {len(fitting)} fit, "
+        f"{len(plans) - len(fitting) - len(refused)} do not fit, {len(refused)} refused by the run's checks",
+    ]
+    for rank, p in enumerate(fitting[:top], 1):
+        t, mesh = p["timing"], " x ".join(f"{k} {v}" for k, v in p["mesh"].items())
+        lines += [
+            f"{rank}. {_seconds(t['step_s'])} a step, {t['tokens_per_second_per_device']:,.0f} tokens/s per device, "
+            f"MFU {t['mfu']:.1%}, peak {_size(p['memory']['peak'])} (mesh {mesh}, {p['microbatches']} microbatch(es))",
+            "   " + (" ".join(p["overrides"]) or "(the config as it is)"),
+        ]
+    if not fitting:
+        lines.append("no layout fits")
+    return "\n".join(lines)
+
+
+def apply_plan(config: str, overrides: list[str], plan: dict, destination: str) -> None:
+    """Write ``config`` with the command's ``overrides`` and ``plan``'s into ``destination`` (YAML,
+    the includes merged)."""
+    raw, _ = load_config_dict(config, [*overrides, *plan["overrides"]])
+    with open(destination, "w", encoding="utf-8") as f:
+        f.write(f"# {config} as `levanter plan --search` chose it: {' '.join(plan['overrides']) or 'unchanged'}\n")
+        yaml.safe_dump(raw, f, sort_keys=False)
+
+
+def smallest_fitting(
+    config: str, overrides: list[str], *, devices: int, device: str, vocab_size: int | None, limit: int = 1024
+) -> tuple[int, dict] | None:
+    """The smallest device count, doubling from ``2 devices``, at which some searched layout fits,
+    with the layouts tried there up to the first that fits; None up to ``limit``."""
+    n = devices * 2
+    while n <= limit:
+        result = run_plan(
+            config, overrides, devices=n, device=device, vocab_size=vocab_size, search=True, first_fit=True
+        )
+        if any(p.get("fits") for p in result["plans"]):
+            return n, result
+        n *= 2
+    return None
 
 
 def _child(argv: list[str]) -> int:
@@ -144,12 +261,20 @@ def _child(argv: list[str]) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--search", action="store_true")
+    parser.add_argument("--first-fit", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     try:
         if jax.device_count() != args.devices:
             raise ConfigError(f"the plan's process has {jax.device_count()} devices, not {args.devices}")
-        config, _ = load_train_config(args.config, overrides)
-        plan = plan_config(config, accelerator(args.device), vocab_size=args.vocab_size)
+        if args.search:
+            plans = search_plans(
+                args.config, overrides, accelerator(args.device), vocab_size=args.vocab_size, first_fit=args.first_fit
+            )
+            plan = {"devices": args.devices, "device": accelerator(args.device).name, "plans": plans}
+        else:
+            config, _ = load_train_config(args.config, overrides)
+            plan = plan_config(config, accelerator(args.device), vocab_size=args.vocab_size)
     except LevanterError as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 1)

@@ -52,15 +52,30 @@ from levanter_core.trainer.mesh import data_axis_size, make_mesh
 from levanter_core.trainer.trainable import trainable
 from levanter_core.trainer.trainer import Trainer
 
-COMPUTE_EFFICIENCY = 0.5
-"""Fraction of the dense peak a large transformer's training step reaches in model FLOPs. Measured:
-47.5% for the 1 B Llama of ``bench/gpu.sh`` on one H200 (bench/RESULTS.md, 2026-11-29); MaxText
-publishes 45-65% on TPUs and torchtitan 33-39% for Llama 3.1 8B on H100s."""
+COMPUTE_EFFICIENCY = 0.6
+"""Fraction of the dense peak a large transformer's training step reaches in FLOPs done (the
+model's, and what gradient checkpointing recomputes: :data:`RECOMPUTE`). One constant for every
+accelerator, chosen as the one that puts four reference points within 35% (bench/RESULTS.md,
+2026-11-29): the 1 B Llama measured on one H200, and the published figures of torchtitan (Llama
+3.1 8B on 8 H100s) and MaxText (Llama 3.1 8B on 256 v6e, Llama 2 70B on 512 v5p)."""
 
 OVERLAP = 0.8
 """Share of the compute time under which collectives can hide (XLA's latency-hiding scheduler
 overlaps each layer's gathers and reductions with the neighbouring layers' compute, but not the
 first gather nor the last reduction, nor collectives on the critical path)."""
+
+RECOMPUTE = {
+    False: 1.0,
+    "save_all": 1.0,
+    True: 4 / 3,
+    "offload": 4 / 3,
+    "recompute": 4 / 3,
+    "full": 4 / 3,
+    "nested": 5 / 3,
+}
+"""FLOPs done per model FLOP under each ``gradient_checkpointing`` policy: a layer's forward pass
+is a third of its forward and backward, and is done once more where its inside is recomputed
+(twice for ``nested``, whose outer level recomputes the inner level's saved inputs too)."""
 
 USABLE_MEMORY = 0.95
 """Share of a device's memory a run can count on: the runtime, the compiled code and the
@@ -160,16 +175,18 @@ def roofline(
     *,
     model_flops_per_device: float,
     compute_dtype: str,
+    recompute: float = 1.0,
     link_bytes: float,
     network_bytes: float,
     state_bytes: int,
     tokens_per_step: int,
     devices: int,
 ) -> Timing:
-    """The predicted step time of a step that does ``model_flops_per_device`` on each device and
-    sends ``link_bytes`` over the fast interconnect and ``network_bytes`` across nodes."""
+    """The predicted step time of a step that does ``model_flops_per_device`` on each device
+    (``recompute`` times that, with what gradient checkpointing recomputes) and sends
+    ``link_bytes`` over the fast interconnect and ``network_bytes`` across nodes."""
     peak = hardware.matmul_tflops(compute_dtype) * 1e12
-    compute = model_flops_per_device / (peak * COMPUTE_EFFICIENCY)
+    compute = model_flops_per_device * recompute / (peak * COMPUTE_EFFICIENCY)
     communication = link_bytes / (hardware.link_gb_s * 1e9) + network_bytes / (hardware.network_gb_s * 1e9)
     exposed = max(0.0, communication - OVERLAP * compute)
     optimizer = 2 * state_bytes / (hardware.hbm_gb_s * 1e9)
@@ -224,6 +241,7 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
         model = model_config.build(Vocab, key=key)
         return model if adapt is None else adapt(model)
 
+    trainer.check_sharding(model_init, key)  # a mapping the model's axes do not divide: the run's message
     started = time.perf_counter()
     state = trainer.state_template(model_init, key)
     packed = any(source.format.packed for source in config.data.configs.values()) if config.data.configs else False
@@ -233,29 +251,35 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
     template = _assemble(
         batch_size, config.train_length, [], packed, {name: (n, np.dtype(np.float32)) for name, n in lengths.items()}
     )
-    example = trainer.to_device(template, trainer.Batch)
-    leaves, structure = jax.tree.flatten(state)
-    with hax.partitioning.set_mesh(mesh):
-        lowered = trainer._flat_step(structure, leaves).lower(leaves, example)
-    compiled = lowered.compile()
-    compile_seconds = time.perf_counter() - started
-    hlo = compiled.as_text() or ""
-
-    analysis = compiled.memory_analysis()
-    assert analysis is not None  # XLA's CPU backend gives it
     params = tree_bytes(state.model)
     trainable_bytes = _trainable_bytes(state.model)
     optimizer_bytes = tree_bytes(state.opt_state)
     reference = tree_bytes(state.reference) if state.reference is not None else 0
     averaging = tree_bytes(state.model_averaging) if state.model_averaging is not None else 0
-    arguments, outputs = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
-    aliased, temporaries = int(analysis.alias_size_in_bytes), int(analysis.temp_size_in_bytes)
-    # XLA's own peak (buffer assignment's) where it counts the temporaries; else the usual sum
-    peak = max(int(getattr(analysis, "peak_memory_in_bytes", 0) or 0), arguments + outputs - aliased + temporaries)
-
+    usable = int(hardware.memory_bytes * USABLE_MEMORY)
+    resident = params + optimizer_bytes + trainable_bytes + reference + averaging
     shape = dict(mesh.shape)
-    fields = _template_fields(template, trainer)
-    activations = activation_bytes(trainer, state.model, fields, trainer.plan.microbatch_size, devices)
+    if resident > usable:
+        # the state and its gradients alone do not fit: no need to compile the step to say so
+        compiled_step, hlo = False, ""
+        arguments = outputs = aliased = temporaries = activations = 0
+        peak = resident
+    else:
+        example = trainer.to_device(template, trainer.Batch)
+        leaves, structure = jax.tree.flatten(state)
+        with hax.partitioning.set_mesh(mesh):
+            lowered = trainer._flat_step(structure, leaves).lower(leaves, example)
+        compiled = lowered.compile()
+        compiled_step, hlo = True, compiled.as_text() or ""
+        analysis = compiled.memory_analysis()
+        assert analysis is not None  # XLA's CPU backend gives it
+        arguments, outputs = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
+        aliased, temporaries = int(analysis.alias_size_in_bytes), int(analysis.temp_size_in_bytes)
+        # XLA's own peak (buffer assignment's) where it counts the temporaries; else the usual sum
+        peak = max(int(getattr(analysis, "peak_memory_in_bytes", 0) or 0), arguments + outputs - aliased + temporaries)
+        fields = _template_fields(template, trainer)
+        activations = activation_bytes(trainer, state.model, fields, trainer.plan.microbatch_size, devices)
+    compile_seconds = time.perf_counter() - started
 
     memory = Memory(
         parameters=params, trainable=trainable_bytes, optimizer=optimizer_bytes, gradients=trainable_bytes,
@@ -274,13 +298,13 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
         hardware,
         model_flops_per_device=model_flops / devices,
         compute_dtype=jnp.dtype(trainer.mp.compute_dtype).name,
+        recompute=RECOMPUTE.get(getattr(model_config, "gradient_checkpointing", False), 4 / 3),
         link_bytes=comm["link_bytes"],
         network_bytes=comm["network_bytes"],
         state_bytes=trainable_bytes * 2 + optimizer_bytes,
         tokens_per_step=tokens_per_step,
         devices=devices,
     )
-    usable = int(hardware.memory_bytes * USABLE_MEMORY)
     return {
         "devices": devices,
         "device": hardware.name,
@@ -301,6 +325,7 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
         "communication": comm,
         "timing": dataclasses.asdict(timing),
         "tokens_per_step": tokens_per_step,
+        "compiled": compiled_step,
         "compile_seconds": compile_seconds,
     }
 

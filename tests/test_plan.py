@@ -192,3 +192,22 @@ def test_search_names_the_smallest_device_count_that_fits(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "0 fit, 9 do not fit" in done.stdout and "no layout fits on 1 devices" in done.stdout
     assert "the smallest count that fits: 2 devices" in done.stdout, done.stdout
+
+
+def test_plan_of_lora_dpo_and_whisper_runs():
+    """LoRA trains (and keeps optimizer state for) the adapters alone; DPO keeps a reference model
+    and runs the model on two sequences a row; Whisper's step takes audio features."""
+    full = _plan("--devices", "1")
+    lora = _plan("--devices", "1", "--lora.r", "8")
+    assert lora["parameters"] > full["parameters"] and 0 < lora["trainable_parameters"] < full["parameters"] / 5
+    assert lora["memory"]["gradients"] == 4 * lora["trainable_parameters"]  # f32 adapters
+    assert lora["memory"]["optimizer"] <= 2 * lora["memory"]["gradients"] + 64
+
+    dpo = _plan("--devices", "1", "--objective", "{type: dpo}")
+    assert dpo["memory"]["reference"] == dpo["memory"]["parameters"] == full["memory"]["parameters"]
+    assert dpo["memory"]["activations"] > 1.5 * full["memory"]["activations"]  # chosen and rejected
+
+    done = run_cli("plan", os.path.join(REPO, "config", "whisper_nano.yaml"), "--devices", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    whisper = json.loads(done.stdout)
+    assert whisper["model"] == "whisper" and whisper["fits"] and whisper["memory"]["temporaries"] > 0

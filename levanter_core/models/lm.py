@@ -368,10 +368,12 @@ def _row_shards(model: LmHeadModel, hidden: NamedArray) -> RowShards | None:
     others are not (so that each shard's rows are consecutive). None otherwise: no mesh, one
     shard, or positions split too (context parallelism)."""
     rows = [ax for ax in hidden.axes if ax.name not in ("position", "embed")]
-    sizes = [hax.partitioning.physical_axis_size(ax) or 1 for ax in rows]
-    if not rows or sizes[0] <= 1 or any(n > 1 for n in sizes[1:]) or rows[0].size % sizes[0]:
+    try:
+        sizes = [hax.partitioning.physical_axis_size(ax) or 1 for ax in rows]
+        positions_split = (hax.partitioning.physical_axis_size("position") or 1) > 1
+    except ValueError:  # an axis mapping but no mesh: nothing is split
         return None
-    if (hax.partitioning.physical_axis_size("position") or 1) > 1:
+    if not rows or sizes[0] <= 1 or any(n > 1 for n in sizes[1:]) or rows[0].size % sizes[0] or positions_split:
         return None
     Shard, Embed = Axis(rows[0].name, sizes[0]), hidden.resolve_axis("embed")
 

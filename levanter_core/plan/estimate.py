@@ -118,17 +118,19 @@ def tree_bytes(tree) -> int:
     return sum(_per_device_bytes(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedArray)))
 
 
-def _residual_bytes(trainer, model, fields: dict[str, tuple[tuple[Axis, ...], Any]]) -> int:
+def _residual_bytes(trainer, model, fields: dict[str, tuple[tuple[Axis, ...], Any]], reference=None) -> int:
     """Bytes the backward pass keeps from the forward pass of one batch shaped ``fields``
     (``name -> (axes, dtype)``): the residuals of the loss's ``vjp``, shapes only."""
 
-    def residuals(arrays, model):
+    def residuals(arrays, model, reference):
         example = trainer.objective.example(
             {name: None if spec is None else hax.named(arrays[name], spec[0]) for name, spec in fields.items()}
         )
 
         def loss(params):
-            return trainer._compute_loss(eqx.combine(params, model), example, jax.random.PRNGKey(0))[0]
+            full = eqx.combine(params, model)
+            ref = trainer.reference_of(full, reference)
+            return trainer._compute_loss(full, example, jax.random.PRNGKey(0), ref)[0]
 
         return jax.vjp(loss, trainable(model))[1]
 
@@ -137,11 +139,11 @@ def _residual_bytes(trainer, model, fields: dict[str, tuple[tuple[Axis, ...], An
         for name, spec in fields.items()
         if spec is not None
     }
-    shapes = jax.eval_shape(residuals, abstract, model)
+    shapes = jax.eval_shape(residuals, abstract, model, reference)
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
 
 
-def activation_bytes(trainer, model, template_fields: dict, rows: int, devices: int) -> int:
+def activation_bytes(trainer, model, template_fields: dict, rows: int, devices: int, reference=None) -> int:
     """Activations kept for the backward pass per device: the residuals of a forward pass over
     ``rows`` rows (a microbatch) less those of the model alone (measured at 1 and 2 rows, so that
     weights the backward pass keeps do not count), spread evenly over the ``devices``: each
@@ -154,7 +156,8 @@ def activation_bytes(trainer, model, template_fields: dict, rows: int, devices: 
             for name, spec in template_fields.items()
         }
 
-    one, two = _residual_bytes(trainer, model, shaped(1)), _residual_bytes(trainer, model, shaped(2))
+    one = _residual_bytes(trainer, model, shaped(1), reference)
+    two = _residual_bytes(trainer, model, shaped(2), reference)
     per_row = max(two - one, 0)
     return int(per_row * rows / max(devices, 1))
 
@@ -278,7 +281,9 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
         # XLA's own peak (buffer assignment's) where it counts the temporaries; else the usual sum
         peak = max(int(getattr(analysis, "peak_memory_in_bytes", 0) or 0), arguments + outputs - aliased + temporaries)
         fields = _template_fields(template, trainer)
-        activations = activation_bytes(trainer, state.model, fields, trainer.plan.microbatch_size, devices)
+        activations = activation_bytes(
+            trainer, state.model, fields, trainer.plan.microbatch_size, devices, state.reference
+        )
     compile_seconds = time.perf_counter() - started
 
     memory = Memory(
@@ -331,13 +336,18 @@ def plan_step(config, hardware: Accelerator, *, model_config, Vocab: Axis, objec
 
 
 def _trainable_bytes(model) -> int:
-    """Bytes per device of the trained parameters (:func:`trainable`) of an abstract ``model``."""
+    """Bytes per device of the trained parameters (:func:`trainable`) of an abstract ``model``:
+    its arrays at the places (key paths) where ``trainable`` keeps one."""
 
-    def leaves(tree):
-        return jax.tree.leaves(tree, is_leaf=lambda x: x is None or isinstance(x, NamedArray))
+    def paths(tree) -> dict:
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, NamedArray))[0]
+        return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
 
-    kept = leaves(eqx.filter_eval_shape(trainable, model))
-    return sum(_per_device_bytes(full) for full, k in zip(leaves(model), kept) if k is not None)
+    def present(leaf) -> bool:  # a NamedArray whose array ``trainable`` dropped is not kept
+        return (leaf.array if isinstance(leaf, NamedArray) else leaf) is not None
+
+    kept = {path for path, leaf in paths(eqx.filter_eval_shape(trainable, model)).items() if present(leaf)}
+    return sum(_per_device_bytes(leaf) for path, leaf in paths(model).items() if path in kept)
 
 
 def _count(tree) -> int:
